@@ -1,0 +1,92 @@
+"""The ``dscache`` command line.
+
+Each component contributes its subcommands through a
+``register(subparsers, bench_subparsers)`` function in a light module
+(``<component>.cli``) that imports nothing heavy at module level, so
+``dscache sidecar`` never loads torch. A component whose extra is not installed
+is reported with the ``pip install`` line that adds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from dscache import __version__
+
+#: (module with ``register``, extra that provides it)
+_COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("dscache_sidecar.cli", "sidecar"),
+    ("dscache_server.cli", "server"),
+    ("dscache_operator.cli", "operator"),
+    ("dscache.devcli", "dev"),
+)
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser with every installed component's subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="dscache",
+        description="Prefix KV-cache reuse for long-context LLM services.",
+    )
+    parser.add_argument("--version", action="version", version=f"dscache {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level (default INFO)",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    bench = sub.add_parser("bench", help="benchmarks: each prints a table and writes JSON")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    bench.set_defaults(handler=lambda _args: _print_help(bench))
+    for module_name, extra in _COMPONENTS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            _register_missing(sub, module_name, extra, exc)
+            continue
+        module.register(sub, bench_sub)
+    return parser
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _register_missing(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    module_name: str,
+    extra: str,
+    exc: ModuleNotFoundError,
+) -> None:
+    # The component's own module is part of the distribution; only its
+    # dependencies can be missing. Say which extra brings them.
+    name = module_name.split(".", maxsplit=1)[0]
+    message = f"{name} needs the '{extra}' extra: pip install 'dscache[{extra}]' ({exc})"
+    logging.getLogger(__name__).debug(message)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dscache`` command."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    return handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""The cache-key contract every dscache component shares.
+
+A prompt is cut into blocks of ``block_tokens`` token ids; only full blocks are
+cached. Block ``i``'s key chains from block ``i - 1``::
+
+    root     = SHA256("dscache/root/v1\\0" || fingerprint_digest
+                      || u32le(len(salt)) || salt)
+    key(0)   = SHA256("dscache/block/v1\\0" || root
+                      || u32le(n) || u32le(tok_0) || ... || u32le(tok_n-1))
+    key(i)   = SHA256("dscache/block/v1\\0" || key(i-1) || u32le(n) || u32le(tokens...))
+
+``fingerprint_digest`` is SHA256("dscache/fingerprint/v1\\0" || canonical JSON of the
+model fingerprint), where canonical JSON means ``json.dumps(obj, sort_keys=True,
+separators=(",", ":"), ensure_ascii=True)``. The fingerprint covers everything that
+changes the KV bytes: model id and revision, dtype, KV layout, tensor-parallel size
+and rank, and the block size. It does not cover the codec: a block decodes to the
+same bytes whatever codec stored it.
+
+Invariants:
+    * Keys are 32 bytes and a pure function of (fingerprint, salt, token ids): they
+      match across processes, restarts and nodes. No ``hash()``, no random seed.
+    * Two fingerprints that differ in any field never share a root, so two models
+      never share a key.
+    * Two tenants with different salts never share a key, so one tenant cannot see
+      (or time) another tenant's cached prompts.
+    * Token ids are encoded as fixed-width unsigned 32-bit little-endian integers.
+
+The committed test vectors in ``tests/vectors/keys_v1.json`` pin this encoding; any
+other implementation proves compatibility by reproducing them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+
+KEY_BYTES = 32
+CONTRACT_VERSION = 1
+
+_DOMAIN_FINGERPRINT = b"dscache/fingerprint/v1\x00"
+_DOMAIN_ROOT = b"dscache/root/v1\x00"
+_DOMAIN_BLOCK = b"dscache/block/v1\x00"
+_DOMAIN_TENANT = b"dscache/tenant/v1\x00"
+_MAX_TOKEN_ID = 2**32 - 1
+
+#: dtype names the contract knows, with their size in bytes.
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+class LayoutKind(StrEnum):
+    """How a model's attention stores its KV cache."""
+
+    MHA = "mha"  # multi-head: K and V per head, num_kv_heads == num_attention_heads
+    GQA = "gqa"  # grouped-query: K and V per KV head
+    MLA = "mla"  # multi-head latent (DeepSeek-V2/V3): one compressed latent + rope key
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one token's KV cache across all layers.
+
+    Attributes:
+        kind: MHA, GQA or MLA.
+        num_layers: number of attention layers whose KV is cached.
+        dtype: element type of the cached tensors (a key of ``DTYPE_BYTES``).
+        num_kv_heads: K/V heads per layer (MHA/GQA); 0 for MLA.
+        head_dim: K head dimension (MHA/GQA); 0 for MLA.
+        v_head_dim: V head dimension (MHA/GQA); 0 for MLA.
+        kv_lora_rank: width of the compressed KV latent (MLA); 0 otherwise.
+        qk_rope_head_dim: width of the decoupled rope key (MLA); 0 otherwise.
+    """
+
+    kind: LayoutKind
+    num_layers: int
+    dtype: str
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    v_head_dim: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+        if self.num_layers <= 0:
+            raise ValueError("num_layers must be positive")
+        if self.kind is LayoutKind.MLA:
+            if self.kv_lora_rank <= 0 or self.qk_rope_head_dim < 0:
+                raise ValueError("an MLA layout needs kv_lora_rank > 0 and qk_rope_head_dim >= 0")
+            if self.num_kv_heads or self.head_dim or self.v_head_dim:
+                raise ValueError("an MLA layout caches a latent, not per-head K/V")
+        else:
+            if self.num_kv_heads <= 0 or self.head_dim <= 0 or self.v_head_dim <= 0:
+                raise ValueError("an MHA/GQA layout needs num_kv_heads, head_dim, v_head_dim > 0")
+            if self.kv_lora_rank or self.qk_rope_head_dim:
+                raise ValueError("kv_lora_rank/qk_rope_head_dim only apply to MLA")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPE_BYTES[self.dtype]
+
+    def elements_per_token_layer(self) -> int:
+        """Elements one token occupies in one layer."""
+        if self.kind is LayoutKind.MLA:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all layers."""
+        return self.num_layers * self.elements_per_token_layer() * self.itemsize
+
+    def block_bytes(self, block_tokens: int) -> int:
+        """Raw (uncompressed) size of one block."""
+        return self.bytes_per_token() * block_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict with the kind as its string value."""
+        d = asdict(self)
+        d["kind"] = self.kind.value
+        return d
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """Everything that changes the bytes of a cached block.
+
+    Attributes:
+        model_id: model name or path the weights came from.
+        revision: weights revision (commit, tag or content hash).
+        layout: the KV layout, dtype included.
+        block_tokens: tokens per block.
+        tp_size: tensor-parallel world size.
+        tp_rank: this shard's tensor-parallel rank.
+        extra: further engine facts that change the bytes (e.g. rope scaling);
+            string values only so the canonical encoding stays simple.
+    """
+
+    model_id: str
+    revision: str
+    layout: KVLayout
+    block_tokens: int = 256
+    tp_size: int = 1
+    tp_rank: int = 0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_tokens <= 0:
+            raise ValueError("block_tokens must be positive")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError("tp_rank must be in [0, tp_size)")
+
+    def canonical_json(self) -> bytes:
+        """The canonical byte encoding hashed into the digest."""
+        obj = {
+            "contract": CONTRACT_VERSION,
+            "model_id": self.model_id,
+            "revision": self.revision,
+            "layout": self.layout.to_dict(),
+            "block_tokens": self.block_tokens,
+            "tp_size": self.tp_size,
+            "tp_rank": self.tp_rank,
+            "extra": dict(self.extra),
+        }
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+    def digest(self) -> bytes:
+        """32-byte fingerprint digest."""
+        return hashlib.sha256(_DOMAIN_FINGERPRINT + self.canonical_json()).digest()
+
+
+def tenant_salt(tenant: str, secret: bytes = b"") -> bytes:
+    """Derives a tenant's salt from its id (a namespace or API-key id).
+
+    With a ``secret`` the salt is HMAC-SHA256(secret, tenant), so nobody without the
+    secret can compute another tenant's keys even from the stored index. Without one,
+    it is SHA256 of the tenant id under a domain tag: still disjoint per tenant.
+    """
+    data = _DOMAIN_TENANT + tenant.encode("utf-8")
+    if secret:
+        return hmac.new(secret, data, hashlib.sha256).digest()
+    return hashlib.sha256(data).digest()
+
+
+def tenant_label(salt: bytes) -> str:
+    """A short, non-reversible id of a salt that the sidecar stores per block.
+
+    The sidecar needs it for ClearTenant and as a second isolation check; it never
+    sees the tenant's name or secret.
+    """
+    return hashlib.sha256(b"dscache/tenant-label/v1\x00" + salt).hexdigest()[:32]
+
+
+def root_key(fingerprint: ModelFingerprint, salt: bytes = b"") -> bytes:
+    """The chain root for one model and one tenant."""
+    fp = fingerprint.digest()
+    return hashlib.sha256(_DOMAIN_ROOT + fp + struct.pack("<I", len(salt)) + salt).digest()
+
+
+def encode_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Fixed-width u32 little-endian encoding of token ids; rejects out-of-range ids."""
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError("token ids must be one-dimensional")
+    if arr.size and (
+        arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID
+    ):
+        raise ValueError("token ids must be integers in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def chain_key(prev: bytes, block_token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """The key of one block given its predecessor's key (or the root)."""
+    if len(prev) != KEY_BYTES:
+        raise ValueError("previous key must be 32 bytes")
+    enc = encode_tokens(block_token_ids)
+    return hashlib.sha256(_DOMAIN_BLOCK + prev + struct.pack("<I", len(enc) // 4) + enc).digest()
+
+
+def block_keys(
+    root: bytes, token_ids: Sequence[int] | np.ndarray, block_tokens: int
+) -> list[bytes]:
+    """Keys of every full block of ``token_ids``; a trailing partial block has none."""
+    if block_tokens <= 0:
+        raise ValueError("block_tokens must be positive")
+    arr = np.asarray(token_ids)
+    n_full = len(arr) // block_tokens
+    keys: list[bytes] = []
+    prev = root
+    for i in range(n_full):
+        prev = chain_key(prev, arr[i * block_tokens : (i + 1) * block_tokens])
+        keys.append(prev)
+    return keys
+
+
+@dataclass(frozen=True)
+class KeyChain:
+    """A model + tenant binding that turns token ids into block keys.
+
+    Build one per (model, tenant) and reuse it: the root is computed once.
+    """
+
+    fingerprint: ModelFingerprint
+    salt: bytes = b""
+
+    @property
+    def root(self) -> bytes:
+        return root_key(self.fingerprint, self.salt)
+
+    @property
+    def tenant(self) -> str:
+        return tenant_label(self.salt)
+
+    @property
+    def block_tokens(self) -> int:
+        return self.fingerprint.block_tokens
+
+    def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
+        """Keys of the full blocks of a prompt."""
+        return block_keys(self.root, token_ids, self.fingerprint.block_tokens)

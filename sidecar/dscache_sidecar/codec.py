@@ -1,0 +1,158 @@
+"""Block codecs: raw, or zstd over byte-shuffled elements.
+
+Contract:
+    * ``encode`` and ``decode`` are exact inverses: ``decode(encode(a))`` has the same
+      dtype, shape and bytes as ``a``.
+    * Raw blocks decode to a view of the given buffer (zero copy); compressed blocks
+      decode to a new array.
+    * ``CodecPolicy.choose`` compresses a sample of the block and picks zstd only when
+      it saves at least ``min_saving`` of the bytes; everything else stays raw.
+
+Byte shuffling puts byte k of every element together, so the slowly varying high
+bytes of floats (sign, exponent) form long runs zstd compresses well.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Literal
+
+import numpy as np
+import zstandard
+
+from dscache.keys import DTYPE_BYTES
+
+#: numpy storage dtype per contract dtype name; bfloat16 and fp8 travel as raw integers.
+NUMPY_DTYPES: dict[str, np.dtype[np.generic]] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "float8_e4m3fn": np.dtype("u1"),
+    "int8": np.dtype("i1"),
+    "uint8": np.dtype("u1"),
+}
+DTYPE_CODES: dict[str, int] = {name: i for i, name in enumerate(sorted(DTYPE_BYTES))}
+DTYPE_NAMES: dict[int, str] = {i: name for name, i in DTYPE_CODES.items()}
+
+
+class Codec(IntEnum):
+    """Same numbers as the ``dscache.v1.Codec`` enum."""
+
+    RAW = 0
+    ZSTD_SHUFFLE = 1
+
+
+def dtype_name(arr: np.ndarray) -> str:
+    """The contract dtype name of a numpy array (bfloat16 must be passed as uint16 + name)."""
+    for name, dt in NUMPY_DTYPES.items():
+        if arr.dtype == dt and name not in ("bfloat16", "float8_e4m3fn"):
+            return name
+    raise ValueError(f"unsupported dtype {arr.dtype}; expected one of {sorted(NUMPY_DTYPES)}")
+
+
+def shuffle(buf: np.ndarray, itemsize: int) -> bytes:
+    """Byte planes of ``buf`` (viewed as bytes): plane k holds byte k of each element."""
+    raw = (
+        np.frombuffer(buf, dtype=np.uint8)
+        if not isinstance(buf, np.ndarray)
+        else buf.view(np.uint8).reshape(-1)
+    )
+    if itemsize == 1:
+        return raw.tobytes()
+    return raw.reshape(-1, itemsize).T.tobytes()
+
+
+def unshuffle(planes: bytes, itemsize: int) -> np.ndarray:
+    """Inverse of ``shuffle``: a new uint8 array in element order."""
+    arr = np.frombuffer(planes, dtype=np.uint8)
+    if itemsize == 1:
+        return arr.copy()
+    return np.ascontiguousarray(arr.reshape(itemsize, -1).T).reshape(-1)
+
+
+def encode(arr: np.ndarray, codec: Codec, level: int = 1) -> bytes | memoryview:
+    """Stored bytes of ``arr`` under ``codec`` (raw returns a view, no copy)."""
+    arr = np.ascontiguousarray(arr)
+    if codec is Codec.RAW:
+        flat: Any = arr.reshape(-1).view(np.uint8)
+        return memoryview(flat)
+    planes = shuffle(arr, arr.dtype.itemsize)
+    return zstandard.ZstdCompressor(level=level).compress(planes)
+
+
+def decode(
+    payload: bytes | memoryview | np.ndarray,
+    codec: Codec,
+    dtype: str,
+    shape: tuple[int, ...],
+) -> np.ndarray:
+    """The block's array. Raw payloads become a read-only view without copying."""
+    np_dtype = NUMPY_DTYPES[dtype]
+    n = int(np.prod(shape)) if shape else 0
+    if codec is Codec.RAW:
+        arr = np.frombuffer(payload, dtype=np_dtype, count=n)
+        return arr.reshape(shape)
+    if codec is Codec.ZSTD_SHUFFLE:
+        planes = zstandard.ZstdDecompressor().decompress(
+            bytes(payload), max_output_size=n * np_dtype.itemsize
+        )
+        if len(planes) != n * np_dtype.itemsize:
+            raise ValueError("decompressed size does not match the block's shape")
+        return unshuffle(planes, np_dtype.itemsize).view(np_dtype).reshape(shape)
+    raise ValueError(f"unknown codec {codec!r}")
+
+
+@dataclass
+class CodecPolicy:
+    """Decides per block whether zstd pays.
+
+    Attributes:
+        mode: ``raw`` never compresses, ``zstd`` always does, ``auto`` samples.
+        min_saving: the share of bytes a sample must save for zstd to be chosen.
+        sample_bytes: bytes compressed to decide.
+        min_block_bytes: blocks smaller than this stay raw (not worth the CPU).
+        budget_bytes_per_s: the compression speed to keep; the level moves down
+            (faster) when measured throughput falls below it and up when well above.
+    """
+
+    mode: Literal["raw", "zstd", "auto"] = "auto"
+    min_saving: float = 0.15
+    sample_bytes: int = 256 * 1024
+    min_block_bytes: int = 64 * 1024
+    budget_bytes_per_s: float = 300e6
+    level: int = 1
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def choose(self, arr: np.ndarray) -> Codec:
+        """The codec for this block."""
+        if self.mode == "raw":
+            return Codec.RAW
+        if self.mode == "zstd":
+            return Codec.ZSTD_SHUFFLE
+        if arr.nbytes < self.min_block_bytes:
+            return Codec.RAW
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        n = max(1, self.sample_bytes // arr.dtype.itemsize)
+        sample = flat[:n]
+        planes = shuffle(sample, arr.dtype.itemsize)
+        compressed = zstandard.ZstdCompressor(level=self.level).compress(planes)
+        saving = 1.0 - len(compressed) / max(1, len(planes))
+        return Codec.ZSTD_SHUFFLE if saving >= self.min_saving else Codec.RAW
+
+    def encode(self, arr: np.ndarray, codec: Codec) -> bytes | memoryview:
+        """Encodes with the current level and adapts the level to the budget."""
+        if codec is Codec.RAW:
+            return encode(arr, codec)
+        start = time.perf_counter()
+        out = encode(arr, codec, level=self.level)
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        speed = arr.nbytes / elapsed
+        with self._lock:
+            if speed < self.budget_bytes_per_s and self.level > -5:
+                self.level -= 1
+            elif speed > 3 * self.budget_bytes_per_s and self.level < 3:
+                self.level += 1
+        return out

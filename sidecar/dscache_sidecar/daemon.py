@@ -1,0 +1,410 @@
+"""The sidecar daemon: the ``dscache.v1.KVCache`` gRPC service over the store.
+
+Contract:
+    * Listens on a unix socket (mode 0600) and optionally on loopback TCP; serves
+      the standard ``grpc.health.v1`` service next to ``dscache.v1.KVCache``.
+    * A miss is a normal response. Malformed input is INVALID_ARGUMENT; a store
+      that cannot make room is RESOURCE_EXHAUSTED. No request can stop the daemon:
+      unexpected errors become INTERNAL and are logged.
+    * SIGTERM/SIGINT stop it gracefully: in-flight calls finish (up to a grace
+      period), the index gets its last access statistics, files are closed.
+    * Metrics are served over HTTP at ``/metrics`` (prometheus_client).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
+
+from dscache.v1 import kvcache_pb2 as pb
+from dscache.v1 import kvcache_pb2_grpc as pb_grpc
+from dscache_sidecar.codec import Codec
+from dscache_sidecar.config import SidecarSettings, settings_from_args
+from dscache_sidecar.index import BlockRecord
+from dscache_sidecar.metrics import SidecarMetrics
+from dscache_sidecar.store import BlockSpec, KVStore, StoreFullError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "dscache.v1.KVCache"
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+_MAX_TENANT_CHARS = 256
+
+T = TypeVar("T")
+
+
+class _BadRequestError(ValueError):
+    pass
+
+
+def _info(rec: BlockRecord) -> pb.BlockInfo:
+    return pb.BlockInfo(
+        dtype=KVStore.dtype_name(rec.dtype_code),
+        shape=list(rec.shape),
+        codec=rec.codec,  # type: ignore[arg-type]
+        raw_bytes=rec.raw_bytes,
+        stored_bytes=rec.stored_bytes,
+        checksum=rec.checksum,
+    )
+
+
+class KVCacheService(pb_grpc.KVCacheServicer):
+    """Maps RPCs onto the store; validation lives here, semantics in the store."""
+
+    def __init__(self, store: KVStore, settings: SidecarSettings) -> None:
+        self.store = store
+        self.settings = settings
+
+    # -- validation helpers
+
+    def _tenant(self, tenant: str) -> str:
+        if len(tenant) > _MAX_TENANT_CHARS:
+            raise _BadRequestError(f"tenant longer than {_MAX_TENANT_CHARS} characters")
+        return tenant
+
+    def _keys(self, keys: Any) -> list[bytes]:
+        if len(keys) > self.settings.max_keys_per_request:
+            raise _BadRequestError(f"more than {self.settings.max_keys_per_request} keys")
+        out = [bytes(k) for k in keys]
+        for k in out:
+            if len(k) != 32:
+                raise _BadRequestError("every key must be 32 bytes")
+        return out
+
+    def _spec(self, block: pb.NewBlock) -> BlockSpec:
+        info = block.info
+        try:
+            codec = Codec(info.codec)
+        except ValueError as exc:
+            raise _BadRequestError(f"unknown codec {info.codec}") from exc
+        spec = BlockSpec(
+            key=bytes(block.key),
+            parent=bytes(block.parent),
+            codec=codec,
+            dtype=info.dtype,
+            shape=tuple(info.shape),
+            raw_bytes=info.raw_bytes,
+            stored_bytes=info.stored_bytes,
+        )
+        try:
+            spec.validate(self.store.max_stored_bytes)
+        except ValueError as exc:
+            raise _BadRequestError(str(exc)) from exc
+        return spec
+
+    # -- RPCs
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        hits = self.store.lookup(
+            self._tenant(request.tenant), self._keys(request.keys), request.block_tokens
+        )
+        return pb.LookupResponse(hit_blocks=hits)
+
+    def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseResponse:
+        ttl = request.ttl_ms / 1000.0 if request.ttl_ms else None
+        if request.lease_id:
+            expires = self.store.extend(request.lease_id, ttl)
+            return pb.LeaseResponse(
+                lease_id=request.lease_id if expires else "", expires_unix_ms=expires
+            )
+        grant = self.store.lease(
+            self._tenant(request.tenant), self._keys(request.keys), ttl, request.block_tokens
+        )
+        return pb.LeaseResponse(
+            lease_id=grant.lease_id,
+            blocks=[
+                pb.BlockLocation(key=rec.key, segment=seg, offset=off, info=_info(rec))
+                for rec, seg, off in grant.blocks
+            ],
+            expires_unix_ms=grant.expires_unix_ms,
+        )
+
+    def Release(
+        self, request: pb.ReleaseRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseResponse:
+        released = self.store.release(request.lease_id, self._keys(request.corrupt_keys))
+        return pb.ReleaseResponse(released=released)
+
+    def Allocate(
+        self, request: pb.AllocateRequest, context: grpc.ServicerContext
+    ) -> pb.AllocateResponse:
+        if len(request.blocks) > self.settings.max_keys_per_request:
+            raise _BadRequestError("too many blocks")
+        specs = [self._spec(b) for b in request.blocks]
+        ttl = request.ttl_ms / 1000.0 if request.ttl_ms else None
+        grants = self.store.allocate(self._tenant(request.tenant), specs, ttl)
+        return pb.AllocateResponse(
+            slots=[
+                pb.Slot(
+                    key=g.key,
+                    write_id=g.write_id,
+                    segment=g.segment,
+                    offset=g.offset,
+                    exists=g.exists,
+                )
+                for g in grants
+            ]
+        )
+
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        writes = [
+            (w.write_id, w.checksum if w.HasField("checksum") else None) for w in request.writes
+        ]
+        results = self.store.commit(writes)
+        return pb.CommitResponse(results=[int(r) for r in results])  # type: ignore[misc]
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(aborted=self.store.abort(list(request.write_ids)))
+
+    def Put(
+        self, request_iterator: Iterator[pb.PutChunk], context: grpc.ServicerContext
+    ) -> pb.PutResponse:
+        header: pb.PutHeader | None = None
+        spec: BlockSpec | None = None
+        buf = bytearray()
+        for chunk in request_iterator:
+            if header is None:
+                if not chunk.HasField("header"):
+                    raise _BadRequestError("the first chunk must carry the header")
+                header = chunk.header
+                spec = self._spec(header.block)
+            elif chunk.HasField("header"):
+                raise _BadRequestError("only the first chunk may carry a header")
+            buf += chunk.data
+            if spec is not None and len(buf) > spec.stored_bytes:
+                raise _BadRequestError("more bytes than stored_bytes")
+        if header is None or spec is None:
+            raise _BadRequestError("empty Put stream")
+        try:
+            stored, existed = self.store.put(
+                self._tenant(header.tenant), spec, bytes(buf), header.block.info.checksum
+            )
+        except ValueError as exc:
+            raise _BadRequestError(str(exc)) from exc
+        return pb.PutResponse(stored=stored, existed=existed)
+
+    def Get(self, request: pb.GetRequest, context: grpc.ServicerContext) -> Iterator[pb.GetChunk]:
+        key = self._keys([request.key])[0]
+        found = self.store.read(self._tenant(request.tenant), key)
+        if found is None:
+            yield pb.GetChunk(found=False)
+            return
+        rec, data = found
+        step = self.settings.stream_chunk_bytes
+        yield pb.GetChunk(found=True, info=_info(rec), data=data[:step])
+        for start in range(step, len(data), step):
+            yield pb.GetChunk(data=data[start : start + step])
+
+    def Delete(self, request: pb.DeleteRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
+        n = self.store.delete(self._tenant(request.tenant), self._keys(request.keys))
+        return pb.DeleteResponse(deleted=n)
+
+    def ClearTenant(
+        self, request: pb.ClearTenantRequest, context: grpc.ServicerContext
+    ) -> pb.ClearTenantResponse:
+        return pb.ClearTenantResponse(deleted=self.store.clear_tenant(self._tenant(request.tenant)))
+
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        g = self.store.gauges()
+        return pb.StatsResponse(
+            blocks=g.blocks,
+            used_bytes=g.used_bytes,
+            capacity_bytes=g.capacity_bytes,
+            segments=g.segments,
+            active_leases=g.active_leases,
+            pending_writes=g.pending_writes,
+            policy=self.store.policy_name,
+            evicted_blocks=self.store.evicted_blocks,
+            checksum_failures=self.store.checksum_failures,
+            stored_raw_bytes=g.stored_raw_bytes,
+            stored_payload_bytes=g.stored_payload_bytes,
+        )
+
+
+class _ErrorsAndMetrics(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Times every call, maps store errors to status codes, tags a request id."""
+
+    def __init__(self, metrics: SidecarMetrics) -> None:
+        self.metrics = metrics
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        op = handler_call_details.method.rsplit("/", 1)[-1]
+        if not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        metrics = self.metrics
+
+        def wrap(fn: Callable[..., Any], streaming_response: bool) -> Callable[..., Any]:
+            def fail(context: grpc.ServicerContext, exc: BaseException) -> None:
+                if isinstance(exc, _BadRequestError):
+                    code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+                elif isinstance(exc, StoreFullError):
+                    code, msg = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+                else:
+                    rid = uuid.uuid4().hex[:12]
+                    log.error("%s failed (request %s)", op, rid, exc_info=exc)
+                    code, msg = grpc.StatusCode.INTERNAL, f"internal error (request {rid})"
+                metrics.rpc_errors.labels(op=op, code=code.name).inc()
+                context.abort(code, msg)
+
+            if streaming_response:
+
+                def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                    start = time.perf_counter()
+                    try:
+                        yield from fn(request, context)
+                    except Exception as exc:
+                        fail(context, exc)
+                    finally:
+                        metrics.rpc_latency.labels(op=op).observe(time.perf_counter() - start)
+
+                return stream
+
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                start = time.perf_counter()
+                try:
+                    return fn(request, context)
+                except Exception as exc:
+                    fail(context, exc)
+                    return None
+                finally:
+                    metrics.rpc_latency.labels(op=op).observe(time.perf_counter() - start)
+
+            return unary
+
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                wrap(handler.unary_unary, False),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                wrap(handler.stream_unary, False),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                wrap(handler.unary_stream, True),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        return handler
+
+
+@dataclass
+class RunningSidecar:
+    """A started daemon: its server, store, and where it listens."""
+
+    server: grpc.Server
+    store: KVStore
+    metrics: SidecarMetrics
+    health: health.HealthServicer
+    socket_path: str
+    tcp_port: int | None
+    metrics_port: int | None
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stops serving (in-flight calls get ``grace_s``), then closes the store."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait()
+        self.store.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+
+
+def create_server(
+    settings: SidecarSettings, metrics: SidecarMetrics | None = None
+) -> RunningSidecar:
+    """Opens the store and starts serving; ``tcp`` port 0 binds a free port."""
+    metrics = metrics if metrics is not None else SidecarMetrics()
+    store = KVStore(settings, metrics)
+    store.open()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="kv-rpc"),
+        interceptors=[_ErrorsAndMetrics(metrics)],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    pb_grpc.add_KVCacheServicer_to_server(KVCacheService(store, settings), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    sock = str(settings.socket_path)
+    os.makedirs(os.path.dirname(sock) or ".", exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(sock)
+    old_umask = os.umask(0o177)  # the socket is created 0600
+    try:
+        server.add_insecure_port(f"unix:{sock}")
+    finally:
+        os.umask(old_umask)
+    tcp_port: int | None = None
+    if settings.tcp is not None:
+        tcp_port = server.add_insecure_port(settings.tcp)
+    server.start()
+    os.chmod(sock, 0o600)
+    metrics_port: int | None = None
+    if settings.metrics_port is not None:
+        http, _thread = start_http_server(
+            settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry
+        )
+        metrics_port = int(http.server_port)
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "sidecar serving on unix:%s%s, metrics on %s",
+        sock,
+        f" and {settings.tcp} (port {tcp_port})" if tcp_port else "",
+        f"{settings.metrics_host}:{metrics_port}" if metrics_port else "off",
+    )
+    return RunningSidecar(server, store, metrics, health_servicer, sock, tcp_port, metrics_port)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``dscache sidecar``: serve until SIGTERM or SIGINT."""
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        log.error("invalid sidecar settings: %s", exc)
+        return 2
+    running = create_server(settings)
+    print(
+        f"dscache sidecar ready: socket={running.socket_path} "
+        f"metrics_port={running.metrics_port} tcp_port={running.tcp_port}",
+        flush=True,
+    )
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    done.wait()
+    running.stop()
+    log.info("sidecar stopped")
+    return 0

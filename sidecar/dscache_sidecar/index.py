@@ -1,0 +1,172 @@
+"""The LMDB block index: key -> location, codec, checksum, tenant, parent, stats.
+
+Databases in one LMDB environment (``<data_dir>/index``):
+    * ``blocks``: 32-byte key -> packed ``BlockRecord``.
+    * ``tenants``: tenant label (16 bytes) -> key, dupsort, for ClearTenant.
+    * ``stats``: key -> (last access unix ms, hit count), flushed in batches so a hit
+      never waits for a write transaction.
+    * ``meta``: format version and segment geometry; a store reopened with another
+      geometry refuses to start instead of misreading offsets.
+
+Invariant: a record exists only for a block whose bytes and header are on disk
+(the store commits the index last). LMDB's own copy-on-write commits make the index
+crash safe; ``sync`` follows the store's durability setting.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+_RECORD = struct.Struct("<IQQQQQBBB6I16s32sQ")
+_STATS = struct.Struct("<QI")
+INDEX_VERSION = b"1"
+
+
+@dataclass(slots=True)
+class BlockRecord:
+    """Where a block lives and how to read it."""
+
+    key: bytes
+    segment: int
+    offset: int  # extent start
+    extent_bytes: int
+    stored_bytes: int
+    raw_bytes: int
+    checksum: int
+    codec: int
+    dtype_code: int
+    shape: tuple[int, ...]
+    tenant: bytes
+    parent: bytes
+    created_ms: int
+    last_access_ms: int = 0
+    hits: int = 0
+
+    def pack(self) -> bytes:
+        dims = list(self.shape) + [0] * (6 - len(self.shape))
+        return _RECORD.pack(
+            self.segment,
+            self.offset,
+            self.extent_bytes,
+            self.stored_bytes,
+            self.raw_bytes,
+            self.checksum,
+            self.codec,
+            self.dtype_code,
+            len(self.shape),
+            *dims,
+            self.tenant,
+            self.parent.ljust(32, b"\0"),
+            self.created_ms,
+        )
+
+    @classmethod
+    def unpack(cls, key: bytes, data: bytes) -> BlockRecord:
+        f = _RECORD.unpack(data)
+        ndim = f[8]
+        parent = f[16]
+        return cls(
+            key=key,
+            segment=f[0],
+            offset=f[1],
+            extent_bytes=f[2],
+            stored_bytes=f[3],
+            raw_bytes=f[4],
+            checksum=f[5],
+            codec=f[6],
+            dtype_code=f[7],
+            shape=tuple(f[9 : 9 + ndim]),
+            tenant=f[15],
+            parent=b"" if parent == b"\0" * 32 else parent,
+            created_ms=f[17],
+        )
+
+
+class IndexGeometryError(Exception):
+    """The index was written for another segment geometry."""
+
+
+class BlockIndex:
+    """The durable index. Not thread safe for writes: the store serialises them."""
+
+    def __init__(self, path: Path, map_bytes: int, durable: bool) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(
+            str(path),
+            map_size=map_bytes,
+            max_dbs=8,
+            sync=durable,
+            metasync=durable,
+            lock=True,
+            subdir=True,
+        )
+        self._blocks = self._env.open_db(b"blocks")
+        self._tenants = self._env.open_db(b"tenants", dupsort=True)
+        self._stats = self._env.open_db(b"stats")
+        self._meta = self._env.open_db(b"meta")
+
+    def check_geometry(self, segment_bytes: int) -> None:
+        """Records the geometry on first use; refuses a different one later."""
+        want = f"v{INDEX_VERSION.decode()} segment_bytes={segment_bytes}".encode()
+        with self._env.begin(write=True, db=self._meta) as txn:
+            have = txn.get(b"geometry")
+            if have is None:
+                txn.put(b"geometry", want)
+            elif have != want:
+                raise IndexGeometryError(
+                    f"index was created with {have.decode()}, now {want.decode()}; "
+                    "use a new data directory or the old segment size"
+                )
+
+    def load(self) -> Iterator[BlockRecord]:
+        """Every record, with access stats filled in."""
+        with self._env.begin(db=self._blocks) as txn:
+            stats_get = txn.get
+            for key, value in txn.cursor():
+                rec = BlockRecord.unpack(bytes(key), bytes(value))
+                raw = stats_get(key, db=self._stats)
+                if raw is not None:
+                    rec.last_access_ms, rec.hits = _STATS.unpack(raw)
+                yield rec
+
+    def put_many(self, records: Iterable[BlockRecord]) -> None:
+        """Publishes records in one transaction."""
+        with self._env.begin(write=True) as txn:
+            for rec in records:
+                txn.put(rec.key, rec.pack(), db=self._blocks)
+                txn.put(rec.tenant, rec.key, db=self._tenants, dupdata=True)
+
+    def delete_many(self, records: Iterable[BlockRecord]) -> None:
+        """Removes records (and their stats) in one transaction."""
+        with self._env.begin(write=True) as txn:
+            for rec in records:
+                txn.delete(rec.key, db=self._blocks)
+                txn.delete(rec.key, db=self._stats)
+                txn.delete(rec.tenant, rec.key, db=self._tenants)
+
+    def tenant_keys(self, tenant: bytes) -> list[bytes]:
+        """Keys stored by one tenant."""
+        with self._env.begin(db=self._tenants) as txn:
+            cur = txn.cursor()
+            if not cur.set_key(tenant):
+                return []
+            return [bytes(v) for v in cur.iternext_dup()]
+
+    def write_stats(self, stats: Iterable[tuple[bytes, int, int]]) -> None:
+        """Stores (key, last access ms, hits) for blocks that still exist."""
+        with self._env.begin(write=True) as txn:
+            for key, last_ms, hits in stats:
+                if txn.get(key, db=self._blocks) is not None:
+                    txn.put(key, _STATS.pack(last_ms, hits), db=self._stats)
+
+    def count(self) -> int:
+        with self._env.begin(db=self._blocks) as txn:
+            return int(txn.stat(self._blocks)["entries"])
+
+    def close(self) -> None:
+        self._env.close()

@@ -1,0 +1,148 @@
+"""The sidecar's Prometheus metrics (prefix ``dscache_sidecar_``), one injectable registry.
+
+Labels take only small fixed value sets (result, reason, op, where, code); never a
+key, tenant or request id. Totals the store holds (blocks, bytes, leases) are read
+at scrape time by a collector instead of being mirrored into gauges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+
+
+@dataclass(frozen=True)
+class StoreGauges:
+    """What the store reports at scrape time."""
+
+    blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    free_bytes: int
+    segments: int
+    active_leases: int
+    pending_writes: int
+    stored_raw_bytes: int
+    stored_payload_bytes: int
+
+
+class SidecarMetrics:
+    """Every metric of the sidecar, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.lookups = Counter(
+            "dscache_sidecar_lookups_total",
+            "Lookup and Lease calls by outcome (hit: every key, partial: some, miss: none)",
+            ["op", "result"],
+            registry=r,
+        )
+        self.lookup_blocks = Counter(
+            "dscache_sidecar_lookup_blocks_total",
+            "Blocks asked for in Lookup/Lease, by result (hit or miss)",
+            ["op", "result"],
+            registry=r,
+        )
+        self.lookup_tokens = Counter(
+            "dscache_sidecar_lookup_tokens_total",
+            "Tokens asked for in Lookup/Lease (when the client says block_tokens), by result",
+            ["op", "result"],
+            registry=r,
+        )
+        self.stored_blocks = Counter(
+            "dscache_sidecar_stored_blocks_total", "Blocks published in the index", registry=r
+        )
+        self.stored_bytes = Counter(
+            "dscache_sidecar_stored_bytes_total",
+            "Payload bytes published (after the codec)",
+            registry=r,
+        )
+        self.evictions = Counter(
+            "dscache_sidecar_evictions_total",
+            "Blocks removed from the index, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.checksum_failures = Counter(
+            "dscache_sidecar_checksum_failures_total",
+            "Blocks whose bytes did not match their checksum, by where it was found",
+            ["where"],
+            registry=r,
+        )
+        self.write_rejections = Counter(
+            "dscache_sidecar_write_rejections_total",
+            "Allocate/Put requests refused, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.rpc_latency = Histogram(
+            "dscache_sidecar_rpc_duration_seconds",
+            "gRPC handling time by method",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rpc_errors = Counter(
+            "dscache_sidecar_rpc_errors_total",
+            "gRPC calls that ended with an error status, by method and code",
+            ["op", "code"],
+            registry=r,
+        )
+
+    def watch_store(self, read: Callable[[], StoreGauges]) -> None:
+        """Registers a collector that reads the store's totals at scrape time."""
+        self.registry.register(_StoreCollector(read))
+
+
+class _StoreCollector(Collector):
+    def __init__(self, read: Callable[[], StoreGauges]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = self._read()
+        yield GaugeMetricFamily("dscache_sidecar_blocks", "Blocks in the index", value=g.blocks)
+        yield GaugeMetricFamily(
+            "dscache_sidecar_used_bytes",
+            "Segment bytes held by live, reserved or still-leased blocks",
+            value=g.used_bytes,
+        )
+        yield GaugeMetricFamily(
+            "dscache_sidecar_capacity_bytes", "Segment bytes available", value=g.capacity_bytes
+        )
+        yield GaugeMetricFamily(
+            "dscache_sidecar_segments", "Segment files in use", value=g.segments
+        )
+        yield GaugeMetricFamily(
+            "dscache_sidecar_active_leases", "Leases not yet released", value=g.active_leases
+        )
+        yield GaugeMetricFamily(
+            "dscache_sidecar_pending_writes",
+            "Allocate reservations awaiting Commit",
+            value=g.pending_writes,
+        )
+        ratio = g.stored_raw_bytes / g.stored_payload_bytes if g.stored_payload_bytes else 1.0
+        yield GaugeMetricFamily(
+            "dscache_sidecar_compression_ratio",
+            "Decoded bytes / stored bytes over the blocks in the index",
+            value=ratio,
+        )

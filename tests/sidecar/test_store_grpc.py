@@ -1,0 +1,334 @@
+"""The sidecar over real gRPC with real LMDB and segment files: what a client sees."""
+
+from __future__ import annotations
+
+import os
+import stat
+import urllib.request
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import pytest
+from conftest import BLOCK_SHAPE, Sidecar, block_array, blocks_for, chain, prompt
+from dscache_sidecar.client import BlockData, SidecarClient, SidecarFullError
+
+from dscache.v1 import kvcache_pb2 as pb
+from dscache.v1 import kvcache_pb2_grpc as pb_grpc
+
+
+def test_store_lookup_load_round_trip_is_zero_copy(sidecar: Sidecar) -> None:
+    ch = chain()
+    keys = ch.keys(prompt(6, seed=1))
+    assert sidecar.c.store(ch.tenant, blocks_for(keys)) == 6
+    assert sidecar.c.lookup(ch.tenant, keys) == 6
+    assert sidecar.c.lookup(ch.tenant, keys[:3] + [b"\x01" * 32] + keys[4:]) == 3
+    with sidecar.c.load(ch.tenant, keys, block_tokens=16) as loaded:
+        assert loaded.keys == keys
+        for key, arr in zip(keys, loaded.arrays, strict=True):
+            np.testing.assert_array_equal(arr, block_array(key))
+            assert not arr.flags.writeable  # a read-only view on the mapping
+            assert not arr.flags.owndata
+    # storing again is a no-op: the keys exist
+    assert sidecar.c.store(ch.tenant, blocks_for(keys)) == 0
+    assert sidecar.metric("dscache_sidecar_lookup_tokens_total", op="lease", result="hit") == 96
+
+
+def test_streaming_put_and_get_for_clients_without_the_volume(
+    make_sidecar: Callable[..., Sidecar],
+) -> None:
+    sidecar = make_sidecar(capacity_bytes=8 * 1024 * 1024, segment_bytes=4 * 1024 * 1024)
+    assert sidecar.running is not None
+    remote = SidecarClient(sidecar.running.socket_path)  # no data_dir: Put/Get
+    try:
+        ch = chain()
+        keys = ch.keys(prompt(3, seed=2))
+        big = [BlockData(k, b"", block_array(k, (4, 64, 1024))) for k in keys[:1]]  # 1 MiB > chunk
+        assert remote.store(ch.tenant, big) == 1
+        assert remote.store(ch.tenant, blocks_for(keys)[1:]) == 2
+        np.testing.assert_array_equal(
+            remote.get(ch.tenant, keys[0]), block_array(keys[0], (4, 64, 1024))
+        )
+        with remote.load(ch.tenant, keys) as loaded:
+            assert len(loaded) == 3
+            np.testing.assert_array_equal(loaded.arrays[2], block_array(keys[2]))
+        assert remote.get(ch.tenant, b"\x02" * 32) is None  # a miss is a normal answer
+    finally:
+        remote.close()
+
+
+def test_compressed_blocks_are_decoded_by_the_reader(sidecar: Sidecar) -> None:
+    ch = chain()
+    keys = ch.keys(prompt(2, seed=3))
+    smooth = [
+        np.repeat(np.linspace(0, 1, 64, dtype=np.float32), 512).reshape(2, 2, 2, 16, 256)
+        for _ in keys
+    ]
+    blocks = [
+        BlockData(k, keys[i - 1] if i else b"", a)
+        for i, (k, a) in enumerate(zip(keys, smooth, strict=True))
+    ]
+    assert sidecar.c.store(ch.tenant, blocks, compress=True) == 2
+    st = sidecar.c.stats()
+    assert st.stored_payload_bytes < st.stored_raw_bytes / 4
+    with sidecar.c.load(ch.tenant, keys) as loaded:
+        for arr, want in zip(loaded.arrays, smooth, strict=True):
+            np.testing.assert_array_equal(arr, want)
+
+
+def test_lookup_has_no_side_effects_but_lease_counts_as_use(
+    make_sidecar: Callable[..., Sidecar],
+) -> None:
+    # a 4 KiB block + its 128 B header takes an 8 KiB extent: room for exactly 8 blocks
+    sc = make_sidecar(
+        capacity_bytes=64 * 1024,
+        segment_bytes=64 * 1024,
+        policy="lru",
+        high_watermark=1.0,
+        low_watermark=1.0,
+    )
+    ch = chain()
+    old = ch.keys(prompt(4, seed=10))
+    sc.c.store(ch.tenant, blocks_for(old))
+    hot = ch.keys(prompt(4, seed=11))
+    sc.c.store(ch.tenant, blocks_for(hot))
+    # Lookups of `old` must not refresh it: it stays the least recently used
+    for _ in range(5):
+        assert sc.c.lookup(ch.tenant, old) == 4
+    new = ch.keys(prompt(4, seed=12))
+    sc.c.store(ch.tenant, blocks_for(new))
+    assert sc.c.lookup(ch.tenant, old) == 0, "lookup refreshed LRU order"
+    assert sc.c.lookup(ch.tenant, hot) == 4
+    # now lease `hot` so it becomes recent; the next writer evicts `new` instead
+    sc.c.load(ch.tenant, hot).release()
+    sc.c.store(ch.tenant, blocks_for(ch.keys(prompt(4, seed=13))))
+    assert sc.c.lookup(ch.tenant, hot) == 4
+    assert sc.c.lookup(ch.tenant, new) == 0
+    assert sc.metric("dscache_sidecar_evictions_total", reason="capacity") >= 8
+
+
+def test_eviction_takes_children_before_or_with_their_parents(
+    make_sidecar: Callable[..., Sidecar],
+) -> None:
+    sc = make_sidecar(capacity_bytes=64 * 1024 * 2, segment_bytes=64 * 1024 * 2, policy="lru")
+    ch = chain()
+    for seed in range(40):  # far more than fits
+        keys = ch.keys(prompt(5, seed=100 + seed))
+        sc.c.store(ch.tenant, blocks_for(keys))
+        sc.c.load(ch.tenant, keys).release()
+    store = sc.store
+    for key in store.keys():
+        rec = store.record(key)
+        assert rec is not None
+        assert not rec.parent or store.record(rec.parent) is not None, "orphan child kept"
+    used = sc.c.stats().used_bytes
+    assert used <= 64 * 1024 * 2
+
+
+def test_tenant_isolation_and_clear_tenant(sidecar: Sidecar) -> None:
+    a, b = chain("bank-a"), chain("bank-b")
+    toks = prompt(4, seed=5)
+    ka, kb = a.keys(toks), b.keys(toks)
+    sidecar.c.store(a.tenant, blocks_for(ka))
+    assert sidecar.c.lookup(b.tenant, kb) == 0
+    # even with A's keys in hand, B's tenant sees nothing
+    assert sidecar.c.lookup(b.tenant, ka) == 0
+    assert len(sidecar.c.load(b.tenant, ka)) == 0
+    assert sidecar.c.get(b.tenant, ka[0]) is None
+    assert sidecar.c.delete(b.tenant, ka) == 0
+    sidecar.c.store(b.tenant, blocks_for(kb))
+    assert sidecar.c.clear_tenant(a.tenant) == 4
+    assert sidecar.c.lookup(a.tenant, ka) == 0
+    assert sidecar.c.lookup(b.tenant, kb) == 4
+    assert sidecar.metric("dscache_sidecar_evictions_total", reason="tenant_clear") == 4
+
+
+def test_delete_removes_descendants_too(sidecar: Sidecar) -> None:
+    ch = chain()
+    keys = ch.keys(prompt(5, seed=6))
+    sidecar.c.store(ch.tenant, blocks_for(keys))
+    assert sidecar.c.delete(ch.tenant, [keys[2]]) == 3
+    assert sidecar.c.lookup(ch.tenant, keys) == 2
+    assert sidecar.metric("dscache_sidecar_evictions_total", reason="cascade") == 2
+
+
+def test_index_survives_a_restart(sidecar: Sidecar) -> None:
+    ch = chain()
+    keys = ch.keys(prompt(6, seed=7))
+    sidecar.c.store(ch.tenant, blocks_for(keys))
+    sidecar.restart()
+    assert sidecar.c.lookup(ch.tenant, keys) == 6
+    with sidecar.c.load(ch.tenant, keys) as loaded:
+        for key, arr in zip(keys, loaded.arrays, strict=True):
+            np.testing.assert_array_equal(arr, block_array(key))
+    assert sidecar.store.reconcile_dropped == 0
+
+
+def test_restart_quarantine_keeps_old_space_from_reuse(
+    make_sidecar: Callable[..., Sidecar],
+) -> None:
+    sc = make_sidecar(restart_quarantine_s=60)
+    ch = chain()
+    sc.c.store(ch.tenant, blocks_for(ch.keys(prompt(2, seed=8))))
+    sc.restart()
+    with pytest.raises(SidecarFullError, match="quarantine"):
+        sc.c.store(ch.tenant, blocks_for(ch.keys(prompt(2, seed=9))))
+    assert sc.c.lookup(ch.tenant, ch.keys(prompt(2, seed=8))) == 2  # reads go on
+
+
+def test_unix_socket_is_private_and_health_is_served(sidecar: Sidecar) -> None:
+    assert sidecar.running is not None
+    mode = stat.S_IMODE(os.stat(sidecar.running.socket_path).st_mode)
+    assert mode == 0o600
+    assert sidecar.c.healthy()
+
+
+def _stub(sidecar: Sidecar) -> pb_grpc.KVCacheStub:
+    assert sidecar.running is not None
+    return pb_grpc.KVCacheStub(grpc.insecure_channel(f"unix:{sidecar.running.socket_path}"))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda s: s.Lookup(pb.LookupRequest(tenant="t", keys=[b"short"])),
+        lambda s: s.Lease(pb.LeaseRequest(tenant="t" * 1000, keys=[])),
+        lambda s: s.Allocate(
+            pb.AllocateRequest(
+                tenant="t",
+                blocks=[
+                    pb.NewBlock(
+                        key=b"k" * 32,
+                        info=pb.BlockInfo(
+                            dtype="float32", shape=[4], raw_bytes=16, stored_bytes=99
+                        ),
+                    )
+                ],
+            )
+        ),
+        lambda s: s.Allocate(
+            pb.AllocateRequest(
+                tenant="t",
+                blocks=[
+                    pb.NewBlock(
+                        key=b"k" * 32,
+                        info=pb.BlockInfo(
+                            dtype="complex", shape=[4], raw_bytes=16, stored_bytes=16
+                        ),
+                    )
+                ],
+            )
+        ),
+        lambda s: s.Allocate(
+            pb.AllocateRequest(
+                tenant="t",
+                blocks=[
+                    pb.NewBlock(
+                        key=b"k" * 32,
+                        info=pb.BlockInfo(
+                            dtype="float32",
+                            shape=[1 << 30],
+                            raw_bytes=1 << 32,
+                            stored_bytes=1 << 32,
+                        ),
+                    )
+                ],
+            )
+        ),
+        lambda s: s.Put(iter([pb.PutChunk(data=b"no header")])),
+    ],
+)
+def test_malformed_requests_are_invalid_argument_and_the_daemon_keeps_serving(
+    sidecar: Sidecar, call: Callable[[pb_grpc.KVCacheStub], object]
+) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        call(_stub(sidecar))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    ch = chain()
+    keys = ch.keys(prompt(1, seed=20))
+    assert sidecar.c.store(ch.tenant, blocks_for(keys)) == 1
+    assert sidecar.running is not None
+    errors = [
+        sample.value
+        for metric in sidecar.running.metrics.registry.collect()
+        for sample in metric.samples
+        if sample.name == "dscache_sidecar_rpc_errors_total"
+        and sample.labels["code"] == "INVALID_ARGUMENT"
+    ]
+    assert sum(errors) == 1
+
+
+def test_unknown_write_ids_expire_and_abort_frees_space(sidecar: Sidecar) -> None:
+    stub = _stub(sidecar)
+    res = stub.Commit(pb.CommitRequest(writes=[pb.Written(write_id="nope")]))
+    assert list(res.results) == [pb.COMMIT_EXPIRED]
+    ch = chain()
+    key = ch.keys(prompt(1, seed=21))[0]
+    arr = block_array(key)
+    slot = stub.Allocate(
+        pb.AllocateRequest(
+            tenant=ch.tenant,
+            blocks=[
+                pb.NewBlock(
+                    key=key,
+                    info=pb.BlockInfo(
+                        dtype="float32",
+                        shape=list(BLOCK_SHAPE),
+                        raw_bytes=arr.nbytes,
+                        stored_bytes=arr.nbytes,
+                    ),
+                )
+            ],
+        )
+    ).slots[0]
+    assert sidecar.c.stats().pending_writes == 1
+    assert stub.Abort(pb.AbortRequest(write_ids=[slot.write_id])).aborted == 1
+    st = sidecar.c.stats()
+    assert st.pending_writes == 0 and st.used_bytes == 0
+
+
+def test_a_wrong_client_checksum_is_rejected_at_commit(sidecar: Sidecar) -> None:
+    stub = _stub(sidecar)
+    ch = chain()
+    key = ch.keys(prompt(1, seed=22))[0]
+    arr = block_array(key)
+    slot = stub.Allocate(
+        pb.AllocateRequest(
+            tenant=ch.tenant,
+            blocks=[
+                pb.NewBlock(
+                    key=key,
+                    info=pb.BlockInfo(
+                        dtype="float32",
+                        shape=list(BLOCK_SHAPE),
+                        raw_bytes=arr.nbytes,
+                        stored_bytes=arr.nbytes,
+                    ),
+                )
+            ],
+        )
+    ).slots[0]
+    with open(sidecar.data_dir / slot.segment, "r+b") as f:
+        f.seek(slot.offset)
+        f.write(arr.tobytes())
+    res = stub.Commit(pb.CommitRequest(writes=[pb.Written(write_id=slot.write_id, checksum=12345)]))
+    assert list(res.results) == [pb.COMMIT_CHECKSUM_MISMATCH]
+    assert sidecar.c.lookup(ch.tenant, [key]) == 0
+    assert sidecar.metric("dscache_sidecar_checksum_failures_total", where="commit") == 1
+
+
+def test_metrics_endpoint_serves_prometheus_text(sidecar: Sidecar) -> None:
+    ch = chain()
+    keys = ch.keys(prompt(3, seed=23))
+    sidecar.c.store(ch.tenant, blocks_for(keys))
+    sidecar.c.lookup(ch.tenant, keys)
+    assert sidecar.running is not None
+    body = (
+        urllib.request.urlopen(f"http://127.0.0.1:{sidecar.running.metrics_port}/metrics")
+        .read()
+        .decode()
+    )
+    assert 'dscache_sidecar_lookup_blocks_total{op="lookup",result="hit"} 3.0' in body
+    assert "dscache_sidecar_blocks 3.0" in body
+    assert "dscache_sidecar_rpc_duration_seconds_bucket" in body
+    assert "dscache_sidecar_compression_ratio" in body
