@@ -7,7 +7,9 @@ bash scripts/setup.sh
 source .venv/bin/activate
 
 echo "== gRPC stubs"; bash scripts/check_proto.sh
-echo "== ruff"; ruff check . && ruff format --check .
+echo "== ruff"
+ruff check .
+ruff format --check .
 echo "== mypy (strict)"; mypy
 echo "== import contracts"; lint-imports
 echo "== pytest"

@@ -39,7 +39,9 @@ BLOCK_TOKENS = 256
 PAGE = 4096
 
 
-def _median(fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None) -> float:
+def _median(
+    fn: Callable[[], object], repeat: int, setup: Callable[[], object] | None = None
+) -> float:
     times = []
     for _ in range(repeat):
         if setup is not None:
@@ -91,8 +93,10 @@ def run(tokens: int, repeat: int, data_dir: Path) -> dict[str, Any]:
     fd = os.open(raw, os.O_RDWR | os.O_CREAT, 0o600)
     os.posix_fallocate(fd, 0, kv_bytes)
 
+    flat_buf: Any = flat
+
     def raw_write() -> None:
-        view = memoryview(flat)
+        view = memoryview(flat_buf)
         done = 0
         while done < len(view):
             done += os.pwrite(fd, view[done:], done)
@@ -120,9 +124,7 @@ def run(tokens: int, repeat: int, data_dir: Path) -> dict[str, Any]:
             counter[0] += 1
             toks = np.arange(tokens, dtype=np.int64) + counter[0] * tokens
             keys = chain.keys(toks)
-            return [
-                BlockData(k, keys[i - 1] if i else b"", arrays[i]) for i, k in enumerate(keys)
-            ]
+            return [BlockData(k, keys[i - 1] if i else b"", arrays[i]) for i, k in enumerate(keys)]
 
         pending: list[list[BlockData]] = []
 
@@ -201,19 +203,24 @@ def run(tokens: int, repeat: int, data_dir: Path) -> dict[str, Any]:
 
 def format_table(r: dict[str, Any]) -> str:
     """The results as an aligned text table."""
+    q = r["ratios"]
     rows = [
         ("torch.save (write baseline)", r["torch_save_s"], "1.00x"),
         ("raw write()", r["raw_write_s"], f"{r['torch_save_s'] / r['raw_write_s']:.2f}x"),
-        ("dscache write (Allocate/Commit)", r["write_s"], f"{r['ratios']['write_vs_torch_save']:.2f}x"),
+        ("dscache write (Allocate/Commit)", r["write_s"], f"{q['write_vs_torch_save']:.2f}x"),
         ("warm torch.load (read baseline)", r["torch_load_s"], "1.00x"),
         ("memcpy", r["memcpy_s"], f"{r['torch_load_s'] / r['memcpy_s']:.2f}x"),
-        ("dscache zero-copy read", r["zero_copy_read_s"], f"{r['ratios']['zero_copy_read_vs_torch_load']:.2f}x"),
+        (
+            "dscache zero-copy read",
+            r["zero_copy_read_s"],
+            f"{q['zero_copy_read_vs_torch_load']:.2f}x",
+        ),
         (
             "dscache zero-copy read + checksum",
             r["zero_copy_read_verified_s"],
-            f"{r['ratios']['zero_copy_read_verified_vs_torch_load']:.2f}x",
+            f"{q['zero_copy_read_verified_vs_torch_load']:.2f}x",
         ),
-        ("dscache streaming Get", r["stream_get_s"], f"{r['ratios']['stream_get_vs_torch_load']:.2f}x"),
+        ("dscache streaming Get", r["stream_get_s"], f"{q['stream_get_vs_torch_load']:.2f}x"),
     ]
     mib = r["kv_bytes"] / 2**20
     lines = [

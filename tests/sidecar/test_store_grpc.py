@@ -287,7 +287,10 @@ def test_unknown_write_ids_expire_and_abort_frees_space(sidecar: Sidecar) -> Non
     assert st.pending_writes == 0 and st.used_bytes == 0
 
 
-def test_a_wrong_client_checksum_is_rejected_at_commit(sidecar: Sidecar) -> None:
+def test_a_wrong_client_checksum_is_rejected_at_commit(
+    make_sidecar: Callable[..., Sidecar],
+) -> None:
+    sidecar = make_sidecar(verify_commits=True)
     stub = _stub(sidecar)
     ch = chain()
     key = ch.keys(prompt(1, seed=22))[0]
