@@ -147,6 +147,11 @@ class _Segments:
         """A zero-copy view of ``length`` bytes at ``offset``; SidecarError if out of file."""
         with self._lock:
             m = self._maps.get(name)
+            if m is not None and offset + length > len(m):
+                # Mapped while the file was shorter (truncated, since extended again by
+                # the daemon): map it anew, or the block stays unreadable for good.
+                self._maps.pop(name)
+                m = None
             if m is None:
                 fd = os.open(self._path(name), os.O_RDONLY)
                 try:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,17 @@ class EvictionPolicy(Protocol[K]):
     def __len__(self) -> int: ...
 
     def __contains__(self, key: object) -> bool: ...
+
+
+@runtime_checkable
+class Resizable(Protocol):
+    """Optional capability: a policy whose internal sizes follow the capacity.
+
+    The store does not know how many blocks fit until it sees their size; it calls
+    ``resize`` with its estimate when the cache fills and when the estimate moves.
+    """
+
+    def resize(self, capacity_hint: int) -> None: ...
 
 
 def _check_hint(capacity_hint: int) -> int:
@@ -289,6 +300,7 @@ class S3FIFOPolicy(Generic[K]):
         hint = _check_hint(capacity_hint)
         if not 0.0 < small_fraction < 1.0:
             raise ValueError(f"small_fraction must be in (0, 1), got {small_fraction}")
+        self._small_fraction = small_fraction
         self._small_max = max(1, int(hint * small_fraction))
         self._ghost_max = hint
         self._max_freq = max_freq
@@ -296,6 +308,14 @@ class S3FIFOPolicy(Generic[K]):
         self._main: OrderedDict[K, None] = OrderedDict()
         self._ghost: OrderedDict[K, None] = OrderedDict()
         self._freq: dict[K, int] = {}
+
+    def resize(self, capacity_hint: int) -> None:
+        """Resizes the small and ghost queues to a new capacity estimate."""
+        hint = _check_hint(capacity_hint)
+        self._small_max = max(1, int(hint * self._small_fraction))
+        self._ghost_max = hint
+        while len(self._ghost) > self._ghost_max:
+            self._ghost.popitem(last=False)
 
     def admit(self, key: K, size: int = 1) -> None:
         if key in self._freq:

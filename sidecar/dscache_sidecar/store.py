@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import mmap
+import os
 import re
 import secrets
 import threading
@@ -37,7 +38,7 @@ import lmdb
 
 from dscache_sidecar.codec import DTYPE_CODES, DTYPE_NAMES, NUMPY_DTYPES, Codec
 from dscache_sidecar.config import SidecarSettings
-from dscache_sidecar.eviction import DEFAULT_POLICY, EvictionPolicy, make_policy
+from dscache_sidecar.eviction import DEFAULT_POLICY, EvictionPolicy, Resizable, make_policy
 from dscache_sidecar.index import BlockIndex, BlockRecord
 from dscache_sidecar.metrics import SidecarMetrics, StoreGauges
 from dscache_sidecar.segments import (
@@ -751,10 +752,35 @@ class KVStore:
             return
         for rec in recs:
             log.warning("block %s failed verification (%s): dropped", rec.key.hex()[:16], where)
+        # A truncated segment (someone cut the file) loses every block past its new
+        # end; they go now, and the file is extended again. Without this, the space
+        # stayed in the allocator, new blocks were published there and then dropped
+        # at every read, for good (test_corruption.py).
+        truncated = {
+            r.segment
+            for r in recs
+            if self._segments.file_size(r.segment) < self.settings.segment_bytes
+        }
+        if truncated:
+            sizes = {seg: self._segments.file_size(seg) for seg in truncated}
+            seen = {r.key for r in recs}
+            recs = list(recs) + [
+                r
+                for r in self._blocks.values()
+                if r.segment in sizes
+                and r.offset + r.extent_bytes > sizes[r.segment]
+                and r.key not in seen
+            ]
         self.metrics.checksum_failures.labels(where=where).inc(len(recs))
         self._counters.checksum_failures += len(recs)
         removed = self._remove_tree(list(recs), "corrupt")
         self._delete_records(removed)
+        for seg in truncated:
+            log.error("segment %d was truncated: its lost blocks were dropped", seg)
+            try:
+                os.posix_fallocate(self._segments.fd(seg), 0, self.settings.segment_bytes)
+            except OSError as exc:
+                log.error("could not extend truncated segment %d again: %s", seg, exc)
 
     def _remove_tree(self, roots: Sequence[BlockRecord], reason: str) -> list[BlockRecord]:
         """Removes blocks and their cached descendants from memory and the policy.
@@ -827,6 +853,7 @@ class KVStore:
         leased: list[BlockRecord] = []
         try:
             if used + size > self.settings.high_watermark * cap:
+                self._resize_policy(cap, size)
                 target = self.settings.low_watermark * cap - size
                 while cap - self._alloc.free_bytes > target:
                     if not self._evict_one(removed, leased):
@@ -842,6 +869,17 @@ class KVStore:
                 if self._blocks.get(rec.key) is rec:
                     self._policy.admit(rec.key, rec.extent_bytes)
         return ext
+
+    def _resize_policy(self, cap: int, size: int) -> None:
+        """Tells a resizable policy how many blocks of the current size fit."""
+        if not isinstance(self._policy, Resizable):
+            return
+        live = len(self._blocks)
+        mean = ((cap - self._alloc.free_bytes) / live) if live else float(size)
+        estimate = max(16, int(cap / max(mean, 1.0)))
+        if not 0.8 * self._hint <= estimate <= 1.25 * self._hint:
+            self._hint = estimate
+            self._policy.resize(estimate)
 
     def _evict_one(self, removed: list[BlockRecord], leased: list[BlockRecord]) -> bool:
         while True:

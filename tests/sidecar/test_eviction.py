@@ -178,3 +178,23 @@ def test_lru_victim_is_exactly_the_least_recent(ops: list[tuple[str, int]]) -> N
                 order.remove(key)
         else:
             assert policy.victim() == (order.pop(0) if order else None)
+
+
+def test_s3fifo_resizes_its_queues_to_the_capacity_estimate() -> None:
+    from dscache_sidecar.eviction import Resizable, S3FIFOPolicy
+
+    def first_victim(resize_to: int | None) -> int | None:
+        policy: S3FIFOPolicy[int] = S3FIFOPolicy(capacity_hint=1000)
+        assert isinstance(policy, Resizable)
+        for k in range(10):
+            policy.admit(k)
+        policy.access(0)
+        if resize_to is not None:
+            policy.resize(resize_to)
+        return policy.victim()
+
+    # Under its size (600 of a 1000 hint) the small queue hands hit block 0 to main,
+    # which then gives it up; resized to 10 blocks the small queue (6) is over its
+    # size and its oldest never-hit block (1) leaves while 0 is protected.
+    assert first_victim(None) == 0
+    assert first_victim(10) == 1
