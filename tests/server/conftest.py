@@ -1,0 +1,47 @@
+"""Fixtures for model-server tests: the real sidecar daemon as a subprocess on a
+temp dir, real engines built from presets (cached per session: building one takes
+seconds), and the real HTTP server (uvicorn in a thread) on a free port.
+
+Small blocks (32 tokens) and a low cache threshold keep prompts short, so the
+whole folder stays cheap on CPU; the big figures belong to ``dscache bench ttft``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from dscache_server.tokenizer import DeepSeekTokenizer
+from srv_helpers import LiveServer, SidecarDaemon, make_runtime
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarDaemon]:
+    """One real sidecar daemon per test module."""
+    daemon = SidecarDaemon(tmp_path_factory.mktemp("sidecar") / "data")
+    daemon.start()
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> DeepSeekTokenizer:
+    return DeepSeekTokenizer()
+
+
+@pytest.fixture
+def live_server(
+    sidecar: SidecarDaemon, tokenizer: DeepSeekTokenizer
+) -> Iterator[Callable[..., LiveServer]]:
+    """Factory of running servers on the module's sidecar; stopped at the end."""
+    servers: list[LiveServer] = []
+
+    def make(**kw: Any) -> LiveServer:
+        srv = LiveServer(make_runtime(sidecar, tokenizer, **kw))
+        servers.append(srv)
+        return srv
+
+    yield make
+    for srv in servers:
+        srv.stop()

@@ -1,0 +1,176 @@
+"""Helpers of the model-server tests (imported by conftest.py and the tests).
+
+A module with a unique name: ``conftest`` is a name every test folder has.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import uvicorn
+from dscache_server.app import create_app
+from dscache_server.config import ServerSettings
+from dscache_server.engine import TransformersEngine, load_engine
+from dscache_server.metrics import ServerMetrics
+from dscache_server.runtime import Runtime, build_runtime
+from dscache_server.tokenizer import DeepSeekTokenizer
+from dscache_sidecar.client import SidecarClient
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK_TOKENS = 32
+MIN_CACHE_TOKENS = 64
+
+
+class SidecarDaemon:
+    """``dscache sidecar`` as a real subprocess that tests can kill and restart."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.socket = str(data_dir / "sidecar.sock")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = data_dir.parent / f"{data_dir.name}.log"
+
+    def start(self, timeout: float = 60) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "dscache.cli",
+            "sidecar",
+            "--data-dir",
+            str(self.data_dir),
+            "--socket",
+            self.socket,
+            "--capacity",
+            "512MiB",
+            "--segment-size",
+            "64MiB",
+            "--metrics-port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
+            "--restart-quarantine",
+            "0",
+        ]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited: {self.log.read_text()[-3000:]}")
+            if os.path.exists(self.socket):
+                probe = SidecarClient(self.socket, timeout_s=1)
+                try:
+                    if probe.healthy():
+                        return
+                finally:
+                    probe.close()
+            time.sleep(0.1)
+        raise RuntimeError(f"sidecar not healthy in {timeout}s: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        """SIGTERM: the clean case."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+_ENGINES: dict[tuple[str, int], TransformersEngine] = {}
+
+
+def engine_for(preset: str, block_tokens: int = BLOCK_TOKENS) -> TransformersEngine:
+    """A session-wide engine per (preset, block size); building one takes seconds."""
+    key = (preset, block_tokens)
+    if key not in _ENGINES:
+        _ENGINES[key] = load_engine(preset, seed=0, block_tokens=block_tokens, threads=1)
+    return _ENGINES[key]
+
+
+def server_settings(sidecar: SidecarDaemon | None, **kw: Any) -> ServerSettings:
+    base: dict[str, Any] = {
+        "model": "mini-gqa",
+        "block_tokens": BLOCK_TOKENS,
+        "min_cache_tokens": MIN_CACHE_TOKENS,
+        "calibrate": False,
+        "circuit_cooldown_s": 0.2,
+        "sidecar_timeout_s": 1.0,
+        "default_max_tokens": 8,
+    }
+    if sidecar is not None:
+        base["sidecar_socket"] = sidecar.socket
+        base["sidecar_data_dir"] = str(sidecar.data_dir)
+    base.update(kw)
+    return ServerSettings(**base)
+
+
+def make_runtime(sidecar: SidecarDaemon | None, tokenizer: DeepSeekTokenizer, **kw: Any) -> Runtime:
+    settings = server_settings(sidecar, **kw)
+    engine = engine_for(settings.model, settings.block_tokens)
+    return build_runtime(settings, ServerMetrics(), engine=engine, tokenizer=tokenizer)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LiveServer:
+    """uvicorn serving one runtime in a background thread."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            create_app(runtime), host="127.0.0.1", port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.runtime.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.runtime.close()
+
+
+def random_text(tokenizer: DeepSeekTokenizer, min_tokens: int, seed: int) -> str:
+    """Words that tokenize to at least ``min_tokens`` tokens."""
+    rng = np.random.default_rng(seed)
+    words = ["market", "risk", "bond", "yield", "equity", "credit", "rate", "fund", "asset"]
+    text = ""
+    while len(tokenizer.encode(text)) < min_tokens:
+        text += " ".join(
+            str(rng.choice(words)) + str(int(rng.integers(0, 1000))) for _ in range(32)
+        )
+        text += ". "
+    return text

@@ -1,0 +1,266 @@
+"""The HTTP API against the real `openai` client, the real sidecar and a small model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from dscache_server.prewarm import prewarm
+from dscache_server.tokenizer import DeepSeekTokenizer
+from srv_helpers import LiveServer, random_text
+
+from dscache.cli import main
+
+
+def client(srv: LiveServer, **headers: str) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=srv.url + "/v1", api_key="test-key", max_retries=0, default_headers=headers
+    )
+
+
+def wait_stored(srv: LiveServer) -> None:
+    assert srv.runtime.cache.wait_stored(30)
+
+
+def test_chat_second_turn_reuses_the_first_turns_prefix(
+    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer
+) -> None:
+    srv = live_server()
+    c = client(srv, **{"X-Session-ID": "s-chat"})
+    history = [
+        {"role": "system", "content": random_text(tokenizer, 120, seed=1)},
+        {"role": "user", "content": "Summarise the filing."},
+    ]
+    first = c.chat.completions.create(model="mini-gqa", messages=history, max_tokens=4)
+    assert first.usage is not None
+    assert first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    wait_stored(srv)
+
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "And the risks?"},
+    ]
+    raw = c.chat.completions.with_raw_response.create(
+        model="mini-gqa", messages=history, max_tokens=4
+    )
+    assert raw.headers["x-session-id"] == "s-chat"
+    second = raw.parse()
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens or 0
+    # Every full block of turn one's prompt is reused (the last token never is).
+    assert cached >= (first.usage.prompt_tokens - 1) // 32 * 32 > 0
+    assert srv.metric("dscache_server_cache_hits_total", level="session") == 1.0
+    assert srv.metric("dscache_server_prompt_tokens_total", source="reused") == cached
+
+
+def test_streaming_chat_and_completions(
+    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer
+) -> None:
+    srv = live_server()
+    c = client(srv)
+    messages = [{"role": "user", "content": random_text(tokenizer, 100, seed=2)}]
+    pieces: list[str] = []
+    usage = None
+    finish = None
+    stream = c.chat.completions.create(
+        model="mini-gqa",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert usage is not None and usage.completion_tokens == 6
+    assert finish == "length"
+    whole = c.chat.completions.create(
+        model="mini-gqa", messages=messages, max_tokens=6, temperature=0
+    )
+    # Greedy: streaming and non-streaming produce the same text.
+    assert "".join(pieces) == whole.choices[0].message.content
+    wait_stored(srv)
+
+    prompt = random_text(tokenizer, 100, seed=3)
+    first = c.completions.create(model="mini-gqa", prompt=prompt, max_tokens=3)
+    assert first.usage is not None and first.choices[0].finish_reason in ("length", "stop")
+    wait_stored(srv)
+    texts = [
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model="mini-gqa", prompt=prompt + " more", max_tokens=3, stream=True
+        )
+        if ch.choices
+    ]
+    assert isinstance("".join(texts), str)
+    again = c.completions.create(model="mini-gqa", prompt=prompt + " more", max_tokens=3)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert (again.usage.prompt_tokens_details.cached_tokens or 0) >= 64
+
+
+def test_models_health_ready_metrics(live_server: Callable[..., LiveServer]) -> None:
+    srv = live_server()
+    models = client(srv).models.list()
+    assert [m.id for m in models.data] == ["mini-gqa"]
+    assert httpx.get(srv.url + "/health").status_code == 200
+    ready = httpx.get(srv.url + "/ready")
+    assert ready.status_code == 200 and ready.json()["cache"] == "enabled"
+    text = httpx.get(srv.url + "/metrics").text
+    assert "dscache_server_ttft_seconds" in text
+    assert "dscache_server_cache_fallbacks_total" in text
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "hi"}], "temperature": 5}, "temperature"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]},
+            "stop",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, "max_tokens"),
+        ({"prompt": "x"}, "messages"),
+    ],
+)
+def test_bad_requests_get_openai_errors(
+    live_server: Callable[..., LiveServer], body: dict[str, object], param: str
+) -> None:
+    srv = live_server()
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+
+
+def test_malformed_json_unknown_model_oversize(
+    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer
+) -> None:
+    srv = live_server(max_context_tokens=256, max_request_bytes=64 * 1024)
+    url = srv.url + "/v1/chat/completions"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.post(url, json=[1, 2])
+    assert r.status_code == 400
+    r = httpx.post(url, json={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    long = random_text(tokenizer, 300, seed=4)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(srv).chat.completions.create(
+            model="mini-gqa", messages=[{"role": "user", "content": long}]
+        )
+    assert exc.value.code == "context_length_exceeded"
+    r = httpx.post(url, content=b"x" * (70 * 1024), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": [10**9]})
+    assert r.status_code == 400
+    assert srv.metric("dscache_server_requests_total", endpoint="chat", code="400") >= 3
+
+
+def test_full_queue_answers_429_with_retry_after(
+    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer
+) -> None:
+    srv = live_server(max_concurrency=1, max_queue=1)
+    body = {
+        "messages": [{"role": "user", "content": random_text(tokenizer, 20, seed=5)}],
+        "max_tokens": 12,
+    }
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as ac:
+            tasks = [ac.post(srv.url + "/v1/chat/completions", json=body) for _ in range(4)]
+            return list(await asyncio.gather(*tasks))
+
+    codes = sorted(r.status_code for r in asyncio.run(burst()))
+    assert codes[0] == 200
+    assert 429 in codes
+    limited = [r for r in asyncio.run(burst()) if r.status_code == 429]
+    for r in limited:
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+
+
+def test_one_sessions_requests_are_not_reordered(
+    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer
+) -> None:
+    srv = live_server(max_concurrency=2, max_queue=8)
+    done: list[int] = []
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=120) as ac:
+
+            async def send(i: int, n: int) -> None:
+                r = await ac.post(
+                    srv.url + "/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": f"turn {i}"}], "max_tokens": n},
+                    headers={"X-Session-ID": "ordered"},
+                )
+                assert r.status_code == 200
+                done.append(i)
+
+            # The first turn is the slowest; with two slots it would finish last
+            # unless the session keeps its order.
+            tasks = []
+            for i, n in enumerate((12, 1, 1)):
+                tasks.append(asyncio.create_task(send(i, n)))
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert done == [0, 1, 2]
+
+
+def test_session_header_is_echoed_on_errors_and_streams(
+    live_server: Callable[..., LiveServer],
+) -> None:
+    srv = live_server()
+    r = httpx.post(
+        srv.url + "/v1/chat/completions",
+        json={"messages": []},
+        headers={"X-Session-ID": "abc"},
+    )
+    assert r.headers["x-session-id"] == "abc"
+    with httpx.stream(
+        "POST",
+        srv.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 2},
+        headers={"X-Session-ID": "abc"},
+    ) as resp:
+        assert resp.headers["x-session-id"] == "abc"
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_prewarm_command_stores_prefixes(
+    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer, tmp_path: Path
+) -> None:
+    srv = live_server()
+    prompts = tmp_path / "prompts.jsonl"
+    chats = [
+        {"messages": [{"role": "user", "content": random_text(tokenizer, 80, seed=50 + i)}]}
+        for i in range(2)
+    ]
+    prompts.write_text("\n".join(json.dumps(c) for c in chats) + "\n")
+    assert main(["prewarm", "--target", srv.url, "--prompts", str(prompts)]) == 0
+    wait_stored(srv)
+    again = prewarm(srv.url, [c["messages"] for c in chats], progress=False)
+    assert again.sent == 2 and again.failed == 0
+    assert again.cached_tokens >= 2 * 64
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    assert main(["prewarm", "--target", srv.url, "--prompts", str(bad)]) == 2

@@ -1,0 +1,169 @@
+"""Pure pieces of the model server: attention merging, block round trip, sampling,
+stop strings, the chat template, the cost model, the scheduler and the settings."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from dscache_server.cache import CostModel
+from dscache_server.config import ServerSettings, add_server_arguments, settings_from_args
+from dscache_server.generate import IncrementalDetokenizer, SamplingParams, StopMatcher, sample
+from dscache_server.kv import flash_part, latent_part, merge_parts
+from dscache_server.metrics import ServerMetrics
+from dscache_server.scheduler import QueueFullError, Scheduler
+from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer, TemplateError
+from srv_helpers import engine_for
+
+
+def test_merged_chunks_equal_attention_over_the_concatenation() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 7, 16, generator=g)
+    chunks = [torch.randn(1, 4, n, 16, generator=g) for n in (5, 32, 1)]
+    values = [torch.randn(1, 4, n, 16, generator=g) for n in (5, 32, 1)]
+    parts = [
+        flash_part(q, k, v, causal=False, scale=0.25) for k, v in zip(chunks, values, strict=True)
+    ]
+    merged, lse = merge_parts(parts)
+    full = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat(chunks, 2), torch.cat(values, 2), scale=0.25
+    )
+    assert float((merged - full).abs().max()) < 1e-5
+    scores = q @ torch.cat(chunks, 2).transpose(-1, -2) * 0.25
+    assert float((lse - torch.logsumexp(scores, -1)).abs().max()) < 1e-4
+
+
+def test_latent_part_is_attention_with_shared_keys() -> None:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(6, 24, generator=g)
+    latent = torch.randn(9, 24, generator=g)
+    out, lse = latent_part(q, latent, 16, 0.3)
+    p = torch.softmax(q @ latent.t() * 0.3, dim=-1)
+    assert float((out - p @ latent[:, :16]).abs().max()) < 1e-5
+    assert float((lse - torch.logsumexp(q @ latent.t() * 0.3, -1)).abs().max()) < 1e-5
+
+
+def test_engine_matches_transformers_forward_and_blocks_round_trip() -> None:
+    engine = engine_for("mini-gqa")
+    ids = [int(t) for t in np.random.default_rng(3).integers(2, 100_000, size=75)]
+    seq = engine.new_sequence()
+    ours = engine.forward(seq, ids)
+    ref = engine.reference_logits(ids)
+    assert float((ours - ref).abs().max()) <= 1e-4
+    blocks = [engine.adapter.export(seq, i) for i in range(2)]
+    assert blocks[0].shape == engine.adapter.block_shape
+    again = engine.new_sequence()
+    engine.adapter.restore(again, blocks)
+    assert again.restored_tokens == 64
+    np.testing.assert_array_equal(engine.adapter.export(again, 1), blocks[1])
+    with pytest.raises(ValueError):
+        engine.adapter.restore(engine.new_sequence(), [blocks[0][:, :, :1]])
+
+
+def test_greedy_and_seeded_sampling() -> None:
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.9])
+    assert sample(logits, SamplingParams(temperature=0), torch.Generator()) == 1
+    draws = [
+        sample(logits, SamplingParams(temperature=1.0, seed=5), torch.Generator().manual_seed(5))
+        for _ in range(3)
+    ]
+    assert len(set(draws)) == 1
+    nucleus = SamplingParams(temperature=1.0, top_p=0.01)
+    g = torch.Generator().manual_seed(0)
+    assert {sample(logits, nucleus, g) for _ in range(20)} == {1}
+
+
+def test_stop_strings_are_cut_and_never_emitted() -> None:
+    m = StopMatcher(["END"])
+    emitted = ""
+    stopped = False
+    for piece in ["hello E", "N", "D and more"]:
+        out, stopped = m.feed(piece)
+        emitted += out
+        if stopped:
+            break
+    assert stopped and emitted + m.flush() == "hello " and m.text == "hello "
+    m = StopMatcher([])
+    assert m.feed("abc") == ("abc", False)
+
+
+def test_incremental_detokenizer_matches_full_decode(tokenizer: DeepSeekTokenizer) -> None:
+    text = "Bonds yield 4.5% — 债券收益率 上升 🚀 end"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer)
+    assert "".join(detok.push(i) for i in ids) == tokenizer.decode(ids)
+
+
+def test_chat_template_turns_extend_each_other(tokenizer: DeepSeekTokenizer) -> None:
+    turn1 = [ChatMessage("system", "You are terse."), ChatMessage("user", "Hi there")]
+    ids1 = tokenizer.apply_chat_template(turn1)
+    turn2 = [*turn1, ChatMessage("assistant", "Hello!"), ChatMessage("user", "More?")]
+    ids2 = tokenizer.apply_chat_template(turn2)
+    assert ids2[: len(ids1)] == ids1
+    assert ids1[0] == tokenizer.bos_id and ids1[-1] == tokenizer.assistant_id
+    assert tokenizer.eos_id in ids2
+    rendered = tokenizer.decode(ids2, skip_special=False)
+    assert rendered.startswith(tokenizer.decode([tokenizer.bos_id], skip_special=False))
+    with pytest.raises(TemplateError):
+        tokenizer.apply_chat_template([])
+    assert tokenizer.vocab_size <= engine_for("mini-gqa").vocab_size
+
+
+def test_cost_model_crossover() -> None:
+    cost = CostModel(
+        prefill_tokens_per_s=1000.0,
+        load_bytes_per_s=1e9,
+        lookup_overhead_s=0.01,
+        bytes_per_token=10_000,
+    )
+    crossover = cost.crossover_tokens()
+    assert crossover is not None
+    assert not cost.pays(crossover - 2) and cost.pays(crossover + 1)
+    slow_disk = CostModel(1000.0, 1e6, 0.0, 10_000)
+    assert slow_disk.crossover_tokens() is None and not slow_disk.pays(10_000)
+
+
+def test_scheduler_bounds_the_queue_and_keeps_session_order() -> None:
+    async def run() -> tuple[list[str], bool]:
+        s = Scheduler(max_concurrency=1, max_queue=2, metrics=ServerMetrics())
+        order: list[str] = []
+        gate = asyncio.Event()
+
+        async def job(name: str, session: str | None) -> None:
+            async with s.slot(session):
+                if name == "a1":
+                    await gate.wait()
+                order.append(name)
+
+        first = asyncio.create_task(job("a1", "a"))
+        await asyncio.sleep(0)
+        rest = [asyncio.create_task(job("a2", "a")), asyncio.create_task(job("b1", "b"))]
+        await asyncio.sleep(0)
+        refused = False
+        try:
+            async with s.slot("c"):
+                pass
+        except QueueFullError:
+            refused = True
+        gate.set()
+        await asyncio.gather(first, *rest)
+        return order, refused
+
+    order, refused = asyncio.run(run())
+    assert refused
+    assert order.index("a1") < order.index("a2")
+
+
+def test_settings_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DSCACHE_SERVER_PORT", "9001")
+    monkeypatch.setenv("DSCACHE_SERVER_MIN_CACHE_TOKENS", "1024")
+    p = argparse.ArgumentParser()
+    add_server_arguments(p)
+    s = settings_from_args(p.parse_args(["--model", "mini-gqa", "--port", "9002"]))
+    assert (s.model, s.port, s.min_cache_tokens, s.calibrate) == ("mini-gqa", 9002, 1024, True)
+    assert settings_from_args(p.parse_args(["--no-calibrate"])).calibrate is False
+    with pytest.raises(ValueError):
+        ServerSettings(sidecar_data_dir="/x")
