@@ -251,6 +251,36 @@ class SidecarClient:
         self._stub = pb_grpc.KVCacheStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._segments = _Segments(Path(data_dir)) if data_dir else None
+        self._connected = False
+        self._state: grpc.ChannelConnectivity | None = None
+        self._state_changed = threading.Condition()
+        self._channel.subscribe(self._on_state, try_to_connect=True)
+
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        with self._state_changed:
+            self._state = state
+            self._state_changed.notify_all()
+
+    def _ready(self) -> None:
+        """Waits for the first connection, failing fast when the daemon refuses it.
+
+        Connection setup is not a lookup's cost: without this, the first call of a
+        new client spends its whole (short) deadline connecting on a busy machine.
+        A daemon that is down fails at once (TRANSIENT_FAILURE), not after a wait.
+        """
+        if self._connected:
+            return
+        ok = grpc.ChannelConnectivity.READY
+        failed = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+        with self._state_changed:
+            self._state_changed.wait_for(
+                lambda: self._state is ok or self._state in failed,
+                timeout=max(2.0, 4 * self.timeout_s),
+            )
+            state = self._state
+        if state is not ok:
+            raise SidecarUnavailableError(f"cannot connect to {self.target} ({state})")
+        self._connected = True
 
     # -- reads
 
@@ -258,6 +288,7 @@ class SidecarClient:
         """Number of leading keys stored; no side effects."""
         if not keys:
             return 0
+        self._ready()
         try:
             resp = self._stub.Lookup(
                 pb.LookupRequest(tenant=tenant, keys=list(keys), block_tokens=block_tokens),
@@ -279,6 +310,7 @@ class SidecarClient:
         """Leases and maps the leading stored blocks (streams them without data_dir)."""
         if not keys:
             return LoadedBlocks([], [])
+        self._ready()
         if self._segments is None:
             return self._load_streaming(tenant, keys, verify)
         try:
@@ -369,6 +401,7 @@ class SidecarClient:
         """
         if not blocks:
             return 0
+        self._ready()
         encoded = [self._encode(b, compress) for b in blocks]
         if self._segments is None:
             return sum(
@@ -467,6 +500,7 @@ class SidecarClient:
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
     def close(self) -> None:
+        self._channel.unsubscribe(self._on_state)
         self._channel.close()
         if self._segments is not None:
             self._segments.close()

@@ -114,23 +114,29 @@ def test_prefix_stored_by_another_server_process(preset: str, sidecar: SidecarDa
             assert time.monotonic() < deadline, "server did not become ready"
             time.sleep(0.5)
         ids = prompt_ids(3 * BLOCK_TOKENS + 21, seed=23)
-        r = httpx.post(
-            url + "/v1/completions",
-            json={"prompt": ids[: 3 * BLOCK_TOKENS + 5], "max_tokens": 1},
-            headers={"X-Dscache-Tenant": "xproc"},
-            timeout=120,
-        )
-        assert r.status_code == 200, r.text
-
         engine = engine_for(preset)
         cache = make_cache(engine, sidecar)
         chain = KeyChain(engine.fingerprint, tenant_salt("tenant:xproc"))
         keys = chain.keys(ids[: 3 * BLOCK_TOKENS])
         assert cache.store is not None
-        deadline = time.monotonic() + 60
-        while cache.store.lookup(chain.tenant, keys) < 3:  # stored in the background
-            assert time.monotonic() < deadline, "the other process never stored its prefix"
-            time.sleep(0.2)
+        # The other process stores in the background. On a loaded machine one of its
+        # sidecar calls can miss its deadline (the request then recomputes and the
+        # cache is skipped for a cool-down), so a second request may be needed.
+        for _attempt in range(3):
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"prompt": ids[: 3 * BLOCK_TOKENS + 5], "max_tokens": 1},
+                headers={"X-Dscache-Tenant": "xproc"},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+            deadline = time.monotonic() + 20
+            while cache.store.lookup(chain.tenant, keys) < 3 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if cache.store.lookup(chain.tenant, keys) == 3:
+                break
+            time.sleep(3)  # past the server's circuit-breaker cool-down
+        assert cache.store.lookup(chain.tenant, keys) == 3, "the other process never stored it"
         assert_exact_after_restore(engine, cache, chain, ids, blocks=3)
         cache.close()
     finally:

@@ -3,106 +3,12 @@ real gRPC over a unix socket, real LMDB and segment files in a temp dir."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from dscache_sidecar.client import BlockData, SidecarClient
-from dscache_sidecar.config import SidecarSettings
-from dscache_sidecar.daemon import RunningSidecar, create_server
-from dscache_sidecar.metrics import SidecarMetrics
-
-from dscache.keys import KeyChain, KVLayout, LayoutKind, ModelFingerprint, tenant_salt
-
-BLOCK_TOKENS = 16
-LAYOUT = KVLayout(
-    LayoutKind.GQA, num_layers=2, dtype="float32", num_kv_heads=2, head_dim=8, v_head_dim=8
-)
-BLOCK_SHAPE = (2, 2, 2, BLOCK_TOKENS, 8)  # 4 KiB per block
-REPO = Path(__file__).resolve().parents[2]
-
-
-def chain(tenant: str = "tenant-a", model: str = "m") -> KeyChain:
-    fp = ModelFingerprint(model, "rev", LAYOUT, block_tokens=BLOCK_TOKENS)
-    return KeyChain(fp, tenant_salt(tenant))
-
-
-def block_array(key: bytes, shape: tuple[int, ...] = BLOCK_SHAPE) -> np.ndarray:
-    """Deterministic content per key, so any reader can check what it got."""
-    rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
-    return rng.standard_normal(shape, dtype=np.float32)
-
-
-def blocks_for(keys: list[bytes], shape: tuple[int, ...] = BLOCK_SHAPE) -> list[BlockData]:
-    return [
-        BlockData(k, keys[i - 1] if i else b"", block_array(k, shape)) for i, k in enumerate(keys)
-    ]
-
-
-def prompt(n_blocks: int, seed: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(0, 100_000, size=n_blocks * BLOCK_TOKENS)]
-
-
-def settings(tmp: Path, **kw: Any) -> SidecarSettings:
-    base: dict[str, Any] = {
-        "data_dir": tmp,
-        "capacity_bytes": 1024 * 1024,
-        "segment_bytes": 256 * 1024,
-        "metrics_port": 0,
-        "metrics_host": "127.0.0.1",
-        "restart_quarantine_s": 0,
-    }
-    base.update(kw)
-    return SidecarSettings(**base)
-
-
-class Sidecar:
-    """An in-process daemon plus a client with the shared volume."""
-
-    def __init__(self, data_dir: Path, **kw: Any) -> None:
-        self.data_dir = data_dir
-        self.kw = kw
-        self.running: RunningSidecar | None = None
-        self.client: SidecarClient | None = None
-        self.start()
-
-    def start(self) -> None:
-        self.running = create_server(settings(self.data_dir, **self.kw), SidecarMetrics())
-        self.client = SidecarClient(self.running.socket_path, data_dir=str(self.data_dir))
-
-    def stop(self) -> None:
-        if self.client is not None:
-            self.client.close()
-        if self.running is not None:
-            self.running.stop(grace_s=1)
-        self.client, self.running = None, None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    @property
-    def c(self) -> SidecarClient:
-        assert self.client is not None
-        return self.client
-
-    @property
-    def store(self) -> Any:
-        assert self.running is not None
-        return self.running.store
-
-    def metric(self, name: str, **labels: str) -> float:
-        assert self.running is not None
-        value = self.running.metrics.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
+from sidecar_helpers import DaemonProcess, Sidecar
 
 
 @pytest.fixture
@@ -122,60 +28,6 @@ def make_sidecar(tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
 @pytest.fixture
 def sidecar(make_sidecar: Callable[..., Sidecar]) -> Sidecar:
     return make_sidecar()
-
-
-class DaemonProcess:
-    """``dscache sidecar`` as a real subprocess (for kill -9 and disk tests)."""
-
-    def __init__(self, data_dir: Path, *extra: str) -> None:
-        self.data_dir = data_dir
-        self.socket = str(data_dir / "sidecar.sock")
-        self.extra = extra
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = data_dir.parent / f"{data_dir.name}.log"
-
-    def start(self, timeout: float = 30) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "dscache.cli",
-            "sidecar",
-            "--data-dir",
-            str(self.data_dir),
-            "--socket",
-            self.socket,
-            "--metrics-port",
-            "0",
-            "--metrics-host",
-            "127.0.0.1",
-            "--restart-quarantine",
-            "0",
-            *self.extra,
-        ]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + timeout
-        probe = None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.log.read_text()[-3000:]}")
-            if os.path.exists(self.socket):
-                probe = probe or SidecarClient(self.socket, timeout_s=1)
-                if probe.healthy():
-                    probe.close()
-                    return
-            time.sleep(0.05)
-        raise RuntimeError(f"daemon not healthy in {timeout}s: {self.log.read_text()[-3000:]}")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def terminate(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(20)
 
 
 @pytest.fixture

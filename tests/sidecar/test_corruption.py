@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from conftest import Sidecar, block_array, blocks_for, chain, prompt
 from dscache_sidecar.client import SidecarClient
 from dscache_sidecar.segments import HEADER_BYTES, SegmentFiles
+from sidecar_helpers import Sidecar, block_array, blocks_for, chain, prompt
 
 FAILURES = "dscache_sidecar_checksum_failures_total"
 

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from conftest import REPO, DaemonProcess, block_array, chain, prompt
 from dscache_sidecar.client import SidecarClient, SidecarError
+from sidecar_helpers import REPO, DaemonProcess, block_array, chain, prompt
 
 CHAIN_BLOCKS = 6
 WAIT_S = 30
@@ -38,7 +38,7 @@ WAIT_S = 30
 WRITER = f"""
 import sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from conftest import blocks_for, chain, prompt
+from sidecar_helpers import blocks_for, chain, prompt
 from dscache_sidecar.client import SidecarClient, SidecarError
 
 sock, data_dir = sys.argv[1], sys.argv[2]

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DaemonProcess, Sidecar, block_array, blocks_for, chain, prompt
 from dscache_sidecar.client import SidecarClient, SidecarFullError
+from sidecar_helpers import DaemonProcess, Sidecar, block_array, blocks_for, chain, prompt
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -9,10 +9,10 @@ from typing import Any
 
 import grpc
 import numpy as np
-from conftest import BLOCK_SHAPE, Sidecar, block_array, chain, prompt
 from dscache_sidecar.client import BlockData, SidecarFullError
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sidecar_helpers import BLOCK_SHAPE, Sidecar, block_array, chain, prompt
 
 from dscache.v1 import kvcache_pb2 as pb
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc

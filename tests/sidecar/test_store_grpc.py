@@ -10,8 +10,8 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from conftest import BLOCK_SHAPE, Sidecar, block_array, blocks_for, chain, prompt
 from dscache_sidecar.client import BlockData, SidecarClient, SidecarFullError
+from sidecar_helpers import BLOCK_SHAPE, Sidecar, block_array, blocks_for, chain, prompt
 
 from dscache.v1 import kvcache_pb2 as pb
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
