@@ -252,34 +252,23 @@ class SidecarClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._segments = _Segments(Path(data_dir)) if data_dir else None
         self._connected = False
-        self._state: grpc.ChannelConnectivity | None = None
-        self._state_changed = threading.Condition()
-        self._channel.subscribe(self._on_state, try_to_connect=True)
-
-    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
-        with self._state_changed:
-            self._state = state
-            self._state_changed.notify_all()
 
     def _ready(self) -> None:
-        """Waits for the first connection, failing fast when the daemon refuses it.
+        """Connects with one health check under a longer deadline, once.
 
         Connection setup is not a lookup's cost: without this, the first call of a
         new client spends its whole (short) deadline connecting on a busy machine.
-        A daemon that is down fails at once (TRANSIENT_FAILURE), not after a wait.
+        A daemon that is down fails at once (the socket refuses), not after a wait.
+        No connectivity subscription: its polling thread outlives ``close()``.
         """
         if self._connected:
             return
-        ok = grpc.ChannelConnectivity.READY
-        failed = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
-        with self._state_changed:
-            self._state_changed.wait_for(
-                lambda: self._state is ok or self._state in failed,
-                timeout=max(2.0, 4 * self.timeout_s),
+        try:
+            self._health.Check(
+                health_pb2.HealthCheckRequest(), timeout=max(2.0, 4 * self.timeout_s)
             )
-            state = self._state
-        if state is not ok:
-            raise SidecarUnavailableError(f"cannot connect to {self.target} ({state})")
+        except grpc.RpcError as exc:
+            raise _wrap(exc) from exc
         self._connected = True
 
     # -- reads
@@ -500,7 +489,6 @@ class SidecarClient:
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
     def close(self) -> None:
-        self._channel.unsubscribe(self._on_state)
         self._channel.close()
         if self._segments is not None:
             self._segments.close()
