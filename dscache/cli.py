@@ -23,6 +23,7 @@ _COMPONENTS: tuple[tuple[str, str], ...] = (
     ("dscache_server.cli", "server"),
     ("dscache_operator.cli", "operator"),
     ("dscache.devcli", "dev"),
+    ("dscache.democli", "all"),
 )
 
 Handler = Callable[[argparse.Namespace], int]

@@ -3,7 +3,7 @@
 # contracts, and the whole pytest suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh nginx-light libnginx-mod-http-ndk libnginx-mod-http-lua prometheus
 source .venv/bin/activate
 
 echo "== gRPC stubs"; bash scripts/check_proto.sh

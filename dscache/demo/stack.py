@@ -1,0 +1,439 @@
+"""The whole data path on one machine: sidecars, model servers, NGINX, Prometheus.
+
+Every piece is the real program (``dscache sidecar``, ``dscache server``, Debian's
+NGINX with the Lua module running the config of :mod:`dscache.router.nginx`,
+optionally Debian's Prometheus), started as a child process on loopback with a
+free port and its files under one work dir. The demo and the end-to-end tests
+build their stacks from these calls.
+
+Contract:
+    * Nothing listens beyond 127.0.0.1; nothing is written outside the work dir.
+    * ``LocalStack`` is a context manager: leaving it stops every child it started,
+      on success, on error, and on Ctrl-C.
+    * A child that fails to start is a ``StartError`` naming its log file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dscache.demo.procs import Child, ProcessGroup, StartError, free_port, http_ok, wait_until
+
+log = logging.getLogger(__name__)
+
+#: Debian packages the router needs (``scripts/setup.sh`` installs them).
+NGINX_PACKAGES = ("nginx-light", "libnginx-mod-http-lua", "libnginx-mod-http-ndk")
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """A running sidecar."""
+
+    name: str
+    data_dir: Path
+    socket: Path
+    metrics_port: int
+    child: Child
+
+    @property
+    def metrics_url(self) -> str:
+        """Its Prometheus endpoint."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+
+@dataclass(frozen=True)
+class Server:
+    """A running model server."""
+
+    name: str
+    port: int
+    child: Child
+    sidecar: Sidecar | None
+    track: str = "stable"
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as the router's upstream list wants it."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """Base URL."""
+        return f"http://{self.address}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Its Prometheus endpoint."""
+        return self.url + "/metrics"
+
+
+@dataclass
+class Router:
+    """A running NGINX."""
+
+    port: int
+    workdir: Path
+    conf: Path
+    child: Child
+    stable: tuple[str, ...] = ()
+    canary: tuple[str, ...] = ()
+    canary_weight: float = 0.0
+    prompt_key: bool = True
+
+    @property
+    def url(self) -> str:
+        """Base URL clients use."""
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    """How the local stack runs its children.
+
+    Attributes:
+        model: model preset or checkpoint dir for every server.
+        threads: torch threads per server.
+        max_queue: requests a server lets wait before answering 429.
+        sidecar_capacity: segment space per sidecar (e.g. ``1GiB``).
+        sidecar_segment_size: bytes per segment file.
+        ready_timeout_s: how long a server may take to load and calibrate.
+        server_args: extra ``dscache server`` flags.
+    """
+
+    model: str = "mini-gqa"
+    threads: int = 1
+    max_queue: int = 64
+    sidecar_capacity: str = "1GiB"
+    sidecar_segment_size: str = "64MiB"
+    ready_timeout_s: float = 600.0
+    server_args: tuple[str, ...] = ()
+
+
+def child_env() -> dict[str, str]:
+    """Env for Python children: our import roots on PYTHONPATH, unbuffered output.
+
+    In an installed checkout this changes nothing; in a source tree it makes the
+    children import the same packages as this process.
+    """
+    roots: list[str] = []
+    for pkg in ("dscache", "dscache_sidecar", "dscache_server"):
+        spec = importlib.util.find_spec(pkg)
+        if spec is not None and spec.submodule_search_locations:
+            root = str(Path(next(iter(spec.submodule_search_locations))).parent)
+            if root not in roots:
+                roots.append(root)
+    existing = os.environ.get("PYTHONPATH")
+    if existing:
+        roots.append(existing)
+    return {"PYTHONPATH": os.pathsep.join(roots), "PYTHONUNBUFFERED": "1"}
+
+
+def find_nginx() -> str:
+    """Path of the ``nginx`` binary; a clear error naming the packages if absent."""
+    from dscache.router import DEBIAN_LUA_MODULES
+
+    path = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+    )
+    missing = [m for m in DEBIAN_LUA_MODULES if not Path(m).exists()]
+    if path is None or missing:
+        raise StartError(
+            "the router needs NGINX with its Lua module: apt-get install "
+            + " ".join(NGINX_PACKAGES)
+        )
+    return path
+
+
+@dataclass
+class LocalStack:
+    """Children of one local deployment; stop them all by leaving the context."""
+
+    workdir: Path
+    options: StackOptions = field(default_factory=StackOptions)
+    procs: ProcessGroup = field(init=False)
+    sidecars: list[Sidecar] = field(default_factory=list)
+    servers: list[Server] = field(default_factory=list)
+    router: Router | None = None
+    prometheus_port: int | None = None
+    _seq: int = 0
+    _prometheus: Child | None = None
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.procs = ProcessGroup(self.workdir / "logs")
+        self._env = child_env()
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _python(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "dscache.cli", "--log-level", "INFO", *args]
+
+    def _name(self, prefix: str) -> str:
+        self._seq += 1
+        return f"{prefix}{self._seq}"
+
+    # -- sidecars -----------------------------------------------------------------
+
+    def start_sidecar(self, name: str | None = None) -> Sidecar:
+        """Starts a sidecar on a fresh data dir and waits until it serves."""
+        name = name or self._name("sidecar")
+        data = self.workdir / name
+        data.mkdir(parents=True, exist_ok=True)
+        sock = data / "sidecar.sock"
+        port = free_port()
+        child = self.procs.start(
+            name,
+            self._python(
+                "sidecar",
+                "--data-dir", str(data),
+                "--capacity", self.options.sidecar_capacity,
+                "--segment-size", self.options.sidecar_segment_size,
+                "--socket", str(sock),
+                "--metrics-host", "127.0.0.1",
+                "--metrics-port", str(port),
+            ),
+            env=self._env,
+        )  # fmt: skip
+        sidecar = Sidecar(name, data, sock, port, child)
+        wait_until(
+            lambda: sock.exists() and http_ok(sidecar.metrics_url),
+            child=child,
+            timeout_s=120,
+            what="serving",
+        )
+        self.sidecars.append(sidecar)
+        return sidecar
+
+    def kill_sidecar(self, sidecar: Sidecar) -> None:
+        """SIGKILLs a sidecar, as a crash would."""
+        self.procs.kill(sidecar.child)
+
+    # -- model servers --------------------------------------------------------------
+
+    def start_servers(
+        self,
+        count: int,
+        *,
+        cache: bool,
+        track: str = "stable",
+        prefix: str = "server",
+    ) -> list[Server]:
+        """Starts ``count`` servers (each with its own sidecar when ``cache``) at once.
+
+        They load in parallel; the call returns when every one answers ``/ready``.
+        """
+        started: list[Server] = []
+        for _ in range(count):
+            name = self._name(prefix)
+            sidecar = self.start_sidecar(name + "-sidecar") if cache else None
+            port = free_port()
+            args = [
+                "server",
+                "--model", self.options.model,
+                "--host", "127.0.0.1",
+                "--port", str(port),
+                "--threads", str(self.options.threads),
+                "--max-queue", str(self.options.max_queue),
+                *self.options.server_args,
+            ]  # fmt: skip
+            if sidecar is not None:
+                args += ["--sidecar-socket", str(sidecar.socket)]
+                args += ["--sidecar-data-dir", str(sidecar.data_dir)]
+            child = self.procs.start(name, self._python(*args), env=self._env)
+            started.append(Server(name, port, child, sidecar, track))
+        for server in started:
+            wait_until(
+                lambda s=server: http_ok(s.url + "/ready"),  # type: ignore[misc]
+                child=server.child,
+                timeout_s=self.options.ready_timeout_s,
+                what="ready",
+                interval_s=0.5,
+            )
+        self.servers.extend(started)
+        return started
+
+    def stop_server(self, server: Server) -> None:
+        """Stops a server and its sidecar."""
+        self.procs.stop(server.child, grace_s=30)
+        if server.sidecar is not None:
+            self.procs.stop(server.sidecar.child)
+            if server.sidecar in self.sidecars:
+                self.sidecars.remove(server.sidecar)
+        if server in self.servers:
+            self.servers.remove(server)
+
+    # -- router ---------------------------------------------------------------------
+
+    def _render(self, router: Router) -> None:
+        from dscache.router import DEBIAN_LUA_MODULES, PromptKey, RouterConfig, render_nginx_conf
+
+        cfg = RouterConfig(
+            listen=f"127.0.0.1:{router.port}",
+            stable=router.stable,
+            canary=router.canary,
+            canary_weight=router.canary_weight,
+            prompt_key=PromptKey(mode="lua" if router.prompt_key else "off"),
+            load_modules=DEBIAN_LUA_MODULES,
+            pid_file=str(router.workdir / "nginx.pid"),
+            temp_dir=str(router.workdir),
+            error_log=str(router.workdir / "error.log"),
+            debug_headers=True,
+        )
+        router.conf.write_text(render_nginx_conf(cfg))
+
+    def start_router(
+        self,
+        stable: list[Server] | None = None,
+        canary: list[Server] | None = None,
+        *,
+        canary_weight: float = 0.0,
+        prompt_key: bool = True,
+    ) -> Router:
+        """Starts NGINX in front of the given servers (default: all, on stable)."""
+        nginx = find_nginx()
+        if self.router is not None:
+            self.stop_router()
+        stable = self.servers if stable is None and canary is None else (stable or [])
+        workdir = self.workdir / "router"
+        workdir.mkdir(parents=True, exist_ok=True)
+        # NGINX run as root drops its workers to 'nobody'; they must reach the dir.
+        for d in (self.workdir, workdir):
+            d.chmod(0o755)
+        router = Router(
+            port=free_port(),
+            workdir=workdir,
+            conf=workdir / "nginx.conf",
+            child=None,  # type: ignore[arg-type]  # set right below
+            stable=tuple(s.address for s in stable),
+            canary=tuple(s.address for s in canary or ()),
+            canary_weight=canary_weight,
+            prompt_key=prompt_key,
+        )
+        self._render(router)
+        argv = [nginx, "-p", str(workdir), "-c", str(router.conf), "-e", "stderr"]
+        argv += ["-g", "daemon off;"]
+        router.child = self.procs.start("nginx", argv, stop_signal=signal.SIGQUIT)
+        wait_until(
+            lambda: http_ok(router.url + "/dscache/router/health"),
+            child=router.child,
+            timeout_s=30,
+            what="serving",
+        )
+        self.router = router
+        return router
+
+    def set_canary_weight(self, weight: float) -> None:
+        """Re-renders the router's config with a new canary weight and reloads NGINX.
+
+        Returns once every old worker has exited, so each later request sees the
+        new weight.
+        """
+        router = self.router
+        if router is None:
+            raise RuntimeError("no router running")
+        router.canary_weight = weight
+        self._render(router)
+        before = set(_worker_pids(router.child.pid))
+        os.kill(router.child.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            now = set(_worker_pids(router.child.pid))
+            if now and not now & before:
+                return
+            time.sleep(0.05)
+        raise StartError(f"nginx did not reload; log {router.child.log_path}")
+
+    def stop_router(self) -> None:
+        """Stops NGINX (graceful quit)."""
+        if self.router is not None:
+            self.procs.stop(self.router.child)
+            self.router = None
+
+    # -- prometheus -----------------------------------------------------------------
+
+    def start_prometheus(self, scrape_interval_s: int = 2, run_label: str = "") -> int:
+        """Points Debian's Prometheus at every running server and sidecar.
+
+        The first call starts it; later calls rewrite its targets and reload it
+        (SIGHUP), so one Prometheus and one TSDB span every pass of a demo. Targets
+        carry ``run=<run_label>``. Returns its port.
+        """
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise StartError("Prometheus is optional and not installed: apt-get install prometheus")
+        pdir = self.workdir / "prometheus"
+        pdir.mkdir(parents=True, exist_ok=True)
+        servers = ", ".join(f"'{s.address}'" for s in self.servers)
+        sidecars = ", ".join(f"'127.0.0.1:{s.metrics_port}'" for s in self.sidecars)
+        labels = f", labels: {{run: '{run_label}'}}" if run_label else ""
+        conf = pdir / "prometheus.yml"
+        conf.write_text(
+            "global:\n"
+            f"  scrape_interval: {scrape_interval_s}s\n"
+            "scrape_configs:\n"
+            "  - job_name: dscache-server\n"
+            f"    static_configs: [{{targets: [{servers}]{labels}}}]\n"
+            "  - job_name: dscache-sidecar\n"
+            f"    static_configs: [{{targets: [{sidecars}]{labels}}}]\n"
+        )
+        if self._prometheus is not None and self._prometheus.alive():
+            os.kill(self._prometheus.pid, signal.SIGHUP)
+            assert self.prometheus_port is not None
+            return self.prometheus_port
+        port = free_port()
+        child = self.procs.start(
+            "prometheus",
+            [
+                binary,
+                f"--config.file={conf}",
+                f"--storage.tsdb.path={pdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+        )
+        wait_until(
+            lambda: http_ok(f"http://127.0.0.1:{port}/-/ready"),
+            child=child,
+            timeout_s=60,
+            what="ready",
+        )
+        self._prometheus = child
+        self.prometheus_port = port
+        return port
+
+    def stop(self) -> None:
+        """Stops everything this stack started."""
+        self.procs.stop_all()
+        self.servers.clear()
+        self.sidecars.clear()
+        self.router = None
+        self._prometheus = None
+        self.prometheus_port = None
+
+
+def _worker_pids(master: int) -> list[int]:
+    """PIDs of an NGINX master's worker processes (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Field 4 (after the parenthesised command) is the parent pid.
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and int(fields[1]) == master:
+            out.append(int(entry.name))
+    return out

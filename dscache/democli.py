@@ -1,0 +1,205 @@
+"""``dscache workload``, ``dscache load`` and ``dscache demo``.
+
+Light module: argument parsing only; each handler imports its implementation, so
+``dscache --help`` stays fast and loads neither httpx nor matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    bench: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    """Adds the workload, load-generator and demo subcommands."""
+    del bench  # nothing here is a benchmark of one component
+    w = sub.add_parser("workload", help="generate a workload file (JSONL of chat requests)")
+    wsub = w.add_subparsers(dest="workload_kind", metavar="KIND", required=True)
+    f = wsub.add_parser(
+        "finance", help="multi-turn chats about listed companies (Chinese and English)"
+    )
+    f.add_argument("--sessions", type=int, default=200, help="conversations (default 200)")
+    f.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    f.add_argument("--out", required=True, type=Path, help="JSONL file to write")
+    f.add_argument(
+        "--drop-id-share",
+        type=float,
+        default=0.4,
+        help="share of requests without a session id: no header, no cookie (default 0.4)",
+    )
+    f.add_argument(
+        "--drop-mode",
+        choices=["request", "session"],
+        default="request",
+        help="drop ids per request, or for that share of whole sessions (default request)",
+    )
+    f.add_argument(
+        "--reconnect-share",
+        type=float,
+        default=0.1,
+        help="share of sessions that reconnect under a new id (default 0.1)",
+    )
+    f.add_argument("--min-turns", type=int, default=2, help="fewest turns per session (2)")
+    f.add_argument("--max-turns", type=int, default=8, help="most turns per session (8)")
+    f.add_argument("--companies", type=int, default=None, help="companies to use (default all 12)")
+    f.add_argument("--max-tokens", type=int, default=24, help="completion tokens asked (24)")
+    f.add_argument("--block-tokens", type=int, default=256, help="block size for the ideal (256)")
+    f.add_argument(
+        "--no-ideal", action="store_true", help="skip the ideal hit ratio (needs the tokenizer)"
+    )
+    f.set_defaults(handler=_run_workload)
+
+    ld = sub.add_parser("load", help="replay a workload file against a server or the router")
+    ld.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8080")
+    ld.add_argument("--workload", required=True, type=Path, help="JSONL from dscache workload")
+    ld.add_argument("--concurrency", type=int, default=4, help="sessions in flight (default 4)")
+    limit = ld.add_mutually_exclusive_group()
+    limit.add_argument("--requests", type=int, default=None, help="stop after N requests")
+    limit.add_argument(
+        "--duration", type=_duration, default=None, help="stop starting requests after T (90s, 5m)"
+    )
+    ld.add_argument(
+        "--metrics",
+        action="append",
+        default=[],
+        help="a model server's /metrics URL for the cache figures (repeat per server)",
+    )
+    ld.add_argument("--json", dest="json_out", type=Path, default=None, help="write the report")
+    ld.add_argument("--timeout", type=float, default=300.0, help="seconds per request (300)")
+    ld.add_argument("--model", default=None, help="model name to send (default: none)")
+    ld.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ld.set_defaults(handler=_run_load)
+
+    d = sub.add_parser(
+        "demo",
+        help="run sidecars, two model servers and NGINX locally; replay the finance "
+        "workload with the cache off and on; print the gain",
+    )
+    d.add_argument("--quick", action="store_true", help="the ~2-minute profile")
+    d.add_argument("--model", default="mini-gqa", help="model preset (default mini-gqa)")
+    d.add_argument("--json", dest="json_out", type=Path, default=None, help="write the report")
+    d.add_argument("--png", dest="png_out", type=Path, default=None, help="write the figure")
+    d.add_argument("--concurrency", type=int, default=4, help="sessions in flight (default 4)")
+    d.add_argument("--sessions", type=int, default=None, help="sessions (quick 8, default 40)")
+    d.add_argument("--companies", type=int, default=None, help="companies (quick 3, default 6)")
+    d.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    d.add_argument("--max-tokens", type=int, default=8, help="completion tokens (default 8)")
+    d.add_argument(
+        "--drop-id-share", type=float, default=0.4, help="requests without id (default 0.4)"
+    )
+    d.add_argument(
+        "--drop-mode",
+        choices=["request", "session"],
+        default="request",
+        help="drop ids per request, or for whole sessions (default request)",
+    )
+    d.add_argument("--no-prewarm", action="store_true", help="start the cache-on pass cold")
+    d.add_argument(
+        "--fallback-pass",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run cache-on without the prompt-key fallback (default: not with --quick)",
+    )
+    d.add_argument("--prometheus", action="store_true", help="also run Prometheus")
+    d.add_argument("--workdir", type=Path, default=None, help="keep files and logs here")
+    d.add_argument("--threads", type=int, default=1, help="torch threads per server (1)")
+    d.set_defaults(handler=_run_demo)
+
+
+def _duration(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 5m)")
+    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[m.group(2) or "s"]
+    return float(m.group(1)) * scale
+
+
+def _run_workload(args: argparse.Namespace) -> int:
+    from dscache.workload import (
+        COMPANIES,
+        WorkloadConfig,
+        generate,
+        ideal_hit_ratio,
+        load_server_tokenizer,
+        summary,
+        write_jsonl,
+    )
+
+    cfg = WorkloadConfig(
+        sessions=args.sessions,
+        seed=args.seed,
+        drop_id_share=args.drop_id_share,
+        drop_mode=args.drop_mode,
+        reconnect_share=args.reconnect_share,
+        min_turns=args.min_turns,
+        max_turns=args.max_turns,
+        companies=args.companies or len(COMPANIES),
+        max_tokens=args.max_tokens,
+    )
+    requests = generate(cfg)
+    write_jsonl(requests, args.out)
+    info = summary(requests)
+    print(
+        f"wrote {info['requests']} requests ({info['sessions']} sessions, {info['companies']} "
+        f"companies, {100 * info['zh_share']:.0f}% Chinese, "
+        f"{100 * info['dropped_id_share']:.0f}% without session id, "
+        f"{info['reconnected_sessions']} reconnected sessions) to {args.out}"
+    )
+    if not args.no_ideal:
+        ideal = ideal_hit_ratio(requests, load_server_tokenizer(), block_tokens=args.block_tokens)
+        print(
+            f"prompt tokens {ideal.prompt_tokens} (mean {ideal.mean_prompt_tokens:.0f}, max "
+            f"{ideal.max_prompt_tokens}); ideal token hit ratio {ideal.token_hit_ratio:.3f} "
+            f"(infinite cache, {args.block_tokens}-token blocks, prefix semantics)"
+        )
+    return 0
+
+
+def _run_load(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from dscache.loadgen import LoadConfig, format_report, run_load, write_json
+    from dscache.workload import read_jsonl
+
+    cfg = LoadConfig(
+        target=args.target,
+        concurrency=args.concurrency,
+        requests=args.requests,
+        duration_s=args.duration,
+        timeout_s=args.timeout,
+        metrics_urls=tuple(args.metrics),
+        model=args.model,
+        progress=not args.no_progress,
+    )
+    report = asyncio.run(run_load(cfg, read_jsonl(args.workload)))
+    print(format_report(report))
+    if args.json_out is not None:
+        write_json(report, args.json_out)
+        print(f"JSON written to {args.json_out}")
+    return 0 if report.errors == 0 else 1
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from dscache.demo.run import DemoOptions, main
+
+    opts = DemoOptions(
+        quick=args.quick,
+        model=args.model,
+        concurrency=args.concurrency,
+        sessions=args.sessions,
+        companies=args.companies,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        drop_id_share=args.drop_id_share,
+        drop_mode=args.drop_mode,
+        prewarm=not args.no_prewarm,
+        fallback_pass=args.fallback_pass,
+        prometheus=args.prometheus,
+        workdir=args.workdir,
+        threads=args.threads,
+    )
+    return main(opts, args.json_out, args.png_out)

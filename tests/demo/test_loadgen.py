@@ -1,0 +1,137 @@
+"""The load generator against a fake streaming server: ordering, ids, cookies, timing."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+
+import pytest
+from fakes.openai_sse import FakeChatServer
+
+from dscache.loadgen import LoadConfig, parse_counters, percentile, run_load
+from dscache.workload import ChatRequest, WorkloadConfig, generate
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeChatServer]:
+    srv = FakeChatServer()
+    yield srv
+    srv.close()
+
+
+def _workload(sessions: int = 6) -> list[ChatRequest]:
+    return generate(
+        WorkloadConfig(sessions=sessions, seed=3, min_turns=3, max_turns=4, companies=2)
+    )
+
+
+def _run(cfg: LoadConfig, workload: list[ChatRequest]):  # type: ignore[no-untyped-def]
+    return asyncio.run(run_load(cfg, workload))
+
+
+def test_turns_in_order_sessions_in_parallel(fake: FakeChatServer) -> None:
+    workload = _workload()
+    report = _run(LoadConfig(target=fake.url, concurrency=3, progress=False), workload)
+    assert report.requests == len(workload) and report.errors == 0
+    by_session: dict[str, int] = {}
+    for r in workload:
+        by_session[r.session] = by_session.get(r.session, 0) + 1
+    results = {(r.session, r.turn): r for r in report.results}
+    for session, n in by_session.items():
+        for t in range(1, n):
+            prev, cur = results[(session, t - 1)], results[(session, t)]
+            assert cur.started_s >= prev.started_s + prev.e2e_s - 1e-6, (
+                f"{session} turn {t} started before turn {t - 1} ended"
+            )
+    # The history grows turn by turn: the fake saw every length a session sends.
+    assert sorted(s.n_messages for s in fake.seen) == sorted(len(r.messages) for r in workload)
+    # With 3 workers, some requests overlap in time.
+    spans = sorted((s.start, s.end) for s in fake.seen)
+    overlaps = sum(1 for a, b in itertools.pairwise(spans) if b[0] < a[1])
+    assert overlaps > 0
+
+
+def test_session_id_only_when_given_and_never_a_cookie(fake: FakeChatServer) -> None:
+    workload = _workload(8)
+    assert any(r.session_id is None for r in workload)
+    assert any(r.session_id is not None for r in workload)
+    _run(LoadConfig(target=fake.url, concurrency=2, progress=False), workload)
+    sent = sorted(fake.seen, key=lambda s: s.start)
+    assert len(sent) == len(workload)
+    expected = {r.session_id for r in workload}
+    assert {s.session for s in sent} == expected
+    assert sum(s.session is None for s in sent) == sum(r.session_id is None for r in workload)
+    # The fake answers every request with Set-Cookie; the client must not send it back.
+    assert all(s.cookie is None for s in sent)
+
+
+def test_ttft_is_the_first_content_chunk(fake: FakeChatServer) -> None:
+    fake.first_token_delay_s = 0.2
+    fake.rest_delay_s = 0.3
+    report = _run(
+        LoadConfig(target=fake.url, concurrency=1, requests=2, progress=False), _workload(1)
+    )
+    assert report.ok == 2
+    for r in report.results:
+        assert r.ttft_s is not None
+        assert 0.2 <= r.ttft_s < 0.45  # not the opening role-only chunk
+        assert r.e2e_s >= r.ttft_s + 0.29
+        assert r.prompt_tokens > 0 and r.cached_tokens == r.prompt_tokens // 2
+
+
+def test_errors_are_counted_not_raised(fake: FakeChatServer) -> None:
+    workload = _workload(4)
+    target = workload[1].messages[-1]["content"]
+    fake.fail_when = target
+    report = _run(LoadConfig(target=fake.url, concurrency=2, progress=False), workload)
+    failing = sum(r.messages[-1]["content"] == target for r in workload)
+    assert report.errors == failing > 0
+    assert report.error_kinds == {"http 500": failing}
+    assert report.ok == len(workload) - failing
+
+
+def test_request_cap_and_cache_figures_from_metrics(fake: FakeChatServer) -> None:
+    fake.cached_share = 0.75
+    report = _run(
+        LoadConfig(
+            target=fake.url,
+            concurrency=2,
+            requests=5,
+            metrics_urls=(fake.url + "/metrics",),
+            progress=False,
+        ),
+        _workload(),
+    )
+    assert report.requests == 5 == len(fake.seen)
+    assert report.token_hit_ratio == pytest.approx(0.75, abs=0.01)
+    assert report.recomputed_share == pytest.approx(0.25, abs=0.01)
+    assert report.client_token_hit_ratio == pytest.approx(0.75, abs=0.01)
+
+
+def test_duration_stops_new_requests(fake: FakeChatServer) -> None:
+    fake.first_token_delay_s = 0.1
+    report = _run(
+        LoadConfig(target=fake.url, concurrency=1, duration_s=0.25, progress=False), _workload()
+    )
+    assert 1 <= report.requests <= 3
+
+
+def test_percentile_and_counter_parsing() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    xs = [float(i) for i in range(1, 101)]
+    assert percentile(xs, 50) == pytest.approx(50.5)
+    assert percentile(xs, 99) == pytest.approx(99.01)
+    text = (
+        "# TYPE dscache_server_cache_hits counter\n"
+        'dscache_server_cache_hits_total{level="block"} 7.0\n'
+        'dscache_server_cache_hits_created{level="block"} 1.7e9\n'
+        'dscache_server_cache_hits_total{level="token"} 1792.0\n'
+        "# TYPE other counter\n"
+        'other_total{level="block"} 99.0\n'
+    )
+    assert parse_counters(text) == {
+        'dscache_server_cache_hits{level="block"}': 7.0,
+        'dscache_server_cache_hits{level="token"}': 1792.0,
+    }

@@ -1,0 +1,1 @@
+"""Typed fakes shared by tests: small stand-ins that speak the real protocols."""

@@ -1,0 +1,149 @@
+"""A fake OpenAI-compatible chat server for load-generator tests.
+
+It streams SSE like ``dscache server`` (an opening role-only chunk, content chunks,
+a finish chunk, a usage chunk, ``[DONE]``) after fixed delays, records what each
+request carried, always answers with a ``Set-Cookie`` (so a client that kept
+cookies would be caught), and serves ``/metrics`` with the server's counter names.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class Seen:
+    """One request as the fake received it."""
+
+    session: str | None  # X-Session-ID header
+    cookie: str | None
+    user_text: str
+    n_messages: int
+    start: float
+    end: float = 0.0
+
+
+@dataclass
+class FakeChatServer:
+    """Threaded HTTP server on a free loopback port.
+
+    Attributes:
+        first_token_delay_s: wait before the first content chunk.
+        rest_delay_s: wait between the first content chunk and the end.
+        fail_when: requests whose last user message contains this get HTTP 500.
+        cached_share: share of prompt tokens reported as cached (usage + /metrics).
+    """
+
+    first_token_delay_s: float = 0.05
+    rest_delay_s: float = 0.05
+    fail_when: str | None = None
+    cached_share: float = 0.5
+    seen: list[Seen] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    reused: float = 0.0
+    recomputed: float = 0.0
+
+    def __post_init__(self) -> None:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if self.path != "/metrics":
+                    self.send_error(404)
+                    return
+                with fake.lock:
+                    body = (
+                        "# TYPE dscache_server_prompt_tokens counter\n"
+                        f'dscache_server_prompt_tokens_total{{source="reused"}} {fake.reused}\n'
+                        f'dscache_server_prompt_tokens_total{{source="recomputed"}} '
+                        f"{fake.recomputed}\n"
+                    ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                body = json.loads(raw)
+                msgs = body["messages"]
+                user = [m["content"] for m in msgs if m["role"] == "user"][-1]
+                rec = Seen(
+                    session=self.headers.get("X-Session-ID"),
+                    cookie=self.headers.get("Cookie"),
+                    user_text=user,
+                    n_messages=len(msgs),
+                    start=time.monotonic(),
+                )
+                with fake.lock:
+                    fake.seen.append(rec)
+                if fake.fail_when is not None and fake.fail_when in user:
+                    payload = b'{"error": {"message": "boom"}}'
+                    self.send_response(500)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    rec.end = time.monotonic()
+                    return
+                prompt = sum(len(m["content"]) for m in msgs)
+                cached = int(prompt * fake.cached_share)
+                with fake.lock:
+                    fake.reused += cached
+                    fake.recomputed += prompt - cached
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Set-Cookie", "dscache_session=from-fake; Path=/")
+                self.send_header("Connection", "close")
+                self.end_headers()
+
+                def sse(obj: Any) -> None:
+                    self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                    self.wfile.flush()
+
+                def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+                    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+                sse(choice({"role": "assistant", "content": ""}))
+                time.sleep(fake.first_token_delay_s)
+                sse(choice({"content": "Revenue"}))
+                time.sleep(fake.rest_delay_s)
+                sse(choice({"content": " grew."}))
+                sse(choice({}, "length"))
+                usage = {
+                    "prompt_tokens": prompt,
+                    "completion_tokens": 2,
+                    "total_tokens": prompt + 2,
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                }
+                sse({"choices": [], "usage": usage})
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+                rec.end = time.monotonic()
+                self.close_connection = True
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        """Base URL."""
+        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def close(self) -> None:
+        """Stops serving."""
+        self._httpd.shutdown()
+        self._httpd.server_close()

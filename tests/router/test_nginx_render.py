@@ -1,0 +1,359 @@
+"""The router's rendered nginx.conf: its text, and real NGINX running it on loopback.
+
+The second half starts Debian's NGINX (with the Lua module) in front of small
+HTTP upstreams in this process and checks what a user of the router would
+notice: stickiness, the cookie, the canary split as the weight grows, and
+prompt-keyed routing of requests that carry no session id.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from dscache.router import DEBIAN_LUA_MODULES, PromptKey, RouterConfig, render_nginx_conf
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+HAS_LUA = all(Path(m).exists() for m in DEBIAN_LUA_MODULES)
+
+
+# --------------------------------------------------------------------------- text
+
+
+def test_render_is_deterministic_and_hashes_the_session_key() -> None:
+    cfg = RouterConfig(stable=("10.0.0.1:8000", "10.0.0.2:8000"), canary=("10.0.1.1:8000",))
+    text = render_nginx_conf(cfg)
+    assert text == render_nginx_conf(cfg.model_copy())
+    assert text.count("hash $dscache_key consistent;") == 2
+    assert "server 10.0.0.1:8000 " in text and "server 10.0.1.1:8000 " in text
+    assert "proxy_set_header X-Session-ID $dscache_key;" in text
+    assert "map $http_x_session_id $dscache_client_key" in text
+    assert '"" $cookie_dscache_session;' in text
+
+
+def test_header_and_cookie_names_are_configurable() -> None:
+    cfg = RouterConfig(stable=("a:1",), session_header="X-Conversation", cookie_name="conv")
+    text = render_nginx_conf(cfg)
+    assert "map $http_x_conversation $dscache_client_key" in text
+    assert '"" $cookie_conv;' in text
+    assert 'default "conv=$dscache_key; Path=/;' in text
+
+
+@pytest.mark.parametrize(
+    ("stable", "canary", "weight", "expected"),
+    [
+        (("a:1",), ("b:1",), 10, "10% canary;"),
+        (("a:1",), ("b:1",), 12.5, "12.5% canary;"),
+        (("a:1",), ("b:1",), 0, "default stable;"),
+        (("a:1",), ("b:1",), 100, "default canary;"),
+        (("a:1",), (), 50, "default stable;"),  # no canary pods: everything stable
+        ((), ("b:1",), 10, "default canary;"),  # no stable pods: everything canary
+    ],
+)
+def test_track_split(
+    stable: tuple[str, ...], canary: tuple[str, ...], weight: float, expected: str
+) -> None:
+    text = render_nginx_conf(RouterConfig(stable=stable, canary=canary, canary_weight=weight))
+    assert expected in text
+    assert ("upstream dscache_canary" in text) == bool(canary)
+    assert ("upstream dscache_stable" in text) == bool(stable)
+
+
+def test_no_upstreams_answers_503() -> None:
+    text = render_nginx_conf(RouterConfig())
+    assert "return 503" in text and "proxy_pass" not in text
+
+
+def test_prompt_key_is_an_option() -> None:
+    on = render_nginx_conf(RouterConfig(stable=("a:1",), prompt_key=PromptKey(max_bytes=512)))
+    off = render_nginx_conf(RouterConfig(stable=("a:1",), prompt_key=PromptKey(mode="off")))
+    assert "access_by_lua_block" in on and "local max_bytes, max_messages = 512, 2" in on
+    assert "access_by_lua_block" not in off
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"stable": ("10.0.0.1:80; return 200",)},
+        {"stable": ("10.0.0.1",)},
+        {"session_header": "X-Id; evil"},
+        {"cookie_name": "my-cookie"},
+        {"temp_dir": "/tmp; include /etc/passwd"},
+        {"listen": "0.0.0.0:80 default_server"},
+        {"canary_weight": 101},
+        {"stable": ("a:1",), "canary": ("a:1",)},
+    ],
+)
+def test_values_that_could_inject_directives_are_rejected(bad: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        RouterConfig.model_validate(bad)
+
+
+# --------------------------------------------------------------------------- real NGINX
+
+
+class _Upstream:
+    """A loopback HTTP server answering with its name and the session header it got."""
+
+    def __init__(self, name: str) -> None:
+        seen: list[str] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
+                sid = self.headers.get("X-Session-ID", "")
+                seen.append(sid)
+                body = json.dumps({"pod": name, "sid": sid}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = _answer  # noqa: N815 - the stdlib's handler names
+            do_POST = _answer  # noqa: N815
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.name = name
+        self.seen = seen
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Nginx:
+    """Real NGINX on a loopback port, reconfigured by restarting it on a new config."""
+
+    def __init__(self, workdir: Path) -> None:
+        assert NGINX is not None
+        self.workdir = workdir
+        self.port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def config(self, **kwargs: object) -> RouterConfig:
+        return RouterConfig.model_validate(
+            {
+                "listen": f"127.0.0.1:{self.port}",
+                "load_modules": DEBIAN_LUA_MODULES,
+                "pid_file": str(self.workdir / "nginx.pid"),
+                "temp_dir": str(self.workdir),
+                "error_log": str(self.workdir / "error.log"),
+                "debug_headers": True,
+                **kwargs,
+            }
+        )
+
+    def write(self, cfg: RouterConfig) -> Path:
+        path = self.workdir / "nginx.conf"
+        path.write_text(render_nginx_conf(cfg))
+        return path
+
+    def check(self, cfg: RouterConfig) -> subprocess.CompletedProcess[str]:
+        assert NGINX is not None
+        path = self.write(cfg)
+        return subprocess.run(
+            [NGINX, "-t", "-q", "-p", str(self.workdir), "-c", str(path), "-e", "stderr"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def start(self, cfg: RouterConfig) -> None:
+        assert NGINX is not None
+        self.stop()
+        path = self.write(cfg)
+        self.proc = subprocess.Popen(
+            [NGINX, "-p", str(self.workdir), "-c", str(path), "-e", "stderr", "-g", "daemon off;"],
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if self.get("/dscache/router/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise AssertionError(f"nginx did not start: {self.proc.stderr and self.proc.stderr.read()}")
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
+        return self.request("GET", path, None, headers)
+
+    def request(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str]]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            resp = conn.getresponse()
+            payload = resp.read()
+            out = {k.lower(): v for k, v in resp.getheaders()}
+            if payload.startswith(b"{"):
+                out.update({"x-" + k: v for k, v in json.loads(payload).items()})
+            return resp.status, out
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGQUIT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            if self.proc.stderr:
+                self.proc.stderr.close()
+            self.proc = None
+
+
+@pytest.fixture
+def nginx(tmp_path: Path) -> Iterator[_Nginx]:
+    if NGINX is None or not HAS_LUA:
+        pytest.skip("needs Debian's nginx-light + libnginx-mod-http-lua (apt-get install)")
+    os.chmod(tmp_path, 0o755)  # NGINX's workers may drop to 'nobody'
+    n = _Nginx(tmp_path)
+    yield n
+    n.stop()
+
+
+@pytest.fixture
+def pods() -> Iterator[dict[str, _Upstream]]:
+    ups = {n: _Upstream(n) for n in ("s0", "s1", "s2", "c0", "c1")}
+    yield ups
+    for u in ups.values():
+        u.close()
+
+
+def _tracks(pods: dict[str, _Upstream]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    stable = tuple(pods[n].address for n in ("s0", "s1", "s2"))
+    canary = tuple(pods[n].address for n in ("c0", "c1"))
+    return stable, canary
+
+
+def test_nginx_accepts_every_rendering(nginx: _Nginx, pods: dict[str, _Upstream]) -> None:
+    stable, canary = _tracks(pods)
+    for kwargs in (
+        {"stable": stable, "canary": canary, "canary_weight": 37.5},
+        {"stable": stable, "canary_weight": 0},
+        {"canary": canary},
+        {},
+        {"stable": stable, "prompt_key": PromptKey(mode="off")},
+    ):
+        result = nginx.check(nginx.config(**kwargs))
+        assert result.returncode == 0, result.stderr
+
+
+def test_sessions_stick_and_new_ones_get_a_cookie(
+    nginx: _Nginx, pods: dict[str, _Upstream]
+) -> None:
+    stable, canary = _tracks(pods)
+    nginx.start(nginx.config(stable=stable, canary=canary, canary_weight=30))
+    for i in range(20):
+        sid = f"session-{i}"
+        first = nginx.get("/v1/models", {"X-Session-ID": sid})[1]
+        assert first["x-sid"] == sid and "set-cookie" not in first
+        for _ in range(3):
+            again = nginx.get("/v1/models", {"X-Session-ID": sid})[1]
+            assert again["x-pod"] == first["x-pod"]
+        # The same key as a cookie reaches the same pod.
+        by_cookie = nginx.get("/", {"Cookie": f"dscache_session={sid}"})[1]
+        assert by_cookie["x-pod"] == first["x-pod"]
+        assert by_cookie["x-dscache-key-source"] == "cookie"
+
+    status, fresh = nginx.get("/v1/models")
+    assert status == 200 and fresh["x-dscache-key-source"] == "new"
+    cookie = fresh["set-cookie"].split(";", 1)[0]
+    name, value = cookie.split("=", 1)
+    assert name == "dscache_session" and value == fresh["x-sid"]
+    follow = nginx.get("/v1/models", {"Cookie": cookie})[1]
+    assert follow["x-pod"] == fresh["x-pod"] and follow["x-sid"] == value
+
+
+def test_canary_sessions_stay_on_the_canary_as_the_weight_grows(
+    nginx: _Nginx, pods: dict[str, _Upstream]
+) -> None:
+    stable, canary = _tracks(pods)
+    sids = [f"user-{i}" for i in range(300)]
+    seen: dict[float, dict[str, str]] = {}
+    for weight in (10, 25, 50, 100):
+        nginx.start(nginx.config(stable=stable, canary=canary, canary_weight=weight))
+        seen[weight] = {s: nginx.get("/", {"X-Session-ID": s})[1]["x-dscache-track"] for s in sids}
+    nginx.stop()
+    shares = {w: sum(t == "canary" for t in m.values()) / len(sids) for w, m in seen.items()}
+    assert 0.04 < shares[10] < 0.18 and 0.40 < shares[50] < 0.60 and shares[100] == 1.0
+    for low, high in ((10, 25), (25, 50), (50, 100)):
+        moved_back = [s for s in sids if seen[low][s] == "canary" and seen[high][s] != "canary"]
+        assert moved_back == []
+
+
+def _chat(system: str, turns: list[str]) -> bytes:
+    messages = [{"role": "system", "content": system}]
+    for i, t in enumerate(turns):
+        messages.append({"role": "user", "content": t})
+        if i < len(turns) - 1:
+            messages.append({"role": "assistant", "content": f"answer {i}"})
+    return json.dumps({"model": "m", "messages": messages, "stream": False}).encode()
+
+
+def test_requests_without_any_id_are_routed_by_their_prompt(
+    nginx: _Nginx, pods: dict[str, _Upstream]
+) -> None:
+    stable, _ = _tracks(pods)
+    nginx.start(nginx.config(stable=stable))
+    headers = {"Content-Type": "application/json"}
+    conversations = [
+        (f"You are an analyst. Company {c}: " + "balance sheet " * 50, [f"q{c}"]) for c in range(12)
+    ]
+    pods_of: dict[int, set[str]] = {}
+    keys: dict[int, set[str]] = {}
+    for c, (system, first) in enumerate(conversations):
+        turns = list(first)
+        for k in range(4):  # the conversation grows; the id is never sent
+            turns.append(f"follow-up {k}")
+            out = nginx.request("POST", "/v1/chat/completions", _chat(system, turns), headers)[1]
+            assert out["x-dscache-key-source"] == "prompt"
+            assert out["set-cookie"].startswith("dscache_session=p-")
+            pods_of.setdefault(c, set()).add(out["x-pod"])
+            keys.setdefault(c, set()).add(out["x-sid"])
+    assert all(len(p) == 1 for p in pods_of.values()), pods_of
+    assert all(len(k) == 1 for k in keys.values()), keys
+    assert len({next(iter(k)) for k in keys.values()}) == len(conversations)
+    assert len({next(iter(p)) for p in pods_of.values()}) > 1  # spread over the pods
+
+    # Without the Lua option every id-less request is a new session.
+    nginx.start(nginx.config(stable=stable, prompt_key=PromptKey(mode="off")))
+    system, first = conversations[0]
+    srcs = {
+        nginx.request("POST", "/v1/chat/completions", _chat(system, first), headers)[1]["x-sid"]
+        for _ in range(3)
+    }
+    assert len(srcs) == 3
