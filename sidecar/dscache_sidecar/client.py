@@ -24,6 +24,7 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -129,48 +130,75 @@ class LoadedBlocks:
 
 
 class _Segments:
-    """Read-only mappings and write descriptors of segment files, opened once."""
+    """Read-only mappings and write descriptors of segment files, opened once.
+
+    Paths are resolved (and checked to stay inside the data directory) once per
+    segment; the size check that guards against SIGBUS on a truncated file is one
+    ``fstat`` of a kept descriptor per segment per load.
+    """
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
+        self._root = data_dir.resolve()
+        self._paths: dict[str, Path] = {}
         self._maps: dict[str, mmap.mmap] = {}
+        self._ro_fds: dict[str, int] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def _path(self, name: str) -> Path:
-        path = (self.data_dir / name).resolve()
-        if self.data_dir.resolve() not in path.parents:
-            raise SidecarError(f"segment {name!r} is outside the data directory")
+        path = self._paths.get(name)
+        if path is None:
+            path = (self.data_dir / name).resolve()
+            if self._root not in path.parents:
+                raise SidecarError(f"segment {name!r} is outside the data directory")
+            self._paths[name] = path
         return path
 
-    def view(self, name: str, offset: int, length: int) -> memoryview:
-        """A zero-copy view of ``length`` bytes at ``offset``; SidecarError if out of file."""
+    def _reader(self, name: str) -> tuple[int, mmap.mmap | None]:
+        fd = self._ro_fds.get(name)
+        if fd is None:
+            fd = os.open(self._path(name), os.O_RDONLY)
+            self._ro_fds[name] = fd
+        return fd, self._maps.get(name)
+
+    def size(self, name: str) -> int:
+        """Current size of a segment file."""
         with self._lock:
-            m = self._maps.get(name)
+            fd, _ = self._reader(name)
+        try:
+            return os.fstat(fd).st_size
+        except OSError as exc:
+            raise SidecarError(f"segment {name} unreadable: {exc}") from exc
+
+    def view(
+        self, name: str, offset: int, length: int, sizes: dict[str, int] | None = None
+    ) -> memoryview:
+        """A zero-copy view of ``length`` bytes at ``offset``; SidecarError if out of file.
+
+        ``sizes`` caches file sizes for the duration of one load.
+        """
+        with self._lock:
+            fd, m = self._reader(name)
             if m is not None and offset + length > len(m):
                 # Mapped while the file was shorter (truncated, since extended again by
                 # the daemon): map it anew, or the block stays unreadable for good.
                 self._maps.pop(name)
                 m = None
             if m is None:
-                fd = os.open(self._path(name), os.O_RDONLY)
-                try:
-                    size = os.fstat(fd).st_size
-                    m = mmap.mmap(
-                        fd,
-                        size,
-                        prot=mmap.PROT_READ,
-                        flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                    )
-                finally:
-                    os.close(fd)
+                m = mmap.mmap(
+                    fd,
+                    os.fstat(fd).st_size,
+                    prot=mmap.PROT_READ,
+                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                )
                 self._maps[name] = m
         # A truncated file would turn a read into SIGBUS: check before touching.
-        try:
-            size = os.stat(self._path(name)).st_size
-        except OSError as exc:
-            raise SidecarError(f"segment {name} unreadable: {exc}") from exc
-        if offset + length > min(size, len(m)):
+        if sizes is None:
+            sizes = {}
+        if name not in sizes:
+            sizes[name] = self.size(name)
+        if offset + length > min(sizes[name], len(m)):
             raise SidecarError(f"segment {name} is shorter than the block (truncated?)")
         return memoryview(m)[offset : offset + length]
 
@@ -192,9 +220,10 @@ class _Segments:
                 with contextlib.suppress(BufferError):
                     m.close()
             self._maps.clear()
-            for fd in self._fds.values():
+            for fd in (*self._fds.values(), *self._ro_fds.values()):
                 os.close(fd)
             self._fds.clear()
+            self._ro_fds.clear()
 
 
 def _new_block(b: BlockData, codec: Codec, stored: bytes | memoryview) -> pb.NewBlock:
@@ -212,9 +241,11 @@ def _new_block(b: BlockData, codec: Codec, stored: bytes | memoryview) -> pb.New
     )
 
 
-def _decode_location(segments: _Segments, loc: pb.BlockLocation, verify: bool) -> np.ndarray | None:
+def _decode_location(
+    segments: _Segments, loc: pb.BlockLocation, verify: bool, sizes: dict[str, int]
+) -> np.ndarray | None:
     info = loc.info
-    payload = segments.view(loc.segment, loc.offset, info.stored_bytes)
+    payload = segments.view(loc.segment, loc.offset, info.stored_bytes, sizes)
     if verify and checksum(payload) != info.checksum:
         return None
     arr = decode(payload, Codec(info.codec), info.dtype, tuple(info.shape))
@@ -252,6 +283,7 @@ class SidecarClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._segments = _Segments(Path(data_dir)) if data_dir else None
         self._connected = False
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
 
     def _ready(self) -> None:
         """Connects with one health check under a longer deadline, once.
@@ -316,10 +348,11 @@ class SidecarClient:
             raise _wrap(exc) from exc
         out = LoadedBlocks([], [], resp.lease_id, self._release)
         corrupt: list[bytes] = []
+        sizes: dict[str, int] = {}
         try:
             for loc in resp.blocks:
                 try:
-                    arr = _decode_location(self._segments, loc, verify)
+                    arr = _decode_location(self._segments, loc, verify, sizes)
                 except (SidecarError, ValueError) as exc:
                     log.warning("cached block unreadable, treated as a miss: %s", exc)
                     arr = None
@@ -406,8 +439,13 @@ class SidecarClient:
         except grpc.RpcError as exc:
             raise _wrap(exc) from exc
         writes: list[pb.Written] = []
+        # Hash on a second thread while this one writes: pwrite releases the GIL,
+        # so the checksum costs (almost) nothing on top of the write.
+        todo = [(slot, data) for slot, (_, data) in zip(resp.slots, encoded, strict=False)]
+        sums = [self._hasher.submit(checksum, data) for slot, data in todo if not slot.exists]
+        sums.reverse()
         try:
-            for slot, (_, data) in zip(resp.slots, encoded, strict=False):
+            for slot, data in todo:
                 if slot.exists:
                     continue
                 self._segments.write(slot.segment, slot.offset, data)
@@ -415,7 +453,7 @@ class SidecarClient:
                 # is on disk, so a late write by a writer whose reservation of the same
                 # extent expired (or a writer of a previous daemon) would be published
                 # under our key with a matching checksum (test_concurrency.py).
-                writes.append(pb.Written(write_id=slot.write_id, checksum=checksum(data)))
+                writes.append(pb.Written(write_id=slot.write_id, checksum=sums.pop().result()))
         except (OSError, SidecarError) as exc:
             ids = [s.write_id for s in resp.slots if not s.exists]
             with contextlib.suppress(grpc.RpcError):
@@ -489,6 +527,7 @@ class SidecarClient:
         return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
 
     def close(self) -> None:
+        self._hasher.shutdown(wait=False)
         self._channel.close()
         if self._segments is not None:
             self._segments.close()
@@ -575,9 +614,10 @@ class AsyncSidecarClient:
         def decode_all() -> tuple[list[bytes], list[np.ndarray], list[bytes]]:
             keys_out: list[bytes] = []
             arrays: list[np.ndarray] = []
+            sizes: dict[str, int] = {}
             for loc in resp.blocks:
                 try:
-                    arr = _decode_location(segments, loc, verify)
+                    arr = _decode_location(segments, loc, verify, sizes)
                 except (SidecarError, ValueError) as exc:
                     log.warning("cached block unreadable, treated as a miss: %s", exc)
                     arr = None

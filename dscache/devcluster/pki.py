@@ -1,0 +1,215 @@
+"""Certificates and keys for one dev cluster, generated on the fly.
+
+Contract:
+    * ``generate(directory)`` writes a fresh CA, an API-server serving
+      certificate valid for loopback and the in-cluster ``kubernetes`` names,
+      an admin client certificate in group ``system:masters``, and the
+      service-account signing key pair. Nothing is reused across clusters.
+    * Keys are ECDSA P-256 (fast to generate, accepted by every component) and
+      written with mode 0600; certificates are PEM.
+    * Certificates are valid for 30 days: a dev cluster is short-lived.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+_VALIDITY = dt.timedelta(days=30)
+
+#: Names a client inside the cluster would use for the API server.
+_SERVICE_NAMES = (
+    "localhost",
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+)
+
+
+@dataclass(frozen=True)
+class Pki:
+    """Paths of one cluster's PEM files."""
+
+    ca_cert: Path
+    ca_key: Path
+    serving_cert: Path
+    serving_key: Path
+    admin_cert: Path
+    admin_key: Path
+    service_account_key: Path
+    service_account_pub: Path
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    data = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+
+
+def _write_cert(path: Path, cert: x509.Certificate) -> None:
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _name(common_name: str, organization: str | None = None) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    if organization:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization))
+    return x509.Name(attrs)
+
+
+def _leaf(
+    *,
+    subject: x509.Name,
+    key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    usage: x509.ObjectIdentifier,
+    san: x509.SubjectAlternativeName | None,
+    now: dt.datetime,
+) -> x509.Certificate:
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=True,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    )
+    if san is not None:
+        builder = builder.add_extension(san, critical=False)
+    return builder.sign(ca_key, hashes.SHA256())
+
+
+def generate(directory: Path, service_ip: str = "10.96.0.1") -> Pki:
+    """Writes a new CA and every certificate and key the cluster needs.
+
+    Args:
+        directory: Created if missing; existing files are overwritten.
+        service_ip: ClusterIP of the ``kubernetes`` Service (first address of
+            the service range), added to the serving certificate.
+
+    Returns:
+        The paths of the written files.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC)
+    pki = Pki(
+        ca_cert=directory / "ca.crt",
+        ca_key=directory / "ca.key",
+        serving_cert=directory / "apiserver.crt",
+        serving_key=directory / "apiserver.key",
+        admin_cert=directory / "admin.crt",
+        admin_key=directory / "admin.key",
+        service_account_key=directory / "sa.key",
+        service_account_pub=directory / "sa.pub",
+    )
+
+    ca_key = _key()
+    ca_name = _name("dscache-dev-ca")
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + _VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    _write_key(pki.ca_key, ca_key)
+    _write_cert(pki.ca_cert, ca_cert)
+
+    serving_key = _key()
+    san = x509.SubjectAlternativeName(
+        [x509.DNSName(name) for name in _SERVICE_NAMES]
+        + [
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            x509.IPAddress(ipaddress.ip_address(service_ip)),
+        ]
+    )
+    serving = _leaf(
+        subject=_name("kube-apiserver"),
+        key=serving_key,
+        ca_cert=ca_cert,
+        ca_key=ca_key,
+        usage=ExtendedKeyUsageOID.SERVER_AUTH,
+        san=san,
+        now=now,
+    )
+    _write_key(pki.serving_key, serving_key)
+    _write_cert(pki.serving_cert, serving)
+
+    admin_key = _key()
+    admin = _leaf(
+        subject=_name("dscache-dev-admin", "system:masters"),
+        key=admin_key,
+        ca_cert=ca_cert,
+        ca_key=ca_key,
+        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        san=None,
+        now=now,
+    )
+    _write_key(pki.admin_key, admin_key)
+    _write_cert(pki.admin_cert, admin)
+
+    sa_key = _key()
+    _write_key(pki.service_account_key, sa_key)
+    pki.service_account_pub.write_bytes(
+        sa_key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return pki

@@ -1,0 +1,673 @@
+"""Every child object of a ``DeepSeekCacheDeployment``, as pure functions.
+
+Children (``<name>`` is the resource's name):
+
+* per track ``<slot>`` in blue/green: Deployment and Service ``<name>-<slot>``
+  (model server + KV sidecar per pod), PodDisruptionBudget ``<name>-<slot>``;
+* the router: ConfigMap, Deployment and PodDisruptionBudget ``<name>-router``,
+  Service ``<name>`` (the entry point);
+* during a prewarm: Job ``<name>-prewarm-<revision>``;
+* optionally ServiceMonitor and PrometheusRule ``<name>``.
+
+Invariants: the same inputs give the same dicts (so re-applying is a no-op);
+every child carries an ownerReference to the resource (garbage collection),
+the ``app.kubernetes.io/*`` labels and ``dscache.io/track``; selectors use only
+name, instance, component and slot, which never change for an object. A
+track's pod template is built only from the :class:`RevisionSource` stored for
+that track in the status, never from the live spec, so a rollout never
+restarts the stable pods; its hash is written both on the Deployment's labels
+and in the pod template's annotations, so a ``kubectl rollout undo`` (which
+replaces the template but not the Deployment's labels) is visible as a
+mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from dscache.router import PromptKey, RouterConfig, render_nginx_conf
+from dscache_operator import API_VERSION, KIND
+from dscache_operator.rollout import slot_replicas
+from dscache_operator.spec import (
+    DeepSeekCacheDeploymentSpec,
+    DeepSeekCacheDeploymentStatus,
+    ResourcesSpec,
+    RevisionSource,
+    parse_duration,
+)
+
+Obj = dict[str, Any]
+
+TEMPLATE_HASH = "dscache.io/template-hash"
+TRACK = "dscache.io/track"
+SLOT = "dscache.io/slot"
+REVISION = "dscache.io/revision"
+CACHE_DIR = "/var/cache/dscache"
+SOCKET_DIR = "/run/dscache"
+SOCKET = f"{SOCKET_DIR}/sidecar.sock"
+ROUTER_PORT = 8080
+ROUTER_CONF_DIR = "/etc/dscache-router"
+RUN_AS = 10001
+TMP = "/tmp"  # noqa: S108 - an emptyDir of the pod's own, not a shared /tmp
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_FACTORS = {
+    None: 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
+
+# The sidecar listens on loopback only, so its gRPC health check runs in the pod.
+_GRPC_HEALTH = (
+    "import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; "
+    f"c = grpc.insecure_channel('unix://{SOCKET}'); "
+    "r = g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=3); "
+    "sys.exit(0 if r.status == h.HealthCheckResponse.SERVING else 1)"
+)
+
+_ROUTER_SCRIPT = f"""set -eu
+conf={ROUTER_CONF_DIR}/nginx.conf
+bin=$(command -v openresty || command -v nginx)
+"$bin" -p /tmp -e stderr -c "$conf" -g 'daemon off;' &
+pid=$!
+trap 'kill -QUIT "$pid"' TERM INT
+sum=$(cksum < "$conf")
+while kill -0 "$pid" 2>/dev/null; do
+  sleep 2
+  new=$(cksum < "$conf")
+  if [ "$new" != "$sum" ] && "$bin" -p /tmp -e stderr -t -q -c "$conf"; then
+    kill -HUP "$pid"
+    sum=$new
+  fi
+done
+wait "$pid"
+"""
+
+
+def parse_quantity(value: str) -> int:
+    """``10Gi`` -> bytes (Kubernetes quantity suffixes)."""
+    m = _QUANTITY.match(value)
+    if not m:
+        raise ValueError(f"not a quantity: {value!r}")
+    return int(float(m.group(1)) * _FACTORS[m.group(2)])
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The resource the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> Obj:
+        """The ownerReference every child carries."""
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def selector_labels(owner: Owner, component: str) -> dict[str, str]:
+    """Labels a selector may use: they never change for an object."""
+    return {
+        "app.kubernetes.io/name": "dscache",
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def labels(owner: Owner, component: str, track: str) -> dict[str, str]:
+    """The standard labels of a child."""
+    return {
+        **selector_labels(owner, component),
+        "app.kubernetes.io/part-of": "dscache",
+        "app.kubernetes.io/managed-by": "dscache-operator",
+        TRACK: track,
+    }
+
+
+def _meta(owner: Owner, name: str, lbls: dict[str, str], **extra: Any) -> Obj:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": lbls,
+        "ownerReferences": [owner.reference()],
+        **extra,
+    }
+
+
+def track_of(status: DeepSeekCacheDeploymentStatus, slot: str) -> str:
+    """stable, canary, previous (warm, rollback window) or idle."""
+    if slot == status.stable_slot:
+        return "stable"
+    if slot == status.canary_slot:
+        return "canary"
+    if slot == status.previous_slot:
+        return "previous"
+    return "idle"
+
+
+def _resources(r: ResourcesSpec) -> Obj:
+    out: Obj = {}
+    if r.requests:
+        out["requests"] = {k: str(v) for k, v in r.requests.items()}
+    if r.limits:
+        out["limits"] = {k: str(v) for k, v in r.limits.items()}
+    return out
+
+
+def _container_security() -> Obj:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def _pod_security() -> Obj:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _cache_volume(src: RevisionSource, size_bytes: int) -> Obj:
+    vol = src.cache.volume
+    if vol.type == "hostPath":
+        return {"name": "cache", "hostPath": {"path": vol.host_path, "type": "DirectoryOrCreate"}}
+    if vol.type == "persistentVolumeClaim":
+        return {"name": "cache", "persistentVolumeClaim": {"claimName": vol.claim_name}}
+    return {"name": "cache", "emptyDir": {"sizeLimit": str(size_bytes)}}
+
+
+def _tenant_env(src: RevisionSource) -> list[Obj]:
+    salt = src.tenant_salt
+    name = "DSCACHE_SERVER_TENANT_SECRET"
+    if salt.source == "namespace":
+        return [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    if salt.source == "secret" and salt.secret_ref is not None:
+        ref = {"name": salt.secret_ref.name, "key": salt.secret_ref.key}
+        return [{"name": name, "valueFrom": {"secretKeyRef": ref}}]
+    return []
+
+
+def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) -> Obj:
+    """The model pod template of one track (without its hash annotation)."""
+    size = parse_quantity(src.cache.size)
+    capacity = size * 9 // 10  # headroom for the index and partly written segments
+    server_image = src.server.image
+    sidecar_image = src.sidecar.image or server_image
+    port = src.server.port
+    sel = {**selector_labels(owner, "model"), SLOT: slot}
+    server_args = ["server", "--model", src.model.name, "--port", str(port)]
+    server_args += ["--sidecar-socket", SOCKET, "--sidecar-data-dir", CACHE_DIR]
+    server_args += ["--block-tokens", str(src.cache.block_tokens)]
+    server_args += ["--min-cache-tokens", str(src.cache.min_tokens)]
+    server_args += ["--store-compress", src.cache.codec]
+    server_args += ["--max-concurrency", str(src.server.max_concurrency)]
+    if src.model.revision:
+        server_args += ["--revision", src.model.revision]
+    http_probe = {"httpGet": {"path": "/health", "port": "http"}}
+    spread_selector = {"matchLabels": sel}
+    affinity: Obj = {}
+    if src.cache.volume.type == "hostPath":
+        # Two pods of a track on one node would share one store directory.
+        affinity = {
+            "podAntiAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": [
+                    {"labelSelector": spread_selector, "topologyKey": "kubernetes.io/hostname"}
+                ]
+            }
+        }
+    spec: Obj = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(),
+        "terminationGracePeriodSeconds": 60,
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": spread_selector,
+            }
+        ],
+        "containers": [
+            {
+                "name": "server",
+                "image": server_image.reference,
+                "imagePullPolicy": server_image.pull_policy,
+                "command": ["dscache"],
+                "args": server_args,
+                "env": _tenant_env(src),
+                "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+                "startupProbe": {**http_probe, "periodSeconds": 5, "failureThreshold": 120},
+                "livenessProbe": {**http_probe, "periodSeconds": 10, "failureThreshold": 3},
+                "readinessProbe": {
+                    "httpGet": {"path": "/ready", "port": "http"},
+                    "periodSeconds": 5,
+                    "failureThreshold": 2,
+                },
+                "resources": _resources(src.server.resources),
+                "securityContext": _container_security(),
+                "volumeMounts": [
+                    # Read-write: the server maps hit blocks and writes new ones into
+                    # the space the sidecar allocates (Allocate -> pwrite -> Commit).
+                    {"name": "cache", "mountPath": CACHE_DIR},
+                    {"name": "socket", "mountPath": SOCKET_DIR},
+                    {"name": "tmp", "mountPath": TMP, "subPath": "server"},
+                ],
+            },
+            {
+                "name": "sidecar",
+                "image": sidecar_image.reference,
+                "imagePullPolicy": sidecar_image.pull_policy,
+                "command": ["dscache"],
+                "args": [
+                    "sidecar",
+                    "--data-dir",
+                    CACHE_DIR,
+                    "--capacity",
+                    str(capacity),
+                    "--socket",
+                    SOCKET,
+                    "--metrics-port",
+                    str(src.sidecar.metrics_port),
+                ],
+                "ports": [
+                    {
+                        "name": "metrics",
+                        "containerPort": src.sidecar.metrics_port,
+                        "protocol": "TCP",
+                    }
+                ],
+                "livenessProbe": {
+                    "exec": {"command": ["python", "-c", _GRPC_HEALTH]},
+                    "periodSeconds": 15,
+                    "timeoutSeconds": 5,
+                    "failureThreshold": 3,
+                },
+                "readinessProbe": {
+                    "exec": {"command": ["python", "-c", _GRPC_HEALTH]},
+                    "periodSeconds": 10,
+                    "timeoutSeconds": 5,
+                },
+                "resources": _resources(src.sidecar.resources),
+                "securityContext": _container_security(),
+                "volumeMounts": [
+                    {"name": "cache", "mountPath": CACHE_DIR},
+                    {"name": "socket", "mountPath": SOCKET_DIR},
+                    {"name": "tmp", "mountPath": TMP, "subPath": "sidecar"},
+                ],
+            },
+        ],
+        "volumes": [
+            _cache_volume(src, size),
+            {"name": "socket", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        ],
+    }
+    if affinity:
+        spec["affinity"] = affinity
+    return {"metadata": {"labels": {**sel, REVISION: revision}}, "spec": spec}
+
+
+def template_hash(template: Obj) -> str:
+    """Hash of a pod template as the operator renders it."""
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def model_deployment(
+    owner: Owner,
+    spec: DeepSeekCacheDeploymentSpec,
+    status: DeepSeekCacheDeploymentStatus,
+    slot: str,
+) -> Obj:
+    """Deployment ``<name>-<slot>`` for the revision stored for ``slot``."""
+    ss = status.slots[slot]
+    src = RevisionSource.model_validate(ss.source)
+    template = pod_template(owner, slot, ss.revision, src)
+    digest = template_hash(template)
+    template["metadata"]["annotations"] = {TEMPLATE_HASH: digest}
+    lbls = {**labels(owner, "model", track_of(status, slot)), SLOT: slot, TEMPLATE_HASH: digest}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, f"{owner.name}-{slot}", lbls),
+        "spec": {
+            "replicas": slot_replicas(status, slot, spec.replicas),
+            "revisionHistoryLimit": 10,
+            "selector": {"matchLabels": {**selector_labels(owner, "model"), SLOT: slot}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "template": template,
+        },
+    }
+
+
+def model_service(owner: Owner, status: DeepSeekCacheDeploymentStatus, slot: str) -> Obj:
+    """Service ``<name>-<slot>``: the track's pods (prewarm target, metrics)."""
+    src = RevisionSource.model_validate(status.slots[slot].source)
+    lbls = {**labels(owner, "model", track_of(status, slot)), SLOT: slot}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, f"{owner.name}-{slot}", lbls),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {**selector_labels(owner, "model"), SLOT: slot},
+            "ports": [
+                {"name": "http", "port": src.server.port, "targetPort": "http"},
+                {"name": "metrics", "port": src.sidecar.metrics_port, "targetPort": "metrics"},
+            ],
+        },
+    }
+
+
+def pdb(owner: Owner, name: str, component: str, track: str, extra: dict[str, str]) -> Obj:
+    """A PodDisruptionBudget allowing one pod down at a time."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner, name, {**labels(owner, component, track), **extra}),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": {**selector_labels(owner, component), **extra}},
+        },
+    }
+
+
+def router_config(
+    spec: DeepSeekCacheDeploymentSpec,
+    status: DeepSeekCacheDeploymentStatus,
+    stable: tuple[str, ...],
+    canary: tuple[str, ...],
+) -> RouterConfig:
+    """The router's config: pod addresses of both tracks and the canary weight."""
+    r = spec.routing
+    return RouterConfig(
+        listen=str(ROUTER_PORT),
+        stable=stable,
+        canary=canary if status.canary_slot is not None else (),
+        canary_weight=status.weight,
+        session_header=r.session_header,
+        cookie_name=r.cookie_name,
+        prompt_key=PromptKey(mode=r.prompt_key, max_bytes=r.prompt_key_bytes),
+        pid_file=f"{TMP}/nginx.pid",
+        temp_dir=TMP,
+        error_log="stderr",
+        access_log="off",
+    )
+
+
+def router_configmap(owner: Owner, config: RouterConfig) -> Obj:
+    """ConfigMap ``<name>-router`` with the rendered nginx.conf."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(owner, f"{owner.name}-router", labels(owner, "router", "all")),
+        "data": {"nginx.conf": render_nginx_conf(config)},
+    }
+
+
+def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
+    """Deployment ``<name>-router``: NGINX that reloads when its ConfigMap changes."""
+    r = spec.routing
+    sel = selector_labels(owner, "router")
+    probe = {"httpGet": {"path": "/dscache/router/health", "port": "http"}, "periodSeconds": 5}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, f"{owner.name}-router", labels(owner, "router", "all")),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": sel},
+            "template": {
+                "metadata": {"labels": sel},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": _pod_security(),
+                    "topologySpreadConstraints": [
+                        {
+                            "maxSkew": 1,
+                            "topologyKey": "kubernetes.io/hostname",
+                            "whenUnsatisfiable": "ScheduleAnyway",
+                            "labelSelector": {"matchLabels": sel},
+                        }
+                    ],
+                    "containers": [
+                        {
+                            "name": "nginx",
+                            "image": r.image.reference,
+                            "imagePullPolicy": r.image.pull_policy,
+                            "command": ["/bin/sh", "-c", _ROUTER_SCRIPT],
+                            "ports": [
+                                {"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}
+                            ],
+                            "livenessProbe": probe,
+                            "readinessProbe": probe,
+                            "resources": _resources(r.resources),
+                            "securityContext": _container_security(),
+                            "volumeMounts": [
+                                {"name": "config", "mountPath": ROUTER_CONF_DIR, "readOnly": True},
+                                {"name": "tmp", "mountPath": TMP},
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": f"{owner.name}-router"}},
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def router_service(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
+    """Service ``<name>``: where clients send requests."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, owner.name, labels(owner, "router", "all")),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner, "router"),
+            "ports": [{"name": "http", "port": spec.routing.port, "targetPort": "http"}],
+        },
+    }
+
+
+def prewarm_job_name(owner: Owner, revision: str) -> str:
+    """Name of the prewarm Job of ``revision``."""
+    return f"{owner.name}-prewarm-{revision}"
+
+
+def prewarm_job(
+    owner: Owner, spec: DeepSeekCacheDeploymentSpec, status: DeepSeekCacheDeploymentStatus
+) -> Obj | None:
+    """The prewarm Job of the canary revision (None: nothing to prewarm)."""
+    p = spec.prewarm
+    slot, revision = status.canary_slot, status.canary_revision
+    if not p.enabled or p.prompts is None or slot is None or revision is None:
+        return None
+    src = RevisionSource.model_validate(status.slots[slot].source)
+    target = f"http://{owner.name}-{slot}.{owner.namespace}.svc:{src.server.port}"
+    script = (
+        'head -n "$TOP_N" /prewarm/prompts.jsonl > /tmp/prompts.jsonl && '
+        'exec dscache prewarm --target "$TARGET" --prompts /tmp/prompts.jsonl '
+        '--concurrency "$CONCURRENCY"'
+    )
+    lbls = {**labels(owner, "prewarm", "canary"), SLOT: slot, REVISION: revision}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _meta(owner, prewarm_job_name(owner, revision), lbls),
+        "spec": {
+            "backoffLimit": 2,
+            "activeDeadlineSeconds": max(1, int(parse_duration(p.timeout))),
+            "ttlSecondsAfterFinished": 86400,
+            "template": {
+                "metadata": {"labels": lbls},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": _pod_security(),
+                    "containers": [
+                        {
+                            "name": "prewarm",
+                            "image": src.server.image.reference,
+                            "imagePullPolicy": src.server.image.pull_policy,
+                            "command": ["/bin/sh", "-c", script],
+                            "env": [
+                                {"name": "TARGET", "value": target},
+                                {"name": "TOP_N", "value": str(p.top_n)},
+                                {"name": "CONCURRENCY", "value": str(p.concurrency)},
+                            ],
+                            "securityContext": _container_security(),
+                            "volumeMounts": [
+                                {"name": "prompts", "mountPath": "/prewarm", "readOnly": True},
+                                {"name": "tmp", "mountPath": TMP},
+                            ],
+                        }
+                    ],
+                    "volumes": [
+                        {
+                            "name": "prompts",
+                            "configMap": {
+                                "name": p.prompts.name,
+                                "items": [{"key": p.prompts.key, "path": "prompts.jsonl"}],
+                            },
+                        },
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def service_monitor(owner: Owner) -> Obj:
+    """ServiceMonitor scraping both tracks' server and sidecar metrics."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(owner, owner.name, labels(owner, "model", "all")),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner, "model")},
+            "namespaceSelector": {"matchNames": [owner.namespace]},
+            # The series get dscache_io_revision / dscache_io_slot: what analysis selects on.
+            "podTargetLabels": [REVISION, SLOT],
+            "endpoints": [
+                {"port": "http", "path": "/metrics", "interval": "15s"},
+                {"port": "metrics", "path": "/metrics", "interval": "15s"},
+            ],
+        },
+    }
+
+
+def prometheus_rule(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
+    """PrometheusRule: the token hit rate stayed under minHitRate for 10 minutes."""
+    a = spec.rollout.analysis
+    sel = f'{a.namespace_label}="{owner.namespace}",service=~"{owner.name}-(blue|green)"'
+    hits = f'sum(rate(dscache_server_cache_hits_total{{level="token",{sel}}}[10m]))'
+    misses = f'sum(rate(dscache_server_cache_misses_total{{level="token",{sel}}}[10m]))'
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": _meta(owner, owner.name, labels(owner, "model", "all")),
+        "spec": {
+            "groups": [
+                {
+                    "name": f"dscache.{owner.namespace}.{owner.name}",
+                    "rules": [
+                        {
+                            "alert": "DscacheHitRateLow",
+                            "expr": f"{hits} / ({hits} + {misses}) < {a.min_hit_rate}",
+                            "for": "10m",
+                            "labels": {"severity": "warning"},
+                            "annotations": {
+                                "summary": f"{owner.namespace}/{owner.name}: KV-cache token hit "
+                                f"rate below {a.min_hit_rate} for 10 minutes",
+                                "description": "Sessions are losing their pod or the cache is "
+                                "too small; check the router and dscache_sidecar_evictions_total.",
+                            },
+                        }
+                    ],
+                }
+            ]
+        },
+    }
+
+
+def pod_address(ip: str, port: int) -> str:
+    """``ip:port`` for NGINX (IPv6 in brackets)."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def children(
+    owner: Owner,
+    spec: DeepSeekCacheDeploymentSpec,
+    status: DeepSeekCacheDeploymentStatus,
+    stable_addresses: tuple[str, ...],
+    canary_addresses: tuple[str, ...],
+    *,
+    prewarm: bool,
+    monitoring: bool,
+) -> list[Obj]:
+    """Every child to apply now, in a safe order (tracks before the router).
+
+    Frozen tracks (a ``kubectl rollout undo`` was seen) are left out: the
+    operator does not fight a person's rollback.
+    """
+    out: list[Obj] = []
+    for slot, ss in sorted(status.slots.items()):
+        if not ss.frozen:
+            out.append(model_deployment(owner, spec, status, slot))
+        out.append(model_service(owner, status, slot))
+        out.append(
+            pdb(owner, f"{owner.name}-{slot}", "model", track_of(status, slot), {SLOT: slot})
+        )
+    if prewarm:
+        job = prewarm_job(owner, spec, status)
+        if job is not None:
+            out.append(job)
+    cfg = router_config(spec, status, stable_addresses, canary_addresses)
+    out += [
+        router_configmap(owner, cfg),
+        router_deployment(owner, spec),
+        router_service(owner, spec),
+        pdb(owner, f"{owner.name}-router", "router", "all", {}),
+    ]
+    if monitoring:
+        if spec.monitoring.service_monitor:
+            out.append(service_monitor(owner))
+        if spec.monitoring.prometheus_rule:
+            out.append(prometheus_rule(owner, spec))
+    return out

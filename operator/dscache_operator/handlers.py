@@ -1,0 +1,89 @@
+"""kopf handlers: thin adapters from kopf's causes to :class:`.reconcile.Reconciler`.
+
+Create, update (spec, labels or annotations), resume (operator start) and a
+per-resource timer all run the same level-triggered reconcile, so a missed
+event is repaired on the next tick. Handlers never sleep: API failures become
+``kopf.TemporaryError(delay=...)``; an invalid spec becomes
+``kopf.PermanentError`` after the status says ``Ready=False, InvalidSpec``
+(the timer only records it and keeps ticking, so a fixed spec recovers).
+Deletion needs no handler: every child has an ownerReference, so Kubernetes'
+garbage collector removes them. kopf keeps its timers stoppable with a
+finalizer (``dscache.io/finalizer``), which the running operator removes at
+once on deletion.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from dscache_operator import GROUP, PLURAL, VERSION
+from dscache_operator.kube import ApiError
+from dscache_operator.reconcile import Reconciler
+from dscache_operator.settings import OperatorSettings
+from dscache_operator.spec import InvalidSpecError
+
+log = logging.getLogger(__name__)
+
+
+def _run(reconciler: Reconciler, body: kopf.Body, *, permanent: bool) -> None:
+    ns, name = body.metadata.namespace or "", body.metadata.name or ""
+    try:
+        result = reconciler.reconcile(ns, name)
+    except InvalidSpecError as exc:
+        reconciler.metrics.reconciles.labels(result="invalid_spec").inc()
+        reconciler.record_invalid(ns, name, str(exc))
+        kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        if permanent:
+            raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+        return
+    except (ApiError, OSError) as exc:
+        reconciler.metrics.reconciles.labels(result="api_error").inc()
+        raise kopf.TemporaryError(str(exc), delay=reconciler.settings.retry_delay_seconds) from exc
+    reconciler.metrics.reconciles.labels(result="ok").inc()
+    for e in result[1].events if result else ():
+        kopf.event(body, type=e.type, reason=e.reason, message=e.message)
+
+
+def register(
+    registry: kopf.OperatorRegistry, reconciler: Reconciler, settings: OperatorSettings
+) -> None:
+    """Adds the handlers to ``registry`` (no module-level registration, no globals)."""
+    resource = (GROUP, VERSION, PLURAL)
+
+    @kopf.on.login(id="login", registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.create(*resource, id="create", registry=registry)
+    def on_create(body: kopf.Body, **_: Any) -> None:
+        _run(reconciler, body, permanent=True)
+
+    @kopf.on.update(*resource, id="update", registry=registry)
+    def on_update(body: kopf.Body, **_: Any) -> None:
+        _run(reconciler, body, permanent=True)
+
+    @kopf.on.resume(*resource, id="resume", registry=registry)
+    def on_resume(body: kopf.Body, **_: Any) -> None:
+        _run(reconciler, body, permanent=True)
+
+    @kopf.timer(*resource, id="tick", interval=settings.tick_seconds, registry=registry)
+    def tick(body: kopf.Body, **_: Any) -> None:
+        _run(reconciler, body, permanent=False)
+
+
+def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
+    """kopf's own settings: progress in annotations, so the status stays ours alone."""
+    ks = kopf.OperatorSettings()
+    ks.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="dscache.io")
+    ks.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="dscache.io", key="last-handled-configuration"
+    )
+    ks.persistence.finalizer = "dscache.io/finalizer"
+    ks.execution.max_workers = settings.max_workers
+    ks.posting.level = logging.INFO
+    ks.watching.server_timeout = 300
+    ks.networking.request_timeout = settings.api_timeout_seconds
+    return ks

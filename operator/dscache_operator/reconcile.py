@@ -1,0 +1,335 @@
+"""One reconcile of one resource: observe, decide (pure), apply, record.
+
+``Reconciler.reconcile`` is what every kopf handler calls. It re-reads the
+resource from the API server (a timer's body may be older than the status the
+previous reconcile wrote), observes the children, fetches the analysis only
+when the state machine says a step is due, lets :func:`.rollout.next_step`
+decide, server-side-applies the desired children, then writes the status
+(guarded by the resource's resourceVersion) and clears one-shot annotations.
+
+Invariants: calls for one resource never overlap (a lock per uid); the status
+is written after the children, so a crash in between repeats the same
+(idempotent) applies on the next tick rather than skipping them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+from dscache_operator import KIND
+from dscache_operator.analysis import PrometheusClient, analyse
+from dscache_operator.conditions import set_condition
+from dscache_operator.desired import (
+    SLOT,
+    TEMPLATE_HASH,
+    TRACK,
+    Owner,
+    children,
+    pod_address,
+    prewarm_job_name,
+    selector_labels,
+    track_of,
+)
+from dscache_operator.kube import ApiError, Kube
+from dscache_operator.metrics import OperatorMetrics
+from dscache_operator.rollout import (
+    Annotations,
+    Decision,
+    Observed,
+    PrewarmState,
+    TrackObservation,
+    analysis_due,
+    next_step,
+)
+from dscache_operator.settings import OperatorSettings
+from dscache_operator.spec import (
+    SLOTS,
+    DeepSeekCacheDeploymentSpec,
+    DeepSeekCacheDeploymentStatus,
+    RevisionSource,
+    dump_status,
+    parse_spec,
+    parse_status,
+    revision_of,
+)
+
+log = logging.getLogger(__name__)
+Obj = dict[str, Any]
+_MONITORING_TTL_S = 10.0  # one discovery GET per period, not per resource
+
+
+def observe_track(deployment: Obj | None) -> TrackObservation:
+    """Ready = every desired replica updated and available; undone = template hash mismatch."""
+    if deployment is None:
+        return TrackObservation()
+    meta, spec, st = (
+        deployment["metadata"],
+        deployment.get("spec", {}),
+        deployment.get("status", {}),
+    )
+    want = int(spec.get("replicas", 1))
+    current = st.get("observedGeneration", 0) >= meta.get("generation", 0)
+    ready = (
+        current
+        and int(st.get("updatedReplicas", 0)) >= want
+        and int(st.get("availableReplicas", 0)) >= want
+        and int(st.get("replicas", 0)) == want
+    )
+    applied = (meta.get("labels") or {}).get(TEMPLATE_HASH)
+    running = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
+    undone = applied is not None and running.get(TEMPLATE_HASH) != applied
+    return TrackObservation(exists=True, ready=bool(ready), undone=undone)
+
+
+def observe_job(job: Obj | None) -> PrewarmState:
+    """absent, running, succeeded or failed."""
+    if job is None:
+        return "absent"
+    st = job.get("status") or {}
+    if int(st.get("succeeded") or 0) > 0:
+        return "succeeded"
+    for c in st.get("conditions") or []:
+        if c.get("type") == "Failed" and c.get("status") == "True":
+            return "failed"
+        if c.get("type") == "Complete" and c.get("status") == "True":
+            return "succeeded"
+    return "running"
+
+
+def ready_pod_ips(pods: list[Obj]) -> list[str]:
+    """IPs of Ready, not terminating pods, ordered by pod name."""
+    out: list[tuple[str, str]] = []
+    for p in pods:
+        if p["metadata"].get("deletionTimestamp"):
+            continue
+        st = p.get("status") or {}
+        ip = st.get("podIP")
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in st.get("conditions") or []
+        )
+        if ip and ready:
+            out.append((p["metadata"]["name"], ip))
+    return [ip for _, ip in sorted(out)]
+
+
+class Reconciler:
+    """Reconciles resources; built once in ``main`` and handed to the handlers."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        settings: OperatorSettings,
+        metrics: OperatorMetrics,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.metrics = metrics
+        self.clock = clock
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+        self._monitoring: tuple[float, bool] | None = None
+        self._applied: dict[tuple[str, str, str], tuple[str, float]] = {}
+
+    def _lock(self, uid: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(uid, threading.Lock())
+
+    def reconcile(self, namespace: str, name: str) -> tuple[Obj, Decision] | None:
+        """One reconcile; None if the resource is gone.
+
+        Raises:
+            InvalidSpecError: the spec cannot be reconciled (status already says so).
+            ApiError: an API call failed; retry later.
+        """
+        body = self.kube.get(KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None
+        with self._lock(body["metadata"]["uid"]):
+            started = time.perf_counter()
+            body = self.kube.get(KIND, namespace, name) or body
+            decision = self._reconcile(body)
+            self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+            for e in decision.events:
+                self.metrics.rollout_events.labels(reason=e.reason).inc()
+            return body, decision
+
+    def _reconcile(self, body: Obj) -> Decision:
+        meta = body["metadata"]
+        owner = Owner(meta["name"], meta["namespace"], meta["uid"])
+        spec = parse_spec(body.get("spec"))
+        status = parse_status(body.get("status"))
+        now = self.clock()
+        observed = self._observe(owner, spec, status, meta)
+        if analysis_due(status, observed, now):
+            observed = replace(observed, verdict=self._analyse(owner, spec, status))
+        decision = next_step(status, observed, now)
+        new = decision.status
+        stable = self._addresses(owner, new, new.stable_slot)
+        canary = self._addresses(owner, new, new.canary_slot)
+        for child in children(
+            owner,
+            spec,
+            new,
+            stable,
+            canary,
+            prewarm=new.phase == "Prewarming" and observed.prewarm_enabled,
+            monitoring=self._monitoring_available(),
+        ):
+            self._apply(child)
+        for slot, ss in new.slots.items():
+            if ss.frozen:  # template left alone; its track label still tells the truth
+                self._label_frozen(owner, slot, track_of(new, slot))
+        if new != status:
+            self._write_status(owner, meta, new)
+        if decision.clear_annotations:
+            patch = {"metadata": {"annotations": dict.fromkeys(decision.clear_annotations)}}
+            self.kube.merge_patch(KIND, owner.namespace, owner.name, patch)
+        return decision
+
+    def _apply(self, obj: Obj) -> None:
+        # Server-side apply of an unchanged object is a no-op on the server, but
+        # still a request; skip it for a while, and repair drift on the next one.
+        meta = obj["metadata"]
+        key = (meta["ownerReferences"][0]["uid"], obj["kind"], meta["name"])
+        digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+        now = time.monotonic()
+        last = self._applied.get(key)
+        if last is not None and last[0] == digest and now - last[1] < self.settings.reapply_seconds:
+            return
+        self.kube.apply(obj)
+        if len(self._applied) > 10000:  # deleted resources' entries
+            horizon = now - self.settings.reapply_seconds
+            self._applied = {k: v for k, v in self._applied.items() if v[1] > horizon}
+        self._applied[key] = (digest, now)
+
+    def _label_frozen(self, owner: Owner, slot: str, track: str) -> None:
+        name = f"{owner.name}-{slot}"
+        key = (owner.uid, "Deployment/labels", name)
+        now = time.monotonic()
+        last = self._applied.get(key)
+        if last is not None and last[0] == track and now - last[1] < self.settings.reapply_seconds:
+            return
+        patch = {"metadata": {"labels": {TRACK: track}}}
+        try:
+            self.kube.merge_patch("Deployment", owner.namespace, name, patch)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+        self._applied[key] = (track, now)
+
+    def _observe(
+        self,
+        owner: Owner,
+        spec: DeepSeekCacheDeploymentSpec,
+        status: DeepSeekCacheDeploymentStatus,
+        meta: Mapping[str, Any],
+    ) -> Observed:
+        source = spec.revision_source()
+        tracks: dict[str, TrackObservation] = {
+            slot: observe_track(
+                self.kube.get("Deployment", owner.namespace, f"{owner.name}-{slot}")
+            )
+            for slot in SLOTS
+            if slot in status.slots
+        }
+        prewarm: PrewarmState = "absent"
+        if status.canary_revision is not None:
+            job = self.kube.get(
+                "Job", owner.namespace, prewarm_job_name(owner, status.canary_revision)
+            )
+            prewarm = observe_job(job)
+        return Observed(
+            generation=int(meta.get("generation", 0)),
+            revision=revision_of(source),
+            source=source.model_dump(mode="json", by_alias=True),
+            steps=spec.steps,
+            interval_s=spec.interval_s,
+            rollback_window_s=spec.rollback_window_s,
+            prewarm_enabled=spec.prewarm.enabled and spec.prewarm.prompts is not None,
+            tracks=tracks,
+            prewarm=prewarm,
+            annotations=Annotations.from_metadata(meta.get("annotations")),
+        )
+
+    def _analyse(
+        self,
+        owner: Owner,
+        spec: DeepSeekCacheDeploymentSpec,
+        status: DeepSeekCacheDeploymentStatus,
+    ) -> Any:
+        url = spec.rollout.analysis.prometheus_url or self.settings.prometheus_url
+        client = PrometheusClient(url, self.settings.prometheus_timeout_seconds) if url else None
+        verdict = analyse(
+            client,
+            spec.rollout.analysis,
+            namespace=owner.namespace,
+            canary=status.canary_revision or "",
+            stable=status.stable_revision or "",
+            window_s=spec.interval_s,
+        )
+        self.metrics.analyses.labels(result=verdict.result).inc()
+        log.info(
+            "analysis of %s/%s at %d%%: %s %s",
+            owner.namespace,
+            owner.name,
+            status.weight,
+            verdict.result,
+            verdict.message,
+        )
+        return verdict
+
+    def _addresses(
+        self, owner: Owner, status: DeepSeekCacheDeploymentStatus, slot: str | None
+    ) -> tuple[str, ...]:
+        if slot is None or slot not in status.slots:
+            return ()
+        port = RevisionSource.model_validate(status.slots[slot].source).server.port
+        pods = self.kube.list(
+            "Pod", owner.namespace, {**selector_labels(owner, "model"), SLOT: slot}
+        )
+        return tuple(pod_address(ip, port) for ip in ready_pod_ips(pods))
+
+    def _monitoring_available(self) -> bool:
+        now = time.monotonic()
+        if self._monitoring is None or now - self._monitoring[0] > _MONITORING_TTL_S:
+            ok = self.kube.has_api("monitoring.coreos.com/v1", "servicemonitors")
+            self._monitoring = (now, ok)
+        return self._monitoring[1]
+
+    def _write_status(
+        self, owner: Owner, meta: Mapping[str, Any], status: DeepSeekCacheDeploymentStatus
+    ) -> None:
+        self.kube.patch_status(
+            KIND, owner.namespace, owner.name, dump_status(status), meta["resourceVersion"]
+        )
+
+    def record_invalid(self, namespace: str, name: str, message: str) -> None:
+        """Ready=False, reason InvalidSpec, phase Failed, with ``message``."""
+        body = self.kube.get(KIND, namespace, name)
+        if body is None:
+            return
+        status = parse_status(body.get("status"))
+        gen = int(body["metadata"].get("generation", 0))
+        conds = set_condition(
+            status.conditions,
+            "Ready",
+            False,
+            "InvalidSpec",
+            message,
+            now=self.clock(),
+            generation=gen,
+        )
+        new = status.model_copy(
+            update={"conditions": conds, "phase": "Failed", "observed_generation": gen}
+        )
+        self.kube.patch_status(KIND, namespace, name, dump_status(new))

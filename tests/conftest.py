@@ -1,0 +1,60 @@
+"""Session-wide fixtures shared by every test folder: the dev Kubernetes cluster.
+
+``dev_cluster`` starts one real control plane (etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler, KWOK with three fake nodes: two with
+8 ``nvidia.com/gpu`` each, one without) for the whole session through the same
+code as ``dscache dev cluster up``, and stops it at the end. Missing binaries
+are built first (tens of minutes the first time, with progress on the
+terminal); a failed build or start is a test error, never a skip. Component
+logs stay in pytest's temporary directory (``<basetemp>/devcluster*/logs``).
+
+Tests that use it carry ``@pytest.mark.cluster``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from dscache.devcluster import DevCluster, ensure_built, is_built
+
+logger = logging.getLogger(__name__)
+
+
+def _terminal_progress(config: pytest.Config) -> Callable[[str], None]:
+    """Shows build progress on the terminal even while output is captured."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+
+    def say(line: str) -> None:
+        logger.info("dev cluster build: %s", line)
+        if reporter is None:
+            return
+        paused = capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
+        with paused:
+            reporter.write_line(f"[dev cluster build] {line}")
+
+    return say
+
+
+@pytest.fixture(scope="session")
+def dev_cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DevCluster]:
+    """A ready dev cluster: ``.kubeconfig``, ``.env()``, ``.kubectl()``, ``.helm()``."""
+    progress = None if is_built() else _terminal_progress(request.config)
+    binaries = ensure_built(progress=progress)
+    cluster = DevCluster.start(
+        tmp_path_factory.mktemp("devcluster"),
+        node_count=3,
+        binaries=binaries,
+        tie_to_parent=True,
+        timeout=90.0,
+    )
+    try:
+        yield cluster
+    finally:
+        cluster.stop(keep_logs=True)

@@ -1,0 +1,131 @@
+"""The dev cluster's pure parts, without starting anything."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from dscache.devcluster import PINNED, Versions, build, locate
+from dscache.devcluster.cluster import ClusterError, DevCluster
+from dscache.devcluster.nodes import GPU_RESOURCE, kwok_config, node_manifest, node_shapes
+from dscache.devcluster.pki import generate
+
+KUBERNETES_GOMOD = """
+module k8s.io/kubernetes
+
+go 1.25.0
+
+require (
+\tk8s.io/api v0.0.0
+\tgithub.com/spf13/cobra v1.10.0
+)
+
+replace (
+\tk8s.io/api => ./staging/src/k8s.io/api
+\tk8s.io/client-go => ./staging/src/k8s.io/client-go
+\tgithub.com/some/fork => github.com/other/fork v1.2.3
+)
+
+replace k8s.io/kms => ./staging/src/k8s.io/kms
+"""
+
+
+def test_staging_replacements_cover_every_local_replace() -> None:
+    got = build.staging_replacements(KUBERNETES_GOMOD, "v0.35.8")
+    assert got == {
+        "k8s.io/api": "v0.35.8",
+        "k8s.io/client-go": "v0.35.8",
+        "k8s.io/kms": "v0.35.8",
+    }
+
+
+def test_staging_version_follows_the_release() -> None:
+    assert Versions(kubernetes="v1.35.8").staging == "v0.35.8"
+    assert Versions(kubernetes="v1.34.12").kubernetes_minor == ("1", "34")
+
+
+def test_binaries_live_in_versioned_cache_dirs(tmp_path: Path) -> None:
+    found = locate(PINNED, tmp_path)
+    assert found.kube_apiserver == tmp_path / "k8s" / PINNED.kubernetes / "bin" / "kube-apiserver"
+    assert found.etcd == tmp_path / "etcd" / PINNED.etcd / "bin" / "etcd"
+    assert found.helm == tmp_path / "helm" / PINNED.helm / "bin" / "helm"
+    assert found.tool_dirs == (found.kubectl.parent, found.helm.parent)
+    assert not build.is_built(PINNED, tmp_path)
+
+
+def test_last_node_has_no_gpu() -> None:
+    shapes = node_shapes(3)
+    assert [s.name for s in shapes] == ["dev-node-0", "dev-node-1", "dev-node-2"]
+    assert [s.gpus for s in shapes] == [8, 8, 0]
+    assert node_shapes(1)[0].gpus == 8
+    with pytest.raises(ValueError, match="at least one node"):
+        node_shapes(0)
+    gpu, cpu = node_manifest(shapes[0]), node_manifest(shapes[2])
+    assert gpu["status"]["allocatable"][GPU_RESOURCE] == "8"
+    assert GPU_RESOURCE not in cpu["status"]["allocatable"]
+    assert gpu["metadata"]["annotations"]["kwok.x-k8s.io/node"] == "fake"
+
+
+def test_kwok_config_joins_stage_documents(tmp_path: Path) -> None:
+    (tmp_path / "a.yaml").write_text("kind: Stage\nmetadata: {name: a}\n")
+    (tmp_path / "b.yaml").write_text("kind: Stage\nmetadata: {name: b}\n")
+    assert kwok_config(tmp_path) == (
+        "kind: Stage\nmetadata: {name: a}\n---\nkind: Stage\nmetadata: {name: b}\n"
+    )
+    with pytest.raises(FileNotFoundError):
+        kwok_config(tmp_path / "missing")
+
+
+def test_certificates_chain_to_the_generated_ca(tmp_path: Path) -> None:
+    pki = generate(tmp_path)
+    ca = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    serving = x509.load_pem_x509_certificate(pki.serving_cert.read_bytes())
+    admin = x509.load_pem_x509_certificate(pki.admin_cert.read_bytes())
+    serving.verify_directly_issued_by(ca)
+    admin.verify_directly_issued_by(ca)
+    names = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "kubernetes.default.svc" in names.get_values_for_type(x509.DNSName)
+    assert admin.subject.rfc4514_string() == "O=system:masters,CN=dscache-dev-admin"
+    assert pki.admin_key.stat().st_mode & 0o077 == 0
+
+
+def test_shell_exports_are_quoted(tmp_path: Path) -> None:
+    odd = tmp_path / "it's here"
+    cluster = DevCluster(
+        state_dir=odd,
+        kubeconfig=odd / "kubeconfig",
+        server="https://127.0.0.1:1",
+        binaries=locate(PINNED, odd),
+        node_count=1,
+        processes=[],
+    )
+    script = cluster.shell_exports() + 'printf "%s\\n%s" "$KUBECONFIG" "$PATH"'
+    out = subprocess.run(
+        ["bash", "-c", script], capture_output=True, text=True, env={"PATH": "/bin"}, check=True
+    ).stdout.splitlines()
+    assert out[0] == str(odd / "kubeconfig")
+    assert out[1].split(":") == [*(str(d) for d in cluster.binaries.tool_dirs), "/bin"]
+    assert json.dumps(cluster.env({"PATH": "/bin"})["KUBECONFIG"]) == json.dumps(out[0])
+
+
+def test_start_never_wipes_a_foreign_directory(tmp_path: Path) -> None:
+    precious = tmp_path / "home"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(ClusterError, match="holds no dev cluster state"):
+        DevCluster.start(precious, binaries=locate(PINNED, tmp_path / "cache"))
+    assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_start_never_overwrites_a_foreign_kubeconfig(tmp_path: Path) -> None:
+    theirs = tmp_path / "config"
+    theirs.write_text("apiVersion: v1\nkind: Config\ncurrent-context: prod\n")
+    with pytest.raises(ClusterError, match="refusing to overwrite"):
+        DevCluster.start(
+            tmp_path / "state", kubeconfig=theirs, binaries=locate(PINNED, tmp_path / "cache")
+        )
+    assert "prod" in theirs.read_text()

@@ -1,0 +1,82 @@
+"""Fixtures of the operator's cluster tests: the chart, a real operator, a real Prometheus.
+
+* ``chart``: ``helm upgrade --install`` of charts/dscache (CRD, RBAC, the
+  operator Deployment, which KWOK runs as a pod without a process).
+* ``operator``: the real ``dscache operator --all-namespaces`` as a local
+  process against the dev cluster (a 1 s tick), restartable and killable.
+* ``prometheus``: Debian's ``prometheus`` binary on a loopback port, scraping a
+  fake model-server ``/metrics`` every second whose figures the test sets.
+* ``ns``: a fresh namespace per test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+
+import pytest
+from fakes.server_metrics import FakeServerMetrics
+from operator_harness import ROOT, OperatorProcess, PrometheusProcess
+
+from dscache.devcluster import DevCluster
+
+CHART_NS = "dscache-system"
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def chart(dev_cluster: DevCluster) -> str:
+    """The chart installed (CRD included); returns its namespace."""
+    dev_cluster.helm(
+        "upgrade",
+        "--install",
+        "dscache",
+        str(ROOT / "charts" / "dscache"),
+        "--namespace",
+        CHART_NS,
+        "--create-namespace",
+        "--wait",
+        "--timeout",
+        "120s",
+    )
+    dev_cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/deepseekcachedeployments.dscache.io"
+    )
+    return CHART_NS
+
+
+@pytest.fixture(scope="module")
+def server_metrics() -> Iterator[FakeServerMetrics]:
+    m = FakeServerMetrics()
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def prometheus(
+    tmp_path_factory: pytest.TempPathFactory, server_metrics: FakeServerMetrics
+) -> Iterator[PrometheusProcess]:
+    p = PrometheusProcess(tmp_path_factory.mktemp("prometheus"), server_metrics)
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def operator(
+    dev_cluster: DevCluster,
+    chart: str,
+    prometheus: PrometheusProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[OperatorProcess]:
+    op = OperatorProcess(dev_cluster, tmp_path_factory.mktemp("operator"), prometheus.url)
+    yield op
+    op.stop()
+
+
+@pytest.fixture
+def ns(dev_cluster: DevCluster) -> Iterator[str]:
+    name = f"op{os.getpid()}-{next(_counter)}"
+    dev_cluster.kubectl("create", "namespace", name)
+    yield name
+    dev_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -1,0 +1,682 @@
+"""The operator on a real control plane (``dscache dev cluster``), with real helm and kubectl.
+
+What a platform team would do, end to end: install the chart, apply the
+examples, change a model revision and watch the rollout, steer it with
+annotations, ``kubectl rollout undo`` a track, restart the operator mid-ramp,
+delete the resource. Rollout analysis reads a real Prometheus scraping a fake
+model-server metrics endpoint whose figures each test sets.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from fakes.server_metrics import FakeServerMetrics, Figures
+from operator_harness import OperatorProcess, PrometheusProcess
+
+from dscache.devcluster import DevCluster, ToolError, wait_until
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+GOOD = Figures(hit_rate=0.95, ttft_s=0.2)
+BAD = Figures(hit_rate=0.40, ttft_s=0.2)
+STABLE = Figures(hit_rate=0.90, ttft_s=0.2)
+
+
+def get(c: DevCluster, ns: str, name: str) -> dict[str, Any]:
+    out: dict[str, Any] = c.kubectl_json("get", "dscd", name, "-n", ns)
+    return out
+
+
+def status(c: DevCluster, ns: str, name: str) -> dict[str, Any]:
+    return get(c, ns, name).get("status") or {}
+
+
+def condition(st: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((x for x in st.get("conditions", []) if x["type"] == type_), {})
+
+
+def wait_for(
+    c: DevCluster,
+    ns: str,
+    name: str,
+    what: str,
+    ok: Callable[[dict[str, Any]], bool],
+    op: OperatorProcess,
+    timeout: float = 90.0,
+) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        st = status(c, ns, name)
+        return st if ok(st) else None
+
+    try:
+        return wait_until(what, probe, timeout, 0.3)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\noperator log:\n{op.tail()}") from exc
+
+
+def events(c: DevCluster, ns: str, name: str) -> list[str]:
+    out = c.kubectl_json(
+        "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}"
+    )
+    items = sorted(
+        out["items"], key=lambda e: e.get("lastTimestamp") or e["metadata"]["creationTimestamp"]
+    )
+    return [e["reason"] for e in items]
+
+
+def apply(c: DevCluster, ns: str, docs: list[dict[str, Any]]) -> None:
+    c.kubectl("apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump_all(docs))
+
+
+def spec_doc(name: str, prom: PrometheusProcess, **rollout: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "dscache.io/v1alpha1",
+        "kind": "DeepSeekCacheDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"preset": "tiny-gqa", "revision": "1"},
+            "replicas": 2,
+            "routing": {"replicas": 1},
+            "rollout": {
+                "interval": "5s",
+                "rollbackWindow": "10m",
+                "analysis": {"prometheusUrl": prom.url},
+                **rollout,
+            },
+        },
+    }
+
+
+def set_revision(c: DevCluster, ns: str, name: str, revision: str) -> None:
+    patch = json.dumps({"spec": {"model": {"revision": revision}}})
+    c.kubectl("patch", "dscd", name, "-n", ns, "--type", "merge", "-p", patch)
+
+
+def available(c: DevCluster, ns: str, name: str, op: OperatorProcess) -> dict[str, Any]:
+    return wait_for(c, ns, name, "Available", lambda s: s.get("phase") == "Available", op)
+
+
+def start_rollout(
+    c: DevCluster,
+    ns: str,
+    name: str,
+    op: OperatorProcess,
+    metrics: FakeServerMetrics,
+    revision: str,
+    figures: Figures | None = GOOD,
+) -> tuple[str, str]:
+    """Patches the model revision; returns (stable, canary) revision hashes."""
+    stable = status(c, ns, name)["stableRevision"]
+    metrics.set(ns, stable, STABLE)
+    set_revision(c, ns, name, revision)
+    st = wait_for(
+        c, ns, name, "canary", lambda s: s.get("canaryRevision") not in (None, stable), op
+    )
+    if figures is not None:
+        metrics.set(ns, st["canaryRevision"], figures)
+    return stable, st["canaryRevision"]
+
+
+def router_conf(c: DevCluster, ns: str, name: str) -> str:
+    cm = c.kubectl_json("get", "configmap", f"{name}-router", "-n", ns)
+    text: str = cm["data"]["nginx.conf"]
+    return text
+
+
+# ----------------------------------------------------------------------------- chart
+
+
+def test_chart_rbac_is_least_privilege(dev_cluster: DevCluster, chart: str, tmp_path: Path) -> None:
+    sa = f"system:serviceaccount:{chart}:dscache"
+
+    def can(*args: str) -> bool:
+        done = dev_cluster.kubectl("auth", "can-i", *args, f"--as={sa}", check=False)
+        return done.stdout.strip() == "yes"
+
+    assert can("patch", "deployments.apps", "-n", "default")
+    assert can("patch", "deepseekcachedeployments.dscache.io/status", "-n", "default")
+    assert can("create", "jobs.batch", "-n", "default")
+    assert not can("get", "secrets", "-n", "default")
+    assert not can("delete", "deployments.apps", "-n", "default")
+    assert not can("create", "clusterrolebindings.rbac.authorization.k8s.io")
+    assert not can("*", "*")
+    roles = dev_cluster.kubectl_json(
+        "get", "clusterroles", "-l", "app.kubernetes.io/instance=dscache"
+    )
+    for role in roles["items"]:
+        for rule in role["rules"]:
+            assert "*" not in rule.get("verbs", []) and "*" not in rule.get("resources", [])
+            assert "secrets" not in rule.get("resources", [])
+    dep = dev_cluster.kubectl_json("get", "deployment", "dscache", "-n", chart)
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"][-1] == "operator"
+    assert pod["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+
+    # And enough: the operator runs on the chart's ServiceAccount token alone. (This
+    # test comes first in the module, before the shared admin operator starts.)
+    token = dev_cluster.kubectl("create", "token", "dscache", "-n", chart).stdout.strip()
+    config = yaml.safe_load(dev_cluster.kubeconfig.read_text())
+    config["users"][0]["user"] = {"token": token}
+    kubeconfig = tmp_path / "sa-kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(config))
+    sa_operator = OperatorProcess(dev_cluster, tmp_path, "http://127.0.0.1:9", kubeconfig)
+    ns = "rbac-check"
+    dev_cluster.kubectl("create", "namespace", ns)
+    try:
+        dev_cluster.kubectl("apply", "-n", ns, "-f", str(ROOT / "examples" / "01-minimal"))
+        available(dev_cluster, ns, "chat", sa_operator)
+        dev_cluster.kubectl("delete", "dscd", "chat", "-n", ns, "--timeout=60s")
+    finally:
+        sa_operator.stop()
+        dev_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    log = sa_operator.tail()
+    assert "Forbidden" not in log and "403" not in log, log
+
+
+def test_invalid_resources_are_rejected_by_the_api_server(
+    dev_cluster: DevCluster, chart: str, ns: str
+) -> None:
+    cases = [
+        ({"model": {"preset": "a", "path": "/m"}}, "exactly one of model.preset or model.path"),
+        ({"model": {"preset": "a"}, "rollout": {"steps": [50, 10, 100]}}, "must increase"),
+        ({"model": {"preset": "a"}, "rollout": {"steps": [10, 50]}}, "must be 100"),
+        ({"model": {"preset": "a"}, "replicas": -1}, "spec.replicas"),
+        ({"model": {"preset": "a"}, "rollout": {"strategy": "yolo"}}, "Unsupported value"),
+        ({"model": {"preset": "a"}, "rollout": {"interval": "soon"}}, "spec.rollout.interval"),
+        (
+            {"model": {"preset": "a"}, "cache": {"volume": {"type": "hostPath"}}},
+            "hostPath is required",
+        ),
+        ({"model": {"preset": "a"}, "bogus": 1}, 'unknown field "spec.bogus"'),
+    ]
+    long_name = {
+        "apiVersion": "dscache.io/v1alpha1",
+        "kind": "DeepSeekCacheDeployment",
+        "metadata": {"name": "a" * 41},
+        "spec": {"model": {"preset": "a"}},
+    }
+    done = dev_cluster.kubectl(
+        "apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump(long_name), check=False
+    )
+    assert done.returncode != 0 and "at most 40 characters" in done.stderr
+    for spec, message in cases:
+        doc = {
+            "apiVersion": "dscache.io/v1alpha1",
+            "kind": "DeepSeekCacheDeployment",
+            "metadata": {"name": "bad"},
+            "spec": spec,
+        }
+        done = dev_cluster.kubectl(
+            "apply",
+            "--validate=strict",
+            "-n",
+            ns,
+            "-f",
+            "-",
+            stdin=yaml.safe_dump(doc),
+            check=False,
+        )
+        assert done.returncode != 0, spec
+        assert message in done.stderr, (message, done.stderr)
+
+
+# ----------------------------------------------------------------------------- examples
+
+
+@pytest.mark.parametrize("example", ["01-minimal", "02-canary", "03-blue-green-rollback"])
+def test_examples_create_owned_hardened_children(
+    dev_cluster: DevCluster, operator: OperatorProcess, ns: str, example: str
+) -> None:
+    c = dev_cluster
+    c.kubectl("apply", "-n", ns, "-f", str(ROOT / "examples" / example))
+    name = next(
+        d["metadata"]["name"]
+        for p in sorted((ROOT / "examples" / example).glob("*.yaml"))
+        for d in yaml.safe_load_all(p.read_text())
+        if d and d["kind"] == "DeepSeekCacheDeployment"
+    )
+    st = available(c, ns, name, operator)
+    body = get(c, ns, name)
+    uid = body["metadata"]["uid"]
+    assert st["stableSlot"] == "blue" and st["observedGeneration"] == body["metadata"]["generation"]
+    assert condition(st, "Ready")["status"] == "True"
+    assert condition(st, "Available")["status"] == "True"
+
+    sel = f"app.kubernetes.io/instance={name}"
+    kinds = {
+        "deployment": {f"{name}-blue", f"{name}-router"},
+        "service": {name, f"{name}-blue"},
+        "configmap": {f"{name}-router"},
+        "poddisruptionbudget": {f"{name}-blue", f"{name}-router"},
+    }
+    for kind, names in kinds.items():
+        items = c.kubectl_json("get", kind, "-n", ns, "-l", sel)["items"]
+        assert {i["metadata"]["name"] for i in items} == names, kind
+        for i in items:
+            ref = i["metadata"]["ownerReferences"][0]
+            assert (ref["kind"], ref["uid"], ref["controller"]) == (
+                "DeepSeekCacheDeployment",
+                uid,
+                True,
+            )
+            labels = i["metadata"]["labels"]
+            assert labels["app.kubernetes.io/managed-by"] == "dscache-operator"
+            assert labels["app.kubernetes.io/part-of"] == "dscache"
+            assert "dscache.io/track" in labels
+
+    dep = c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)
+    assert dep["metadata"]["labels"]["dscache.io/track"] == "stable"
+    pod = dep["spec"]["template"]["spec"]
+    server, sidecar = pod["containers"]
+    assert server["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert "grpc_health" in " ".join(sidecar["readinessProbe"]["exec"]["command"])
+    for container in (server, sidecar):
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    pods = c.kubectl_json("get", "pods", "-n", ns, "-l", f"{sel},app.kubernetes.io/component=model")
+    assert len(pods["items"]) == body["spec"]["replicas"]
+    assert all(p["status"]["phase"] == "Running" for p in pods["items"])
+    if example == "02-canary":  # GPUs: only nodes that have them
+        nodes = {p["spec"]["nodeName"] for p in pods["items"]}
+        gpu_nodes = {
+            n["metadata"]["name"]
+            for n in c.kubectl_json("get", "nodes")["items"]
+            if "nvidia.com/gpu" in n["status"]["allocatable"]
+        }
+        assert nodes <= gpu_nodes
+    # The router is rendered with the stable pods' addresses.
+    conf = router_conf(c, ns, name)
+    ips = [p["status"]["podIP"] for p in pods["items"]]
+    assert all(f"server {ip}:8000 " in conf for ip in ips), conf
+    # Printer columns.
+    table = c.kubectl("get", "dscd", name, "-n", ns).stdout
+    assert table.split()[:7] == ["NAME", "PHASE", "STABLE", "CANARY", "WEIGHT", "HITRATE", "AGE"]
+    # Re-applying is a no-op: nothing changes on the next ticks.
+    before = c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)["metadata"][
+        "resourceVersion"
+    ]
+    time.sleep(3)
+    after = c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)["metadata"][
+        "resourceVersion"
+    ]
+    assert before == after
+
+
+# ----------------------------------------------------------------------------- rollouts
+
+
+def test_good_figures_promote_through_every_step(
+    dev_cluster: DevCluster,
+    operator: OperatorProcess,
+    prometheus: PrometheusProcess,
+    server_metrics: FakeServerMetrics,
+    ns: str,
+) -> None:
+    c, name = dev_cluster, "good"
+    apply(
+        c,
+        ns,
+        [
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "prompts"},
+                "data": {"prompts.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n'},
+            },
+            {
+                **spec_doc(name, prometheus),
+                "spec": {
+                    **spec_doc(name, prometheus)["spec"],
+                    "prewarm": {"prompts": {"name": "prompts"}},
+                },
+            },
+        ],
+    )
+    available(c, ns, name, operator)
+    stable, canary = start_rollout(c, ns, name, operator, server_metrics, "2")
+    seen: list[tuple[str, int]] = []
+    confs: dict[int, str] = {}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        st = status(c, ns, name)
+        key = (st["phase"], st["weight"])
+        if not seen or seen[-1] != key:
+            seen.append(key)
+            if st["phase"] == "Progressing" and st["weight"] not in confs:
+                confs[st["weight"]] = router_conf(c, ns, name)
+        if st.get("stableRevision") == canary and st["phase"] == "Available":
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError(f"no promotion: {seen}\n{operator.tail()}")
+    weights = [w for p, w in seen if p == "Progressing"]
+    assert weights == [10, 25, 50, 100], seen
+    assert ("Prewarming", 0) in seen
+    assert "10% canary;" in confs[10] and "25% canary;" in confs[25] and "50% canary;" in confs[50]
+    assert "default canary;" in confs[100]
+    st = status(c, ns, name)
+    assert (st["stableSlot"], st["previousSlot"], st["weight"]) == ("green", "blue", 0)
+    assert st["lastAnalysis"]["result"] == "Pass" and st["hitRate"] == "0.950"
+    reasons = events(c, ns, name)
+    assert reasons.count("StepStarted") == 4 and "Prewarmed" in reasons and "Promoted" in reasons
+    job = c.kubectl_json("get", "job", f"{name}-prewarm-{canary}", "-n", ns)
+    assert job["status"].get("succeeded") == 1
+    # The old track stays warm; the labels say who is who.
+    blue = c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)
+    green = c.kubectl_json("get", "deployment", f"{name}-green", "-n", ns)
+    assert (
+        blue["spec"]["replicas"] == 2
+        and blue["metadata"]["labels"]["dscache.io/track"] == "previous"
+    )
+    assert green["metadata"]["labels"]["dscache.io/track"] == "stable"
+    assert stable != canary
+
+
+def test_bad_hit_rate_at_25_rolls_back_within_one_interval(
+    dev_cluster: DevCluster,
+    operator: OperatorProcess,
+    prometheus: PrometheusProcess,
+    server_metrics: FakeServerMetrics,
+    ns: str,
+) -> None:
+    c, name = dev_cluster, "bad"
+    apply(c, ns, [spec_doc(name, prometheus, interval="6s")])
+    available(c, ns, name, operator)
+    _, canary = start_rollout(c, ns, name, operator, server_metrics, "2")
+    st = wait_for(c, ns, name, "weight 25", lambda s: s.get("weight") == 25, operator)
+    server_metrics.set(ns, canary, BAD)
+    step_started = datetime.fromisoformat(st["stepStartedAt"])
+    st = wait_for(c, ns, name, "rolled back", lambda s: s.get("phase") == "RolledBack", operator)
+    rolled_back = datetime.fromisoformat(condition(st, "RolledBack")["lastTransitionTime"])
+    # One interval (6 s) after the step began, plus a tick and whole-second timestamps.
+    assert (rolled_back - step_started).total_seconds() <= 6 + 3
+    assert st["weight"] == 0 and st.get("canaryRevision") is None
+    rb = condition(st, "RolledBack")
+    assert (rb["status"], rb["reason"]) == ("True", "AnalysisFailed")
+    assert "hit rate 0.4" in rb["message"] and "25%" in rb["message"]
+    assert st["lastAnalysis"]["result"] == "Fail"
+    assert "default stable;" in router_conf(c, ns, name)
+    green = c.kubectl_json("get", "deployment", f"{name}-green", "-n", ns)
+    assert green["spec"]["replicas"] == 0
+    time.sleep(3)  # not retried while the spec asks for the same revision
+    assert status(c, ns, name)["phase"] == "RolledBack"
+    assert "AnalysisFailed" in events(c, ns, name)
+
+
+def test_no_data_pauses_and_data_resumes(
+    dev_cluster: DevCluster,
+    operator: OperatorProcess,
+    prometheus: PrometheusProcess,
+    server_metrics: FakeServerMetrics,
+    ns: str,
+) -> None:
+    c, name = dev_cluster, "nodata"
+    apply(c, ns, [spec_doc(name, prometheus, interval="3s")])
+    available(c, ns, name, operator)
+    _, canary = start_rollout(c, ns, name, operator, server_metrics, "2", figures=None)
+    st = wait_for(c, ns, name, "paused", lambda s: s.get("phase") == "Paused", operator)
+    prog = condition(st, "Progressing")
+    assert (prog["status"], prog["reason"]) == ("False", "AnalysisNoData")
+    assert st["weight"] == 10 and st["lastAnalysis"]["result"] == "NoData"
+    time.sleep(7)  # two more intervals: never promoted blind
+    assert (status(c, ns, name)["weight"], status(c, ns, name)["phase"]) == (10, "Paused")
+    server_metrics.set(ns, canary, GOOD)
+    wait_for(c, ns, name, "resumed", lambda s: s.get("weight", 0) >= 25, operator)
+
+
+def test_annotations_pause_promote_and_abort(
+    dev_cluster: DevCluster,
+    operator: OperatorProcess,
+    prometheus: PrometheusProcess,
+    server_metrics: FakeServerMetrics,
+    ns: str,
+) -> None:
+    c, name = dev_cluster, "steer"
+    apply(c, ns, [spec_doc(name, prometheus, interval="1h")])  # nothing advances by itself
+    available(c, ns, name, operator)
+    start_rollout(c, ns, name, operator, server_metrics, "2")
+    wait_for(c, ns, name, "weight 10", lambda s: s.get("weight") == 10, operator)
+
+    def annotate(*kv: str) -> None:
+        c.kubectl("annotate", "--overwrite", "dscd", name, "-n", ns, *kv)
+
+    annotate("dscache.io/promote=next")
+    st = wait_for(c, ns, name, "promoted a step", lambda s: s.get("weight") == 25, operator)
+    assert st["lastAction"]["type"] == "promote"
+    wait_until(
+        "promote annotation cleared",
+        lambda: "dscache.io/promote" not in (get(c, ns, name)["metadata"].get("annotations") or {}),
+        10,
+    )
+
+    annotate("dscache.io/pause=true")
+    st = wait_for(c, ns, name, "paused", lambda s: s.get("phase") == "Paused", operator)
+    assert condition(st, "Progressing")["reason"] == "Paused" and st["weight"] == 25
+    annotate("dscache.io/pause-")
+    wait_for(c, ns, name, "resumed", lambda s: s.get("phase") == "Progressing", operator)
+
+    annotate("dscache.io/abort=true")
+    st = wait_for(c, ns, name, "aborted", lambda s: s.get("phase") == "RolledBack", operator)
+    assert st["weight"] == 0 and condition(st, "RolledBack")["reason"] == "Aborted"
+
+    # A new revision, promoted fully at once, then aborted inside the rollback window:
+    # traffic goes straight back to the warm old track.
+    _, rev3 = start_rollout(c, ns, name, operator, server_metrics, "3")
+    wait_for(c, ns, name, "weight 10", lambda s: s.get("weight") == 10, operator)
+    annotate("dscache.io/promote=full")
+    st = wait_for(c, ns, name, "full", lambda s: s.get("stableRevision") == rev3, operator)
+    assert st["phase"] == "Available" and st["previousSlot"] == "blue"
+    annotate("dscache.io/abort=true")
+    st = wait_for(c, ns, name, "switched back", lambda s: s.get("stableSlot") == "blue", operator)
+    assert condition(st, "RolledBack")["reason"] == "RolledBackToPrevious"
+    reasons = events(c, ns, name)
+    assert {"Promoted", "Aborted", "RolledBackToPrevious"} <= set(reasons)
+
+
+def test_kubectl_rollout_undo_is_honoured(
+    dev_cluster: DevCluster,
+    operator: OperatorProcess,
+    prometheus: PrometheusProcess,
+    server_metrics: FakeServerMetrics,
+    ns: str,
+) -> None:
+    c, name = dev_cluster, "undo"
+    apply(c, ns, [spec_doc(name, prometheus, interval="1h")])
+    first = available(c, ns, name, operator)["stableRevision"]
+    # Revision 2 promoted to green; revision 3 then reuses blue, which had revision 1.
+    _, rev2 = start_rollout(c, ns, name, operator, server_metrics, "2")
+    c.kubectl("annotate", "dscd", name, "-n", ns, "dscache.io/promote=full")
+    wait_for(c, ns, name, "rev 2 stable", lambda s: s.get("stableRevision") == rev2, operator)
+    _, rev3 = start_rollout(c, ns, name, operator, server_metrics, "3")
+    st = wait_for(c, ns, name, "weight 10", lambda s: s.get("weight") == 10, operator)
+    assert st["canarySlot"] == "blue"
+    wait_until(
+        "blue at revision 3",
+        lambda: (
+            c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)["spec"]["template"][
+                "metadata"
+            ]["labels"]["dscache.io/revision"]
+            == rev3
+        ),
+    )
+    c.kubectl("rollout", "undo", f"deployment/{name}-blue", "-n", ns)
+    st = wait_for(c, ns, name, "undo recorded", lambda s: s.get("phase") == "RolledBack", operator)
+    rb = condition(st, "RolledBack")
+    assert (rb["reason"], st["weight"], st["slots"]["blue"]["frozen"]) == ("RolloutUndo", 0, True)
+    assert st["lastAction"]["type"] == "undo" and "RolloutUndo" in events(c, ns, name)
+    assert "default stable;" in router_conf(c, ns, name)
+
+    def blue_revision() -> str:
+        dep = c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)
+        rev: str = dep["spec"]["template"]["metadata"]["labels"]["dscache.io/revision"]
+        return rev
+
+    assert blue_revision() == first
+    time.sleep(4)  # several ticks: the operator does not fight the undo
+    assert blue_revision() == first
+    # A new spec gives the track a new revision again.
+    _, rev4 = start_rollout(c, ns, name, operator, server_metrics, "4")
+    wait_until("blue overwritten", lambda: blue_revision() == rev4, 30)
+
+
+def test_operator_restarted_mid_ramp_resumes(
+    dev_cluster: DevCluster,
+    operator: OperatorProcess,
+    prometheus: PrometheusProcess,
+    server_metrics: FakeServerMetrics,
+    ns: str,
+) -> None:
+    c, name = dev_cluster, "restart"
+    apply(c, ns, [spec_doc(name, prometheus, interval="5s")])
+    available(c, ns, name, operator)
+    _, canary = start_rollout(c, ns, name, operator, server_metrics, "2")
+    wait_for(c, ns, name, "weight 25", lambda s: s.get("weight") == 25, operator)
+    operator.kill()
+    try:
+        time.sleep(7)  # the step's interval runs out while no operator runs
+        assert status(c, ns, name)["weight"] == 25
+    finally:
+        operator.start()
+    seen: list[int] = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        st = status(c, ns, name)
+        if not seen or seen[-1] != st["weight"]:
+            seen.append(st["weight"])
+        if st.get("stableRevision") == canary:
+            break
+        time.sleep(0.3)
+    assert seen[:3] == [25, 50, 100], (seen, operator.tail())
+    assert events(c, ns, name).count("StepStarted") == 4  # no step repeated or skipped
+
+
+def test_deleting_the_resource_garbage_collects_everything(
+    dev_cluster: DevCluster, operator: OperatorProcess, ns: str
+) -> None:
+    c = dev_cluster
+    c.kubectl("apply", "-n", ns, "-f", str(ROOT / "examples" / "01-minimal"))
+    available(c, ns, "chat", operator)
+    c.kubectl("delete", "dscd", "chat", "-n", ns, "--wait=true", "--timeout=60s")
+    sel = "app.kubernetes.io/instance=chat"
+
+    def gone() -> bool:
+        out = c.kubectl_json(
+            "get", "deployments,services,configmaps,poddisruptionbudgets,pods", "-n", ns, "-l", sel
+        )
+        return not out["items"]
+
+    wait_until("children garbage-collected", gone, 60)
+    with pytest.raises(ToolError):
+        c.kubectl("get", "dscd", "chat", "-n", ns)
+
+
+def test_kubectl_explain_documents_the_fields(dev_cluster: DevCluster, chart: str) -> None:
+    out = dev_cluster.kubectl("explain", "dscd.spec.rollout.analysis.minHitRate").stdout
+    assert "Canary's token hit rate must be at least this." in out
+    out = dev_cluster.kubectl("explain", "dscd.status.conditions").stdout
+    assert "Available, Progressing, Degraded, RolledBack, Ready." in out
+
+
+def test_a_spec_the_schema_admits_but_the_operator_cannot_run_says_why(
+    dev_cluster: DevCluster, operator: OperatorProcess, ns: str
+) -> None:
+    c = dev_cluster
+    doc = {
+        "apiVersion": "dscache.io/v1alpha1",
+        "kind": "DeepSeekCacheDeployment",
+        "metadata": {"name": "zero"},
+        "spec": {"model": {"preset": "tiny-gqa"}, "rollout": {"interval": "0s"}},
+    }
+    apply(c, ns, [doc])
+    st = wait_for(c, ns, "zero", "InvalidSpec", lambda s: s.get("phase") == "Failed", operator)
+    ready = condition(st, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert "spec.rollout.interval must be at least 1s" in ready["message"]
+    assert "InvalidSpec" in events(c, ns, "zero")
+    c.kubectl(
+        "patch",
+        "dscd",
+        "zero",
+        "-n",
+        ns,
+        "--type",
+        "merge",
+        "-p",
+        '{"spec":{"rollout":{"interval":"1m"}}}',
+    )
+    st = available(c, ns, "zero", operator)
+    assert condition(st, "Ready")["status"] == "True"
+
+
+def _stub_crd(plural: str, kind: str) -> dict[str, Any]:
+    """A stand-in for a Prometheus Operator CRD: same group, kind and scope, open schema."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "scope": "Namespaced",
+            "names": {"plural": plural, "kind": kind, "singular": kind.lower()},
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "x-kubernetes-preserve-unknown-fields": True,
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def test_monitoring_objects_appear_once_their_crds_exist(
+    dev_cluster: DevCluster, operator: OperatorProcess, ns: str
+) -> None:
+    c = dev_cluster
+    c.kubectl("apply", "-n", ns, "-f", str(ROOT / "examples" / "01-minimal"))
+    available(c, ns, "chat", operator)
+    assert not c.kubectl("api-resources", "--api-group=monitoring.coreos.com").stdout.count(
+        "servicemonitors"
+    )
+    crds = [
+        _stub_crd("servicemonitors", "ServiceMonitor"),
+        _stub_crd("prometheusrules", "PrometheusRule"),
+    ]
+    c.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(crds))
+    try:
+        c.kubectl(
+            "wait", "--for=condition=Established", "crd/servicemonitors.monitoring.coreos.com"
+        )
+
+        def created() -> dict[str, Any] | None:
+            done = c.kubectl(
+                "get", "servicemonitor,prometheusrule", "-n", ns, "-o", "json", check=False
+            )
+            items = json.loads(done.stdout)["items"] if done.returncode == 0 else []
+            return {i["kind"]: i for i in items} if len(items) == 2 else None
+
+        objs = wait_until("ServiceMonitor and PrometheusRule", created, 40)
+        sm = objs["ServiceMonitor"]["spec"]
+        assert sm["podTargetLabels"] == ["dscache.io/revision", "dscache.io/slot"]
+        rule = objs["PrometheusRule"]["spec"]["groups"][0]["rules"][0]
+        assert rule["alert"] == "DscacheHitRateLow" and "< 0.85" in rule["expr"]
+    finally:
+        for crd in crds:
+            c.kubectl("delete", "crd", crd["metadata"]["name"], "--wait=false", check=False)
