@@ -1,12 +1,16 @@
 """Session-wide fixtures shared by every test folder: the dev Kubernetes cluster.
 
 ``dev_cluster`` starts one real control plane (etcd, kube-apiserver,
-kube-controller-manager, kube-scheduler, KWOK with three fake nodes: two with
-8 ``nvidia.com/gpu`` each, one without) for the whole session through the same
-code as ``dscache dev cluster up``, and stops it at the end. Missing binaries
-are built first (tens of minutes the first time, with progress on the
-terminal); a failed build or start is a test error, never a skip. Component
-logs stay in pytest's temporary directory (``<basetemp>/devcluster*/logs``).
+kube-controller-manager, kube-scheduler) with one real node (containerd +
+kubelet, kube-proxy: its pods run the dscache images) and KWOK with three
+simulated nodes (two with 8 ``nvidia.com/gpu`` each, one without; tainted, so
+only pods that ask for them land there) for the whole session, through the
+same code as ``dscache dev cluster up``, and stops it at the end (which undoes
+every host change). Missing binaries and images are built first (tens of
+minutes the first time, with progress on the terminal); a failed build or start
+is a test error, never a skip: real nodes need root and the Debian packages
+named in the error. Component logs stay in pytest's temporary directory
+(``<basetemp>/devcluster*/logs``).
 
 Tests that use it carry ``@pytest.mark.cluster``.
 """
@@ -20,6 +24,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from dscache.devcluster import DevCluster, ensure_built, is_built
+from dscache.devcluster.images import image_loader
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +52,12 @@ def dev_cluster(
     """A ready dev cluster: ``.kubeconfig``, ``.env()``, ``.kubectl()``, ``.helm()``."""
     progress = None if is_built() else _terminal_progress(request.config)
     binaries = ensure_built(progress=progress)
+    loader = image_loader(progress=_terminal_progress(request.config))
     cluster = DevCluster.start(
         tmp_path_factory.mktemp("devcluster"),
         node_count=3,
+        real_nodes=1,
+        load_images=loader,
         binaries=binaries,
         tie_to_parent=True,
         timeout=90.0,

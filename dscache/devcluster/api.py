@@ -28,15 +28,16 @@ class Response:
 
 
 class ApiClient:
-    """Talks to one HTTPS endpoint on 127.0.0.1.
+    """Talks to one HTTPS endpoint on a local address.
 
     Args:
-        port: TCP port on 127.0.0.1.
+        port: TCP port on ``host``.
         ca_cert: CA to verify the server with; ``None`` skips verification
             (used only for the self-signed health endpoints of the controller
             manager and scheduler).
         client_cert: Client certificate and key, or ``None``.
         timeout: Seconds per request.
+        host: A local address: loopback, or the node bridge with real nodes.
     """
 
     def __init__(
@@ -45,7 +46,9 @@ class ApiClient:
         ca_cert: Path | None,
         client_cert: tuple[Path, Path] | None = None,
         timeout: float = 5.0,
+        host: str = "127.0.0.1",
     ) -> None:
+        self._host = host
         self._port = port
         self._timeout = timeout
         if ca_cert is None:
@@ -61,7 +64,7 @@ class ApiClient:
     def request(self, method: str, path: str, body: object | None = None) -> Response:
         """Sends one request; never raises for network or HTTP errors."""
         conn = http.client.HTTPSConnection(
-            "127.0.0.1", self._port, context=self._context, timeout=self._timeout
+            self._host, self._port, context=self._context, timeout=self._timeout
         )
         try:
             payload = None if body is None else json.dumps(body).encode()
@@ -84,6 +87,10 @@ class ApiClient:
     def get(self, path: str) -> Response:
         """GET ``path``."""
         return self.request("GET", path)
+
+    def delete(self, path: str) -> Response:
+        """DELETE ``path``."""
+        return self.request("DELETE", path)
 
     def post(self, path: str, body: object) -> Response:
         """POST ``body`` as JSON to ``path``."""

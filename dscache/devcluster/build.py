@@ -2,7 +2,8 @@
 
 Contract:
     * ``ensure_built()`` returns paths to kube-apiserver, kube-controller-manager,
-      kube-scheduler, kubectl, etcd, kwok and helm at the versions pinned in
+      kube-scheduler, kubectl, kubelet, kube-proxy, etcd, kwok and helm at the
+      versions pinned in
       :mod:`dscache.devcluster.versions`, building whatever is missing.
     * Each part is built in a small generated wrapper module under
       ``<cache>/<part>/<version>/src`` that requires the upstream module. For
@@ -72,6 +73,9 @@ class Binaries:
     helm: Path
     #: Directory with KWOK's Stage manifests of the same KWOK version.
     kwok_stages: Path
+    #: The node agents of real (not simulated) nodes.
+    kubelet: Path
+    kube_proxy: Path
 
     @property
     def tool_dirs(self) -> tuple[Path, ...]:
@@ -88,6 +92,8 @@ class Binaries:
             self.etcd,
             self.kwok,
             self.helm,
+            self.kubelet,
+            self.kube_proxy,
         )
 
 
@@ -163,6 +169,19 @@ def _parts(versions: Versions) -> list[_Part]:
             ldflags=tuple(k8s_ldflags),
             replace_staging=True,
         ),
+        # The node agents, from the same wrapper module: a part of their own, so adding
+        # them never relinks the control plane's binaries.
+        _Part(
+            name="k8s-node",
+            version=versions.kubernetes,
+            module="k8s.io/kubernetes",
+            packages={
+                "k8s.io/kubernetes/cmd/kubelet": "kubelet",
+                "k8s.io/kubernetes/cmd/kube-proxy": "kube-proxy",
+            },
+            ldflags=tuple(k8s_ldflags),
+            replace_staging=True,
+        ),
         _Part(
             name="etcd",
             version=versions.etcd,
@@ -201,6 +220,7 @@ def locate(versions: Versions = PINNED, root: Path | None = None) -> Binaries:
     """Where the binaries of ``versions`` are (or will be) in the cache; builds nothing."""
     base = root or cache_root()
     k8s = base / "k8s" / versions.kubernetes / "bin"
+    node = base / "k8s-node" / versions.kubernetes / "bin"
     return Binaries(
         kube_apiserver=k8s / "kube-apiserver",
         kube_controller_manager=k8s / "kube-controller-manager",
@@ -210,6 +230,8 @@ def locate(versions: Versions = PINNED, root: Path | None = None) -> Binaries:
         kwok=base / "kwok" / versions.kwok / "bin" / "kwok",
         helm=base / "helm" / versions.helm / "bin" / "helm",
         kwok_stages=base / "kwok" / versions.kwok / "stages",
+        kubelet=node / "kubelet",
+        kube_proxy=node / "kube-proxy",
     )
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -45,9 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dscache.devcluster import build, nodes
+from dscache.devcluster import build, host, nodes, realnodes
 from dscache.devcluster.api import ApiClient
-from dscache.devcluster.versions import PINNED
+from dscache.devcluster.versions import PINNED, cache_root
 
 if TYPE_CHECKING:
     from dscache.devcluster.pki import Pki
@@ -73,6 +74,8 @@ _PR_SET_PDEATHSIG = 1
 _CONTEXT = "dscache-dev"
 
 T = TypeVar("T")
+#: Imports the dev images into the containerd listening on the given socket.
+ImageLoader = Callable[[Path], None]
 
 
 class ClusterError(RuntimeError):
@@ -124,7 +127,11 @@ def process_running(pid: int, exe: str) -> bool:
     return state not in ("Z", "X") and target.removesuffix(" (deleted)") == exe
 
 
-def _kubeconfig_text(server: str, material: Pki) -> str:
+def _kubeconfig_text(
+    server: str, material: Pki, client: tuple[Path, Path] | None = None, user: str = "admin"
+) -> str:
+    cert, key = client or (material.admin_cert, material.admin_key)
+
     def b64(path: Path) -> str:
         return base64.b64encode(path.read_bytes()).decode()
 
@@ -142,10 +149,10 @@ def _kubeconfig_text(server: str, material: Pki) -> str:
         ],
         "users": [
             {
-                "name": "dscache-dev-admin",
+                "name": f"dscache-dev-{user}",
                 "user": {
-                    "client-certificate-data": b64(material.admin_cert),
-                    "client-key-data": b64(material.admin_key),
+                    "client-certificate-data": b64(cert),
+                    "client-key-data": b64(key),
                 },
             }
         ],
@@ -154,7 +161,7 @@ def _kubeconfig_text(server: str, material: Pki) -> str:
                 "name": "dscache-dev",
                 "context": {
                     "cluster": "dscache-dev",
-                    "user": "dscache-dev-admin",
+                    "user": f"dscache-dev-{user}",
                     "namespace": "default",
                 },
             }
@@ -193,9 +200,11 @@ class DevCluster:
     Attributes:
         state_dir: The cluster's state directory.
         kubeconfig: Admin kubeconfig (the ``--kubeconfig`` path when given).
-        server: API server URL, ``https://127.0.0.1:<port>``.
+        server: API server URL, ``https://<address>:<port>``: loopback, or node
+            0's bridge address when there are real nodes (pods reach it there).
         binaries: The binaries it runs; ``tool_dirs`` hold kubectl and helm.
-        node_count: Number of fake nodes.
+        node_count: Number of fake (KWOK) nodes.
+        real_nodes: Names of the real nodes (kubelet + containerd), if any.
     """
 
     def __init__(
@@ -208,12 +217,14 @@ class DevCluster:
         node_count: int,
         processes: list[ProcessRecord],
         popens: Mapping[str, subprocess.Popen[bytes]] | None = None,
+        real_nodes: tuple[str, ...] = (),
     ) -> None:
         self.state_dir = state_dir
         self.kubeconfig = kubeconfig
         self.server = server
         self.binaries = binaries
         self.node_count = node_count
+        self.real_nodes = real_nodes
         self.processes = processes
         self._popens: dict[str, subprocess.Popen[bytes]] = dict(popens or {})
 
@@ -308,7 +319,11 @@ class DevCluster:
             state = json.loads((state_dir / STATE_FILE).read_text())
         except (OSError, ValueError):
             return None
-        binaries = build.Binaries(**{k: Path(v) for k, v in state["binaries"].items()})
+        known = set(build.Binaries.__dataclass_fields__)
+        paths = {k: Path(v) for k, v in state["binaries"].items() if k in known}
+        # A state file of an older dscache lacks the node agents: never needed to stop it.
+        defaults = vars(build.locate(PINNED))
+        binaries = build.Binaries(**{**defaults, **paths})
         return cls(
             state_dir=state_dir,
             kubeconfig=Path(state["kubeconfig"]),
@@ -316,6 +331,7 @@ class DevCluster:
             binaries=binaries,
             node_count=int(state["nodes"]),
             processes=[ProcessRecord(**p) for p in state["processes"]],
+            real_nodes=tuple(state.get("real_nodes", ())),
         )
 
     @classmethod
@@ -324,6 +340,8 @@ class DevCluster:
         state_dir: Path,
         *,
         node_count: int = DEFAULT_NODES,
+        real_nodes: int = 0,
+        load_images: ImageLoader | None = None,
         kubeconfig: Path | None = None,
         binaries: build.Binaries | None = None,
         tie_to_parent: bool = False,
@@ -334,17 +352,23 @@ class DevCluster:
         Args:
             state_dir: Directory for this cluster's state; must not hold a
                 running cluster. A stale one (no process alive) is replaced.
-            node_count: Number of fake nodes (see :mod:`dscache.devcluster.nodes`).
+            node_count: Number of fake (KWOK) nodes (see :mod:`.nodes`).
+            real_nodes: Number of real nodes (see :mod:`.realnodes`); needs
+                root and the packages in :data:`.realnodes.PACKAGES`.
+            load_images: Imports the images pods run into a node's containerd
+                (called with its socket before the kubelet starts); must
+                provide :data:`.realnodes.PAUSE_IMAGE`.
             kubeconfig: Also write the admin kubeconfig here (default: only
                 ``<state_dir>/kubeconfig``).
             binaries: Binaries to run; default: the pinned versions, which
                 must already be built (see :func:`build.ensure_built`).
             tie_to_parent: Kill the processes when this process dies.
-            timeout: Seconds to wait for readiness.
+            timeout: Seconds to wait for readiness (image imports not counted).
 
         Raises:
-            ClusterError: A cluster already runs there, a binary is missing, or
-                the cluster did not become ready (logs are kept and named).
+            ClusterError: A cluster already runs there, a binary is missing, the
+                host cannot run real nodes (the message names the missing
+                piece), or the cluster did not become ready (logs are kept).
         """
         # cryptography is needed to start a cluster, not to build or find one.
         try:
@@ -364,7 +388,7 @@ class DevCluster:
                     "stop it first with `dscache dev cluster down`"
                 )
             logger.info("removing the stale state of a stopped cluster in %s", state_dir)
-            shutil.rmtree(state_dir, ignore_errors=True)
+            existing.stop()
         elif state_dir.exists() and any(state_dir.iterdir()):
             # Never wipe a directory that is not ours (a mistyped --state-dir).
             raise ClusterError(f"{state_dir} is not empty and holds no dev cluster state")
@@ -379,41 +403,63 @@ class DevCluster:
             )
 
         bins = binaries or build.locate(PINNED)
-        missing = [str(p) for p in bins.all_executables() if not os.access(p, os.X_OK)]
+        needed = [
+            p
+            for p in bins.all_executables()
+            if real_nodes or p not in (bins.kubelet, bins.kube_proxy)
+        ]
+        missing = [str(p) for p in needed if not os.access(p, os.X_OK)]
         if missing:
             raise ClusterError(
                 "dev cluster binaries are missing (run `dscache dev cluster build`): "
                 + ", ".join(missing)
             )
+        plans = realnodes.plan(real_nodes, state_dir, cache_root())
+        if plans:
+            if load_images is None:
+                raise ClusterError("real nodes need images: pass load_images")
+            try:
+                host.preflight(realnodes.REQUIRED)
+            except host.HostError as exc:
+                raise ClusterError(str(exc)) from exc
         started = time.monotonic()
         state_dir.mkdir(parents=True, exist_ok=True)
         (state_dir / "logs").mkdir()
-        material = pki.generate(state_dir / "pki", service_ip="10.96.0.1")
-        ports = {
-            name: _free_port()
-            for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler")
-        }
-        server = f"https://127.0.0.1:{ports['apiserver']}"
-        admin_kubeconfig = state_dir / "kubeconfig"
-        text = _kubeconfig_text(server, material)
-        _write_private(admin_kubeconfig, text)
-        if user_kubeconfig is not None:
-            _write_private(user_kubeconfig, text)
-        (state_dir / "kwok.yaml").write_text(nodes.kwok_config(bins.kwok_stages))
-
         cluster = cls(
             state_dir=state_dir,
-            kubeconfig=user_kubeconfig or admin_kubeconfig,
-            server=server,
+            kubeconfig=user_kubeconfig or state_dir / "kubeconfig",
+            server="",
             binaries=bins,
             node_count=node_count,
             processes=[],
-        )
-        commands = cluster._commands(material, ports, admin_kubeconfig)
-        client = ApiClient(
-            ports["apiserver"], material.ca_cert, (material.admin_cert, material.admin_key)
+            real_nodes=tuple(p.name for p in plans),
         )
         try:
+            record = cluster._prepare_host(plans)
+            # With real nodes the API server serves on node 0's bridge, which pods reach.
+            address = plans[0].ip if plans else "127.0.0.1"
+            material = pki.generate(
+                state_dir / "pki", service_ip="10.96.0.1", extra_ips=(address,) if plans else ()
+            )
+            ports = {
+                name: _free_port()
+                for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler")
+            }
+            cluster.server = f"https://{address}:{ports['apiserver']}"
+            admin_kubeconfig = state_dir / "kubeconfig"
+            text = _kubeconfig_text(cluster.server, material)
+            _write_private(admin_kubeconfig, text)
+            if user_kubeconfig is not None:
+                _write_private(user_kubeconfig, text)
+            (state_dir / "kwok.yaml").write_text(nodes.kwok_config(bins.kwok_stages))
+            cluster._save()
+            commands = cluster._commands(material, ports, admin_kubeconfig, address, bool(plans))
+            client = ApiClient(
+                ports["apiserver"],
+                material.ca_cert,
+                (material.admin_cert, material.admin_key),
+                host=address,
+            )
             cluster._launch("etcd", commands["etcd"], tie_to_parent)
             cluster._launch("kube-apiserver", commands["kube-apiserver"], tie_to_parent)
             cluster._wait(
@@ -424,44 +470,67 @@ class DevCluster:
             for name in ("kube-controller-manager", "kube-scheduler", "kwok"):
                 cluster._launch(name, commands[name], tie_to_parent)
             for shape in shapes:
-                reply = client.post("/api/v1/nodes", nodes.node_manifest(shape))
+                reply = client.post(
+                    "/api/v1/nodes", nodes.node_manifest(shape, simulated_taint=bool(plans))
+                )
                 if reply.status not in (201, 409):
                     raise ClusterError(
                         f"creating node {shape.name}: HTTP {reply.status} {reply.body}"
                     )
+            if plans and record is not None and load_images is not None:
+                ready_by = cluster._start_real_nodes(
+                    plans,
+                    record=record,
+                    material=material,
+                    load_images=load_images,
+                    tie_to_parent=tie_to_parent,
+                )
+                started += ready_by
             cluster._wait_ready(client, ports, started + timeout)
         except BaseException:
             cluster.stop(keep_logs=True)
             raise
         logger.info(
-            "dev cluster ready in %.1f s: %s, %d nodes, kubeconfig %s",
+            "dev cluster ready in %.1f s: %s, %d simulated + %d real nodes, kubeconfig %s",
             time.monotonic() - started,
-            server,
+            cluster.server,
             node_count,
+            len(plans),
             cluster.kubeconfig,
         )
         return cluster
 
     def stop(self, keep_logs: bool = False) -> None:
-        """Stops every process and removes the state.
+        """Stops every process, takes back the host changes and removes the state.
+
+        With real nodes, the pods on them are deleted first (with the
+        controllers stopped, nothing recreates them) and the kubelets tear
+        them down, so no network namespace, mount or container outlives the
+        cluster; whatever is left is killed and unmounted afterwards.
 
         With ``keep_logs``, ``logs/`` and ``state.json`` stay (a later ``start``
         in the same directory recognises them as stale and replaces them).
 
         A ``--kubeconfig`` file written by ``start`` is removed too.
         """
-        # Clients first, then the API server (it deletes its lease in etcd on
-        # the way out), then etcd; each stage gets the full grace period.
-        for stage in _STOP_STAGES:
-            records = [p for p in self.processes if p.name in stage]
-            for record in records:
-                if process_running(record.pid, record.exe):
-                    logger.debug("SIGTERM %s (pid %d)", record.name, record.pid)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(record.pid, signal.SIGTERM)
-            deadline = time.monotonic() + STOP_GRACE_S
-            for record in records:
-                self._wait_exit(record, deadline)
+        stages = list(_STOP_STAGES)
+        # Clients first (so nothing recreates pods), then the real nodes' pods and
+        # agents, then the API server (it deletes its lease in etcd on the way out),
+        # etcd, and last the container runtimes; each stage gets the full grace period.
+        self._stop_stage(stages[0])
+        plans = realnodes.plan(len(self.real_nodes), self.state_dir, cache_root())
+        if plans:
+            self._drain_real_nodes(plans)
+            self._stop_stage(frozenset({"kube-proxy", *(f"kubelet-{p.name}" for p in plans)}))
+            for plan in plans:
+                if plan.containerd_socket.exists():
+                    realnodes.purge_containers(plan.containerd_socket)
+        for stage in stages[1:]:
+            self._stop_stage(stage)
+        self._stop_stage(frozenset(f"containerd-{p.name}" for p in plans))
+        record = host.HostRecord.load(self.state_dir / host.RECORD_FILE)
+        if record is not None:
+            host.undo(record, log=logger.warning)
         if self.kubeconfig != self.state_dir / "kubeconfig" and _is_our_kubeconfig(self.kubeconfig):
             self.kubeconfig.unlink()
         if keep_logs:
@@ -473,6 +542,178 @@ class DevCluster:
                         child.unlink(missing_ok=True)
         else:
             shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    def _stop_stage(self, stage: frozenset[str]) -> None:
+        records = [p for p in self.processes if p.name in stage]
+        for record in records:
+            if process_running(record.pid, record.exe):
+                logger.debug("SIGTERM %s (pid %d)", record.name, record.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(record.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for record in records:
+            self._wait_exit(record, deadline)
+
+    # ------------------------------------------------------------- real nodes
+
+    def _prepare_host(self, plans: list[realnodes.NodePlan]) -> host.HostRecord | None:
+        """Claims the host and makes the network changes real nodes need (recorded)."""
+        if not plans:
+            return None
+        try:
+            record = host.claim(self.state_dir)
+            host.remember_sysctls(record, host.KUBELET_SYSCTLS)
+            host.remember_kube_chains(record)
+            host.set_sysctls(record, host.NETWORK_SYSCTLS)
+            for plan in plans:
+                host.add_bridge(record, plan.bridge, f"{plan.ip}/24")
+                host.add_mount_root(record, plan.directory)
+            host.keep_pods_local(record, realnodes.POD_CIDR)
+        except host.HostError as exc:
+            raise ClusterError(str(exc)) from exc
+        return record
+
+    def _start_real_nodes(
+        self,
+        plans: list[realnodes.NodePlan],
+        *,
+        record: host.HostRecord,
+        material: Pki,
+        load_images: ImageLoader,
+        tie_to_parent: bool,
+    ) -> float:
+        """Starts containerd, imports images, starts the kubelets and kube-proxy.
+
+        Returns:
+            Seconds spent importing images (not counted against the timeout).
+        """
+        from dscache.devcluster import pki
+
+        import_s = 0.0
+        for plan in plans:
+            for sub in ("containerd", "cni/net.d", "kubelet", "pod-logs", "volume-plugins"):
+                (plan.directory / sub).mkdir(parents=True, exist_ok=True)
+            plan.image_store.mkdir(parents=True, exist_ok=True)
+            config = plan.directory / "containerd" / "config.toml"
+            config.write_text(realnodes.containerd_config(plan))
+            (plan.directory / "cni" / "net.d" / "10-dscache.conflist").write_text(
+                realnodes.cni_config(plan)
+            )
+            self._launch(
+                f"containerd-{plan.name}",
+                [host.which("containerd"), "--config", str(config)],
+                tie_to_parent,
+            )
+            socket = plan.containerd_socket
+            self._wait(
+                f"containerd-{plan.name}",
+                functools.partial(_containerd_up, socket),
+                time.monotonic() + 60,
+            )
+            purged = realnodes.purge_containers(plan.containerd_socket)
+            if purged:
+                logger.info("removed %d stale containers from %s", purged, plan.image_store)
+            began = time.monotonic()
+            load_images(plan.containerd_socket)
+            import_s += time.monotonic() - began
+
+        record.kube_proxy = str(self.binaries.kube_proxy)
+        record.owners = [(p.pid, p.exe) for p in self.processes]
+        record.save()
+        for plan in plans:
+            creds = pki.node_credentials(material, plan.directory / "pki", plan.name, plan.ip)
+            kubeconfig = plan.directory / "kubelet.kubeconfig"
+            _write_private(
+                kubeconfig,
+                _kubeconfig_text(
+                    self.server, material, (creds.client_cert, creds.client_key), plan.name
+                ),
+            )
+            host.add_cgroup(record, plan.cgroup_name)
+            kubelet_conf = plan.directory / "kubelet.yaml"
+            kubelet_conf.write_text(
+                realnodes.kubelet_config(
+                    plan,
+                    ca_cert=material.ca_cert,
+                    serving=(creds.serving_cert, creds.serving_key),
+                    port=_free_port(),
+                    healthz_port=_free_port(),
+                )
+            )
+            labels = f"{nodes.DEV_NODE_LABEL}=true,{realnodes.NODE_KIND_LABEL}=real"
+            self._launch(
+                f"kubelet-{plan.name}",
+                [
+                    str(self.binaries.kubelet),
+                    f"--config={kubelet_conf}",
+                    f"--kubeconfig={kubeconfig}",
+                    f"--root-dir={plan.directory / 'kubelet'}",
+                    f"--cert-dir={plan.directory / 'pki'}",
+                    f"--hostname-override={plan.name}",
+                    f"--node-ip={plan.ip}",
+                    f"--node-labels={labels}",
+                    "--v=1",
+                ],
+                tie_to_parent,
+            )
+        proxy_cert = pki.client_credentials(
+            material, self.state_dir / "pki", "kube-proxy", "system:kube-proxy"
+        )
+        proxy_kubeconfig = self.state_dir / "kube-proxy.kubeconfig"
+        _write_private(
+            proxy_kubeconfig, _kubeconfig_text(self.server, material, proxy_cert, "kube-proxy")
+        )
+        proxy_conf = self.state_dir / "kube-proxy.yaml"
+        proxy_conf.write_text(
+            realnodes.kube_proxy_config(
+                plans[0],
+                kubeconfig=proxy_kubeconfig,
+                healthz_port=_free_port(),
+                metrics_port=_free_port(),
+            )
+        )
+        self._launch(
+            "kube-proxy", [str(self.binaries.kube_proxy), f"--config={proxy_conf}"], tie_to_parent
+        )
+        record.owners = [(p.pid, p.exe) for p in self.processes]
+        record.save()
+        return import_s
+
+    def _drain_real_nodes(self, plans: list[realnodes.NodePlan]) -> None:
+        """Deletes the pods bound to real nodes and waits for the kubelets to tear them down."""
+        material = self.state_dir / "pki"
+        api = self._api_client(material)
+        if api is not None and "kube-apiserver" in self.running():
+            for plan in plans:
+                reply = api.get(f"/api/v1/pods?fieldSelector=spec.nodeName%3D{plan.name}")
+                for pod in (reply.body or {}).get("items", []) if reply.status == 200 else []:
+                    meta = pod["metadata"]
+                    api.request(
+                        "DELETE",
+                        f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                        {"gracePeriodSeconds": 0},
+                    )
+        deadline = time.monotonic() + 45
+        alive = [f"kubelet-{p.name}" for p in plans]
+        while time.monotonic() < deadline and any(n in self.running() for n in alive):
+            if not any(
+                realnodes.running_tasks(p.containerd_socket)
+                for p in plans
+                if p.containerd_socket.exists()
+            ):
+                return
+            time.sleep(0.5)
+
+    def _api_client(self, material: Path) -> ApiClient | None:
+        address, _, port = self.server.removeprefix("https://").rpartition(":")
+        if not port.isdigit() or not (material / "admin.crt").exists():
+            return None
+        return ApiClient(
+            int(port),
+            material / "ca.crt",
+            (material / "admin.crt", material / "admin.key"),
+            host=address,
+        )
 
     # --------------------------------------------------------------- internals
 
@@ -495,7 +736,12 @@ class DevCluster:
             popen.wait()
 
     def _commands(
-        self, material: Pki, ports: Mapping[str, int], kubeconfig: Path
+        self,
+        material: Pki,
+        ports: Mapping[str, int],
+        kubeconfig: Path,
+        address: str = "127.0.0.1",
+        real_nodes: bool = False,
     ) -> dict[str, list[str]]:
         b = self.binaries
         etcd_url = f"http://127.0.0.1:{ports['etcd']}"
@@ -519,8 +765,8 @@ class DevCluster:
             "kube-apiserver": [
                 str(b.kube_apiserver),
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={address}",
+                f"--advertise-address={address}",
                 f"--secure-port={ports['apiserver']}",
                 f"--tls-cert-file={material.serving_cert}",
                 f"--tls-private-key-file={material.serving_key}",
@@ -531,8 +777,18 @@ class DevCluster:
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--authorization-mode=Node,RBAC",
                 "--allow-privileged=true",
-                # The kubernetes Service cannot point at a loopback address.
-                "--endpoint-reconciler-type=none",
+                *(
+                    [
+                        # Logs, exec and port-forward reach the kubelets at their node IPs.
+                        f"--kubelet-client-certificate={material.admin_cert}",
+                        f"--kubelet-client-key={material.admin_key}",
+                        f"--kubelet-certificate-authority={material.ca_cert}",
+                        "--kubelet-preferred-address-types=InternalIP",
+                    ]
+                    if real_nodes
+                    # The kubernetes Service cannot point at a loopback address.
+                    else ["--endpoint-reconciler-type=none"]
+                ),
                 "--profiling=false",
             ],
             "kube-controller-manager": [
@@ -601,6 +857,7 @@ class DevCluster:
             "server": self.server,
             "kubeconfig": str(self.kubeconfig),
             "nodes": self.node_count,
+            "real_nodes": list(self.real_nodes),
             "binaries": {k: str(v) for k, v in vars(self.binaries).items()},
             "processes": [vars(p) for p in self.processes],
         }
@@ -644,7 +901,8 @@ class DevCluster:
             if reply.status != 200:
                 return False
             items = reply.body.get("items", [])
-            return len(items) == self.node_count and all(_node_ready(n) for n in items)
+            want = self.node_count + len(self.real_nodes)
+            return len(items) == want and all(_node_ready(n) for n in items)
 
         self._wait("kwok", nodes_ready, deadline)
         self._wait(
@@ -672,6 +930,10 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
         time.sleep(interval)
+
+
+def _containerd_up(socket: Path) -> bool:
+    return realnodes.ctr(socket, "version", timeout=5).returncode == 0
 
 
 def _healthz(api: ApiClient) -> Callable[[], bool]:

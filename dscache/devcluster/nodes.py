@@ -8,6 +8,10 @@ Contract:
       always testable: with the default three nodes, two have GPUs, one has not.
     * Each node carries the annotation ``kwok.x-k8s.io/node: fake``; KWOK
       manages exactly the nodes with that annotation and leaves others alone.
+    * Each carries ``dscache.io/node-kind=simulated``; in a cluster with real
+      nodes also the taint ``dscache.io/simulated=true:NoSchedule``, so a pod
+      lands on a simulated node only when it tolerates that (tests that need
+      many or GPU nodes) and ordinary workloads run on real nodes.
     * ``kwok_config(stages)`` is KWOK's ``--config`` text: the Stage manifests
       shipped with the same KWOK version (node start, lease heartbeat, pod
       ready/complete/delete), so pods bound to a node go Running and Ready.
@@ -27,6 +31,15 @@ DEV_NODE_LABEL = "dscache.io/dev-node"
 GPU_PRESENT_LABEL = "nvidia.com/gpu.present"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPUS_PER_NODE = 8
+#: ``real`` (kubelet + containerd) or ``simulated`` (KWOK).
+NODE_KIND_LABEL = "dscache.io/node-kind"
+#: NoSchedule taint of simulated nodes in a cluster that also has real nodes.
+SIMULATED_TAINT = "dscache.io/simulated"
+#: What a pod spec adds to run on a simulated node (and only there).
+SIMULATED_PLACEMENT: dict[str, Any] = {
+    "nodeSelector": {NODE_KIND_LABEL: "simulated"},
+    "tolerations": [{"key": SIMULATED_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+}
 
 
 @dataclass(frozen=True)
@@ -55,8 +68,14 @@ def node_shapes(count: int) -> list[NodeShape]:
     return shapes
 
 
-def node_manifest(shape: NodeShape) -> dict[str, Any]:
-    """The Node object to create for ``shape`` (status included; KWOK keeps it)."""
+def node_manifest(shape: NodeShape, simulated_taint: bool = False) -> dict[str, Any]:
+    """The Node object to create for ``shape`` (status included; KWOK keeps it).
+
+    Args:
+        shape: What the node advertises.
+        simulated_taint: Taint it ``dscache.io/simulated=true:NoSchedule`` (a
+            cluster with real nodes: only pods that tolerate it land here).
+    """
     resources = {
         "cpu": shape.cpu,
         "memory": shape.memory,
@@ -69,6 +88,7 @@ def node_manifest(shape: NodeShape) -> dict[str, Any]:
         "kubernetes.io/arch": "amd64",
         "type": "kwok",
         DEV_NODE_LABEL: "true",
+        NODE_KIND_LABEL: "simulated",
     }
     if shape.gpus:
         resources[GPU_RESOURCE] = str(shape.gpus)
@@ -81,7 +101,11 @@ def node_manifest(shape: NodeShape) -> dict[str, Any]:
             "labels": labels,
             "annotations": {KWOK_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
         },
-        "spec": {},
+        "spec": (
+            {"taints": [{"key": SIMULATED_TAINT, "value": "true", "effect": "NoSchedule"}]}
+            if simulated_taint
+            else {}
+        ),
         "status": {
             "capacity": dict(resources),
             "allocatable": dict(resources),

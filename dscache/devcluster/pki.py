@@ -8,6 +8,9 @@ Contract:
     * Keys are ECDSA P-256 (fast to generate, accepted by every component) and
       written with mode 0600; certificates are PEM.
     * Certificates are valid for 30 days: a dev cluster is short-lived.
+    * ``node_credentials`` issues, from the same CA, what a real kubelet needs:
+      a client certificate ``system:node:<name>`` in group ``system:nodes`` (the
+      Node authorizer's identity) and a serving certificate for the node's IP.
 """
 
 from __future__ import annotations
@@ -115,13 +118,17 @@ def _leaf(
     return builder.sign(ca_key, hashes.SHA256())
 
 
-def generate(directory: Path, service_ip: str = "10.96.0.1") -> Pki:
+def generate(
+    directory: Path, service_ip: str = "10.96.0.1", extra_ips: tuple[str, ...] = ()
+) -> Pki:
     """Writes a new CA and every certificate and key the cluster needs.
 
     Args:
         directory: Created if missing; existing files are overwritten.
         service_ip: ClusterIP of the ``kubernetes`` Service (first address of
             the service range), added to the serving certificate.
+        extra_ips: More addresses the API server serves on (the node bridge
+            address pods reach it through), added to the serving certificate.
 
     Returns:
         The paths of the written files.
@@ -179,6 +186,7 @@ def generate(directory: Path, service_ip: str = "10.96.0.1") -> Pki:
             x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
             x509.IPAddress(ipaddress.ip_address(service_ip)),
         ]
+        + [x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips]
     )
     serving = _leaf(
         subject=_name("kube-apiserver"),
@@ -213,3 +221,83 @@ def generate(directory: Path, service_ip: str = "10.96.0.1") -> Pki:
         )
     )
     return pki
+
+
+@dataclass(frozen=True)
+class NodeCredentials:
+    """Paths of one real node's certificates and keys."""
+
+    client_cert: Path
+    client_key: Path
+    serving_cert: Path
+    serving_key: Path
+
+
+def _load_ca(pki: Pki) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    cert = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise TypeError(f"{pki.ca_key} is not an EC key")
+    return cert, key
+
+
+def node_credentials(pki: Pki, directory: Path, node: str, ip: str) -> NodeCredentials:
+    """Issues a kubelet's client and serving certificates from the cluster CA.
+
+    Args:
+        pki: The cluster's PKI (its CA signs).
+        directory: Where to write the files (created if missing).
+        node: Node name; the client identity is ``system:node:<node>``.
+        ip: The node's InternalIP, the serving certificate's address.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC)
+    ca_cert, ca_key = _load_ca(pki)
+    creds = NodeCredentials(
+        client_cert=directory / "kubelet-client.crt",
+        client_key=directory / "kubelet-client.key",
+        serving_cert=directory / "kubelet.crt",
+        serving_key=directory / "kubelet.key",
+    )
+    client_credentials(pki, directory, "kubelet-client", f"system:node:{node}", "system:nodes")
+    serving_key = _key()
+    serving = _leaf(
+        subject=_name(node),
+        key=serving_key,
+        ca_cert=ca_cert,
+        ca_key=ca_key,
+        usage=ExtendedKeyUsageOID.SERVER_AUTH,
+        san=x509.SubjectAlternativeName(
+            [x509.DNSName(node), x509.IPAddress(ipaddress.ip_address(ip))]
+        ),
+        now=now,
+    )
+    _write_key(creds.serving_key, serving_key)
+    _write_cert(creds.serving_cert, serving)
+    return creds
+
+
+def client_credentials(
+    pki: Pki, directory: Path, name: str, common_name: str, organization: str | None = None
+) -> tuple[Path, Path]:
+    """Issues a client certificate ``common_name`` (in ``organization``) from the cluster CA.
+
+    Returns:
+        ``(cert, key)`` paths, ``<directory>/<name>.crt`` and ``.key``.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_cert, ca_key = _load_ca(pki)
+    key = _key()
+    cert = _leaf(
+        subject=_name(common_name, organization),
+        key=key,
+        ca_cert=ca_cert,
+        ca_key=ca_key,
+        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        san=None,
+        now=dt.datetime.now(dt.UTC),
+    )
+    paths = (directory / f"{name}.crt", directory / f"{name}.key")
+    _write_key(paths[1], key)
+    _write_cert(paths[0], cert)
+    return paths

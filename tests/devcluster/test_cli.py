@@ -42,7 +42,17 @@ def test_up_env_down(dev_cluster: DevCluster, tmp_path: Path) -> None:
     state = tmp_path / "state"
     kubeconfig = tmp_path / "kc" / "config"
     started = time.monotonic()
-    up = _cli("up", "--nodes", "2", "--state-dir", str(state), "--kubeconfig", str(kubeconfig))
+    up = _cli(
+        "up",
+        "--nodes",
+        "2",
+        "--real-nodes",
+        "0",
+        "--state-dir",
+        str(state),
+        "--kubeconfig",
+        str(kubeconfig),
+    )
     elapsed = time.monotonic() - started
     assert up.returncode == 0, up.stderr
     try:
@@ -79,6 +89,21 @@ def test_up_env_down(dev_cluster: DevCluster, tmp_path: Path) -> None:
     assert sorted(p["name"] for p in recorded) == sorted(
         ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"]
     )
+
+
+def test_a_second_cluster_with_real_nodes_is_refused(
+    dev_cluster: DevCluster, tmp_path: Path
+) -> None:
+    """Service chains and bridges are host-wide: one cluster with real nodes per host."""
+    assert dev_cluster.real_nodes, "the session cluster runs real nodes"
+    state = tmp_path / "second"
+    up = _cli("up", "--nodes", "1", "--real-nodes", "1", "--state-dir", str(state))
+    assert up.returncode == 1
+    assert "already runs from" in up.stderr and str(dev_cluster.state_dir) in up.stderr
+    assert "--real-nodes 0" in up.stderr
+    # The refused start touched nothing: the session cluster's nodes still work.
+    nodes = dev_cluster.kubectl_json("get", "nodes", "-l", "dscache.io/node-kind=real")["items"]
+    assert [n["metadata"]["name"] for n in nodes] == list(dev_cluster.real_nodes)
 
 
 def test_processes_die_with_a_killed_parent(dev_cluster: DevCluster, tmp_path: Path) -> None:

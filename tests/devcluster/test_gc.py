@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dscache.devcluster import DevCluster, wait_until
+from dscache.devcluster.nodes import SIMULATED_PLACEMENT
 
 pytestmark = pytest.mark.cluster
 
@@ -40,9 +41,24 @@ def test_deleting_a_deployment_removes_its_replicasets_and_pods(
     dev_cluster: DevCluster, namespace: str
 ) -> None:
     ns = namespace
-    dev_cluster.kubectl(
-        "create", "deployment", "gc", "-n", ns, "--image=registry.local/gc:1", "--replicas=2"
-    )
+    labels = {"app": "gc"}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "gc", "labels": labels},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [{"name": "gc", "image": "registry.local/gc:1"}],
+                    **SIMULATED_PLACEMENT,
+                },
+            },
+        },
+    }
+    dev_cluster.kubectl("apply", "-n", ns, "-f", "-", stdin=json.dumps(deployment))
     dev_cluster.kubectl("rollout", "status", "-n", ns, "deployment/gc", "--timeout=90s")
     assert dev_cluster.kubectl_json("get", "pods", "-n", ns, "-l", "app=gc")["items"]
 

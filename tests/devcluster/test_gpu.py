@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from dscache.devcluster import DevCluster, wait_until
-from dscache.devcluster.nodes import GPU_RESOURCE, GPUS_PER_NODE
+from dscache.devcluster.nodes import GPU_RESOURCE, GPUS_PER_NODE, SIMULATED_PLACEMENT
 
 pytestmark = pytest.mark.cluster
 
@@ -22,16 +22,19 @@ def _pod(name: str, gpus: int, node: str | None = None) -> str:
     if gpus:
         resources = {"limits": {GPU_RESOURCE: str(gpus)}}
     spec: dict[str, Any] = {
-        "containers": [{"name": "main", "image": "registry.local/infer:1", "resources": resources}]
+        "containers": [{"name": "main", "image": "registry.local/infer:1", "resources": resources}],
+        **SIMULATED_PLACEMENT,
     }
     if node:
-        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+        spec["nodeSelector"] = {**spec["nodeSelector"], "kubernetes.io/hostname": node}
     return json.dumps({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec})
 
 
 def _gpu_nodes(cluster: DevCluster) -> tuple[set[str], set[str]]:
     with_gpu, without = set(), set()
-    for node in cluster.kubectl_json("get", "nodes")["items"]:
+    for node in cluster.kubectl_json("get", "nodes", "-l", "dscache.io/node-kind=simulated")[
+        "items"
+    ]:
         count = int(node["status"]["allocatable"].get(GPU_RESOURCE, "0"))
         (with_gpu if count else without).add(node["metadata"]["name"])
     return with_gpu, without

@@ -1,9 +1,9 @@
 """Deployments on the dev cluster go through the real controllers and scheduler.
 
 A Deployment makes a ReplicaSet, the ReplicaSet makes pods, the scheduler binds
-them to KWOK nodes and KWOK reports them Running and Ready; an image update
-rolls out a second ReplicaSet and ``kubectl rollout undo`` restores the first
-template.
+them to KWOK nodes (the pods tolerate their taint) and KWOK reports them Running
+and Ready; an image update rolls out a second ReplicaSet and ``kubectl rollout
+undo`` restores the first template.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from dscache.devcluster import DevCluster, wait_until
+from dscache.devcluster.nodes import SIMULATED_PLACEMENT
 
 pytestmark = pytest.mark.cluster
 
@@ -40,7 +41,8 @@ def _deployment(image: str) -> str:
                                 "image": image,
                                 "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}},
                             }
-                        ]
+                        ],
+                        **SIMULATED_PLACEMENT,
                     },
                 },
             },
