@@ -24,10 +24,12 @@ def register(
 
     cluster = dev_sub.add_parser(
         "cluster",
-        help="a real Kubernetes control plane on loopback with fake (KWOK) nodes",
+        help="a real Kubernetes control plane with real (kubelet) and simulated (KWOK) nodes",
         description=(
             "etcd, kube-apiserver, kube-controller-manager, kube-scheduler and KWOK "
-            "as local processes on 127.0.0.1, built from Go modules at pinned versions."
+            "as local processes, built from Go modules at pinned versions; with "
+            "--real-nodes, containerd + kubelet nodes and kube-proxy whose pods run "
+            "the dscache images, on a bridge network that never leaves this machine."
         ),
     )
     cluster_sub = cluster.add_subparsers(dest="cluster_command", metavar="ACTION")
@@ -43,7 +45,22 @@ def register(
         "--nodes",
         type=int,
         default=3,
-        help="fake nodes; all but the last of two or more have 8 nvidia.com/gpu (default 3)",
+        help="simulated (KWOK) nodes; all but the last of two or more have 8 nvidia.com/gpu "
+        "(default 3)",
+    )
+    up.add_argument(
+        "--real-nodes",
+        type=int,
+        default=None,
+        help="nodes whose pods really run (kubelet + containerd; needs root); default 1 "
+        "where the host allows it, else 0 with the reason",
+    )
+    up.add_argument(
+        "--prometheus",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with real nodes, run Debian's Prometheus beside the cluster scraping the dscache "
+        "pods (default: on when `prometheus` is installed); `env` prints its URL",
     )
     up.add_argument(
         "--kubeconfig", type=Path, default=None, help="also write the admin kubeconfig here"
@@ -98,28 +115,53 @@ def _build(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from dscache.devcluster import BuildError, ClusterError, DevCluster, ensure_built
+    from dscache.devcluster.images import ImageError, image_loader
+    from dscache.devcluster.realnodes import real_nodes_default
 
     try:
+        real = args.real_nodes
+        if real is None:
+            real, reason = real_nodes_default()
+            if reason:
+                print(f"note: starting without real nodes: {reason}", file=sys.stderr)
         binaries = ensure_built(progress=_progress)
+        loader = image_loader(progress=_progress) if real else None
+        prometheus = _prometheus_binary(args.prometheus) if real else None
         started = time.monotonic()
         cluster = DevCluster.start(
             _state_dir(args),
             node_count=args.nodes,
+            real_nodes=real,
+            load_images=loader,
+            prometheus_binary=prometheus,
             kubeconfig=args.kubeconfig,
             binaries=binaries,
             timeout=args.timeout,
         )
-    except (BuildError, ClusterError, ValueError) as exc:
+    except (BuildError, ClusterError, ImageError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(
         f"dev cluster ready in {time.monotonic() - started:.1f} s at {cluster.server} "
-        f"with {cluster.node_count} nodes; state in {cluster.state_dir}",
+        f"with {cluster.node_count} simulated and {len(cluster.real_nodes)} real nodes; "
+        f"state in {cluster.state_dir}",
         file=sys.stderr,
     )
     print('to use it: eval "$(dscache dev cluster env)"', file=sys.stderr)
     print(cluster.shell_exports(), end="")
     return 0
+
+
+def _prometheus_binary(wanted: bool | None) -> str | None:
+    import shutil
+
+    found = shutil.which("prometheus") or shutil.which("prometheus", path="/usr/bin")
+    if wanted and found is None:
+        raise ValueError("--prometheus needs Debian's prometheus: apt-get install prometheus")
+    if wanted is None and found is None:
+        note = "note: no Prometheus beside the cluster (apt-get install prometheus)"
+        print(note, file=sys.stderr)
+    return found if wanted is not False else None
 
 
 def _down(args: argparse.Namespace) -> int:

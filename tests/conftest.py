@@ -2,7 +2,8 @@
 
 ``dev_cluster`` starts one real control plane (etcd, kube-apiserver,
 kube-controller-manager, kube-scheduler) with one real node (containerd +
-kubelet, kube-proxy: its pods run the dscache images) and KWOK with three
+kubelet, kube-proxy: its pods run the dscache images), Debian's Prometheus
+beside it scraping the dscache pods (``prometheus_url``), and KWOK with three
 simulated nodes (two with 8 ``nvidia.com/gpu`` each, one without; tainted, so
 only pods that ask for them land there) for the whole session, through the
 same code as ``dscache dev cluster up``, and stops it at the end (which undoes
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -53,11 +55,15 @@ def dev_cluster(
     progress = None if is_built() else _terminal_progress(request.config)
     binaries = ensure_built(progress=progress)
     loader = image_loader(progress=_terminal_progress(request.config))
+    prometheus = shutil.which("prometheus") or shutil.which("prometheus", path="/usr/bin")
+    if prometheus is None:
+        pytest.fail("the cluster tests need Debian's Prometheus: apt-get install prometheus")
     cluster = DevCluster.start(
         tmp_path_factory.mktemp("devcluster"),
         node_count=3,
         real_nodes=1,
         load_images=loader,
+        prometheus_binary=prometheus,
         binaries=binaries,
         tie_to_parent=True,
         timeout=90.0,

@@ -41,12 +41,13 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dscache.devcluster import build, host, nodes, realnodes
+from dscache.devcluster import build, host, nodes, prometheus, realnodes
 from dscache.devcluster.api import ApiClient
 from dscache.devcluster.versions import PINNED, cache_root
 
@@ -65,7 +66,7 @@ POD_CIDR = "10.244.0.0/16"
 STOP_GRACE_S = 10.0
 #: Stop stages: clients of the API server, the API server, etcd.
 _STOP_STAGES = (
-    frozenset({"kwok", "kube-scheduler", "kube-controller-manager"}),
+    frozenset({"kwok", "kube-scheduler", "kube-controller-manager", "prometheus"}),
     frozenset({"kube-apiserver"}),
     frozenset({"etcd"}),
 )
@@ -205,6 +206,7 @@ class DevCluster:
         binaries: The binaries it runs; ``tool_dirs`` hold kubectl and helm.
         node_count: Number of fake (KWOK) nodes.
         real_nodes: Names of the real nodes (kubelet + containerd), if any.
+        prometheus_url: The Prometheus beside the cluster (pods reach it), if any.
     """
 
     def __init__(
@@ -218,6 +220,7 @@ class DevCluster:
         processes: list[ProcessRecord],
         popens: Mapping[str, subprocess.Popen[bytes]] | None = None,
         real_nodes: tuple[str, ...] = (),
+        prometheus_url: str | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.kubeconfig = kubeconfig
@@ -225,6 +228,7 @@ class DevCluster:
         self.binaries = binaries
         self.node_count = node_count
         self.real_nodes = real_nodes
+        self.prometheus_url = prometheus_url
         self.processes = processes
         self._popens: dict[str, subprocess.Popen[bytes]] = dict(popens or {})
 
@@ -249,10 +253,13 @@ class DevCluster:
     def shell_exports(self) -> str:
         """``export`` lines for a POSIX shell (what ``dscache dev cluster env`` prints)."""
         dirs = os.pathsep.join(str(d) for d in self.binaries.tool_dirs)
-        return (
+        lines = (
             f"export KUBECONFIG={shlex.quote(str(self.kubeconfig))}\n"
             f'export PATH={shlex.quote(dirs)}"${{PATH:+:$PATH}}"\n'
         )
+        if self.prometheus_url:
+            lines += f"export DSCACHE_PROMETHEUS_URL={shlex.quote(self.prometheus_url)}\n"
+        return lines
 
     def kubectl(
         self,
@@ -332,6 +339,7 @@ class DevCluster:
             node_count=int(state["nodes"]),
             processes=[ProcessRecord(**p) for p in state["processes"]],
             real_nodes=tuple(state.get("real_nodes", ())),
+            prometheus_url=state.get("prometheus_url"),
         )
 
     @classmethod
@@ -342,6 +350,7 @@ class DevCluster:
         node_count: int = DEFAULT_NODES,
         real_nodes: int = 0,
         load_images: ImageLoader | None = None,
+        prometheus_binary: str | None = None,
         kubeconfig: Path | None = None,
         binaries: build.Binaries | None = None,
         tie_to_parent: bool = False,
@@ -358,6 +367,9 @@ class DevCluster:
             load_images: Imports the images pods run into a node's containerd
                 (called with its socket before the kubelet starts); must
                 provide :data:`.realnodes.PAUSE_IMAGE`.
+            prometheus_binary: With real nodes, also run this Prometheus beside
+                the cluster, scraping the dscache pods (:mod:`.prometheus`);
+                its URL is ``prometheus_url``.
             kubeconfig: Also write the admin kubeconfig here (default: only
                 ``<state_dir>/kubeconfig``).
             binaries: Binaries to run; default: the pinned versions, which
@@ -469,6 +481,8 @@ class DevCluster:
             )
             for name in ("kube-controller-manager", "kube-scheduler", "kwok"):
                 cluster._launch(name, commands[name], tie_to_parent)
+            if plans and prometheus_binary:
+                cluster._start_prometheus(prometheus_binary, address, tie_to_parent)
             for shape in shapes:
                 reply = client.post(
                     "/api/v1/nodes", nodes.node_manifest(shape, simulated_taint=bool(plans))
@@ -679,6 +693,19 @@ class DevCluster:
         record.save()
         return import_s
 
+    def _start_prometheus(self, binary: str, address: str, tie_to_parent: bool) -> None:
+        (self.state_dir / "prometheus.yml").write_text(
+            prometheus.config(self.state_dir / "kubeconfig")
+        )
+        listen = f"{address}:{_free_port()}"
+        self._launch(
+            "prometheus", prometheus.command(binary, self.state_dir, listen), tie_to_parent
+        )
+        self.prometheus_url = f"http://{listen}"
+        self._save()
+        url = f"{self.prometheus_url}/-/ready"
+        self._wait("prometheus", functools.partial(_http_ok, url), time.monotonic() + 60)
+
     def _drain_real_nodes(self, plans: list[realnodes.NodePlan]) -> None:
         """Deletes the pods bound to real nodes and waits for the kubelets to tear them down."""
         material = self.state_dir / "pki"
@@ -858,6 +885,7 @@ class DevCluster:
             "kubeconfig": str(self.kubeconfig),
             "nodes": self.node_count,
             "real_nodes": list(self.real_nodes),
+            "prometheus_url": self.prometheus_url,
             "binaries": {k: str(v) for k, v in vars(self.binaries).items()},
             "processes": [vars(p) for p in self.processes],
         }
@@ -930,6 +958,14 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout} s waiting for {what}; last: {last!r}")
         time.sleep(interval)
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as reply:  # noqa: S310 - a local URL
+            return int(reply.status) == 200
+    except OSError:
+        return False
 
 
 def _containerd_up(socket: Path) -> bool:

@@ -1,0 +1,508 @@
+"""The container images: how they are built (unit tests) and what they do (``images`` marker).
+
+Unit tests need no Docker: ``images/requirements.py`` flattening, the input
+hash that decides rebuilds, and the stamp fast path that starts no Docker.
+
+Tests marked ``images`` use the archives from ``ensure_images()`` (built first
+when missing: about five minutes from nothing, a minute after a source change,
+nothing once current; needs root) and run them in the image cache's private
+Docker engine the way a kubelet would: the image's non-root user, read-only
+root filesystem, a tmpfs on /tmp, no capabilities, and no network or the host's
+loopback only. The sidecar and model-server images also run together like the
+two containers of a model pod, sharing the cache volume.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import tarfile
+import time
+import tomllib
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from dscache import __version__
+from dscache.devcluster import images
+from dscache.devcluster.images import IMAGES, ImageArchive, PrivateDocker
+from dscache.router import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _requirements_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "images_requirements", REPO / "images/requirements.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+requirements = _requirements_module()
+
+
+# -- images/requirements.py ---------------------------------------------------------------------
+
+PYPROJECT: dict[str, Any] = {
+    "build-system": {"requires": ["hatchling==1.33.0"]},
+    "project": {
+        "name": "Demo_Pkg",
+        "dependencies": ["numpy==2.4.6", "tqdm==4.70.1"],
+        "optional-dependencies": {
+            "a": ["grpcio==1.85.1", "prometheus-client==0.26.0"],
+            "b": ["demo-pkg[a]", "torch==2.15.0", "tqdm==4.70.1"],
+            "c": ["demo.pkg[b,a]", "kopf==1.45.2", "prometheus-client==0.26.0"],
+            "loop": ["demo-pkg[loop]", "x==1"],
+        },
+    },
+}
+
+
+def test_flatten_expands_self_references_in_order_without_duplicates() -> None:
+    assert requirements.flatten(PYPROJECT, ["c"]) == [
+        "numpy==2.4.6",
+        "tqdm==4.70.1",
+        "grpcio==1.85.1",
+        "prometheus-client==0.26.0",
+        "torch==2.15.0",
+        "kopf==1.45.2",
+    ]
+    assert requirements.flatten(PYPROJECT, []) == ["numpy==2.4.6", "tqdm==4.70.1"]
+    assert requirements.flatten(PYPROJECT, ["loop"]) == ["numpy==2.4.6", "tqdm==4.70.1", "x==1"]
+
+
+def test_flatten_rejects_an_unknown_extra() -> None:
+    with pytest.raises(KeyError, match="no extra 'gpu'"):
+        requirements.flatten(PYPROJECT, ["gpu"])
+
+
+def test_the_real_extras_flatten_to_pins_only(capsys: pytest.CaptureFixture[str]) -> None:
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    server = requirements.flatten(data, ["sidecar", "operator", "server"])
+    core = requirements.flatten(data, ["sidecar", "operator"])
+    assert not [r for r in server if r.lower().startswith("dscache")]
+    assert all("==" in r for r in server)
+    assert "grpcio==1.85.1" in server  # through "dscache[sidecar]"
+    assert "torch==2.15.0" in server and not [r for r in core if r.startswith("torch")]
+    assert set(core) < set(server)
+    assert requirements.main([str(REPO / "pyproject.toml"), "--build-system"]) == 0
+    assert capsys.readouterr().out.startswith("hatchling==")
+
+
+# -- the inputs hash ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    for rel, text in {
+        "images/Dockerfile": "FROM scratch\n",
+        "images/pause/pause.c": "int main(void) { return 0; }\n",
+        "pyproject.toml": "[project]\nname = 'dscache'\n",
+        "README.md": "# dscache\n",
+        "dscache/__init__.py": "__version__ = '0.1.0'\n",
+        "sidecar/dscache_sidecar/store.py": "X = 1\n",
+        "model-server/dscache_server/app.py": "Y = 1\n",
+        "operator/dscache_operator/spec.py": "Z = 1\n",
+        "tests/test_x.py": "def test(): pass\n",
+    }.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def _digest(repo: Path, name: str) -> str:
+    return images.inputs_digest(repo, IMAGES[name], "base@1")
+
+
+def test_a_source_change_changes_the_python_images_hash_only(tree: Path) -> None:
+    before = {name: _digest(tree, name) for name in IMAGES}
+    (tree / "sidecar/dscache_sidecar/store.py").write_text("X = 2\n")
+    after = {name: _digest(tree, name) for name in IMAGES}
+    assert after["core"] != before["core"] and after["server"] != before["server"]
+    assert after["pause"] == before["pause"] and after["router"] == before["router"]
+    (tree / "images/pause/pause.c").write_text("int main(void) { return 1; }\n")
+    assert all(_digest(tree, name) != after[name] for name in IMAGES)
+
+
+def test_new_files_and_the_exec_bit_count_caches_and_tests_do_not(tree: Path) -> None:
+    before = _digest(tree, "core")
+    os.utime(tree / "dscache/__init__.py", (1, 1))  # touched, same content: not a change
+    cache = tree / "dscache/__pycache__"
+    cache.mkdir()
+    (cache / "__init__.cpython-311.pyc").write_bytes(b"\x00bytecode")
+    (tree / "operator/dscache_operator/spec.pyc").write_bytes(b"\x00bytecode")
+    (tree / "dscache/.mypy_cache").mkdir()
+    (tree / "dscache/.mypy_cache/x.json").write_text("{}")
+    (tree / "tests/test_x.py").write_text("def test(): assert 0\n")
+    assert _digest(tree, "core") == before
+    (tree / "model-server/dscache_server/new.py").write_text("")
+    added = _digest(tree, "core")
+    assert added != before
+    os.chmod(tree / "model-server/dscache_server/new.py", 0o755)
+    assert _digest(tree, "core") != added
+    assert _digest(tree, "core") != images.inputs_digest(tree, IMAGES["core"], "base@2")
+
+
+def test_the_build_context_holds_exactly_the_hashed_inputs() -> None:
+    """.dockerignore lets in what the hash covers, and drops what the hash skips."""
+    lines = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
+    assert lines[0] == "*"
+    assert allowed == set(IMAGES["server"].inputs)
+    for excluded in ("__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache"):
+        assert f"**/{excluded}" in lines
+    assert "**/*.py[co]" in lines
+
+
+def test_current_stamps_start_no_docker(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "cache"
+    monkeypatch.setenv("DSCACHE_IMAGES_BASE", "debian:bookworm-slim")
+    archives = root / "images/archives"
+    archives.mkdir(parents=True)
+    for name, spec in IMAGES.items():
+        (archives / f"{name}.tar").write_bytes(b"x" * 10)
+        stamp = {
+            "inputs": images.inputs_digest(tree, spec, "debian:bookworm-slim"),
+            "ref": spec.ref,
+            "image_id": f"sha256:{name}",
+            "size_bytes": 10,
+        }
+        (archives / f"{name}.json").write_text(json.dumps(stamp))
+
+    def no_docker(self: PrivateDocker) -> None:
+        raise AssertionError("a Docker engine was started")
+
+    monkeypatch.setattr(PrivateDocker, "start", no_docker)
+    started = time.monotonic()
+    got = images.ensure_images(root=root, repo=tree)
+    assert time.monotonic() - started < 1.0
+    assert got["server"] == ImageArchive(
+        IMAGES["server"].ref, archives / "server.tar", "sha256:server", 10
+    )
+    assert list(got) == list(IMAGES)
+    assert list(images.ensure_images(root=root, repo=tree, names=["pause"])) == ["pause"]
+    # A changed source makes core and server stale: now a build (and an engine) is needed.
+    (tree / "dscache/__init__.py").write_text("__version__ = '0.1.1'\n")
+    with pytest.raises(AssertionError, match="engine was started"):
+        images.ensure_images(root=root, repo=tree, names=["core"])
+    with pytest.raises(images.ImageError, match="unknown image"):
+        images.ensure_images(root=root, repo=tree, names=["nope"])
+
+
+def test_a_missing_docker_engine_names_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(images.shutil, "which", lambda name: None)
+    monkeypatch.setattr(images, "_existing", lambda path: None)
+    monkeypatch.delenv("DSCACHE_DOCKER", raising=False)
+    monkeypatch.setattr(images.os, "geteuid", lambda: 0)
+    with pytest.raises(images.ImageError, match=r"apt-get install docker\.io"):
+        PrivateDocker(tmp_path / "docker").start()
+    monkeypatch.setattr(
+        images, "_existing", lambda path: path if path.endswith("/bin/docker") else None
+    )
+    with pytest.raises(images.ImageError, match=r"dockerd, containerd, runc not found.*docker\.io"):
+        PrivateDocker(tmp_path / "docker").start()
+
+
+def test_refs_follow_the_package_version_and_containerd_naming() -> None:
+    assert IMAGES["server"].ref == f"ghcr.io/dscache/dscache:{__version__}"
+    assert images._containerd_name("ghcr.io/dscache/dscache:0.1.0") == (
+        "ghcr.io/dscache/dscache:0.1.0"
+    )
+    assert images._containerd_name("dscache.local/pause:1.0") == "dscache.local/pause:1.0"
+    assert images._containerd_name("busybox:1") == "docker.io/library/busybox:1"
+    assert images._containerd_name("me/app:1") == "docker.io/me/app:1"
+
+
+# -- the built images ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def built() -> dict[str, ImageArchive]:
+    """Every image's archive; built first when missing or stale."""
+    return images.ensure_images()
+
+
+@pytest.fixture(scope="session")
+def docker(built: dict[str, ImageArchive]) -> Iterator[PrivateDocker]:
+    """The private Docker engine with each archive's image loaded under its ref."""
+    with images.docker_engine() as engine:
+        for archive in built.values():
+            engine.ensure_loaded(archive)
+        yield engine
+
+
+def _config(archive: ImageArchive) -> dict[str, Any]:
+    with tarfile.open(archive.path) as tar:
+        manifest = json.load(_member(tar, "manifest.json"))
+        config: dict[str, Any] = json.load(_member(tar, manifest[0]["Config"]))
+    return config
+
+
+def _member(tar: tarfile.TarFile, name: str | tarfile.TarInfo) -> Any:
+    handle = tar.extractfile(name)
+    assert handle is not None, name
+    return handle
+
+
+RunImage = Callable[..., str]
+
+
+@pytest.fixture
+def run_image(docker: PrivateDocker) -> RunImage:
+    """``docker run --rm`` hardened like a pod; returns the output, fails on a non-zero exit."""
+
+    def run(
+        ref: str, *args: str, entrypoint: str | None = None, flags: tuple[str, ...] = ()
+    ) -> str:
+        command = ["run", "--rm", "--read-only", "--tmpfs", "/tmp", "--network", "none"]
+        command += ["--cap-drop", "ALL", "--security-opt", "no-new-privileges", *flags]
+        if entrypoint:
+            command += ["--entrypoint", entrypoint]
+        return docker.run([*command, ref, *args], timeout=600)
+
+    return run
+
+
+@pytest.mark.images
+@pytest.mark.parametrize("name", list(IMAGES))
+def test_archives_say_non_root_and_exec_form(name: str, built: dict[str, ImageArchive]) -> None:
+    archive = built[name]
+    assert archive.path.stat().st_size == archive.size_bytes
+    assert images.archive_image_id(archive.path) == archive.image_id
+    config = _config(archive)["config"]
+    uid = "65535" if name == "pause" else "10001"
+    assert config["User"] == f"{uid}:{uid}"
+    entrypoint = config["Entrypoint"]
+    assert isinstance(entrypoint, list) and entrypoint[0].startswith("/")
+    assert entrypoint[:2] != ["/bin/sh", "-c"]  # shell form would need a shell at run time
+    assert config.get("Cmd") is None or isinstance(config["Cmd"], list)
+    with tarfile.open(archive.path) as tar:
+        assert f"{archive.ref}" in json.load(_member(tar, "manifest.json"))[0]["RepoTags"]
+
+
+@pytest.mark.images
+@pytest.mark.parametrize("name", ["core", "server"])
+def test_the_ca_given_to_pip_is_in_no_layer(name: str, built: dict[str, ImageArchive]) -> None:
+    """The CA bundle goes in as a BuildKit secret, only for RUN steps: never into the image."""
+    ca = images._ca_bundle()
+    assert ca is not None  # the build passed it as a secret
+    secret = ca.read_bytes()
+    seen = 0
+    with tarfile.open(built[name].path) as outer:
+        manifest = json.load(_member(outer, "manifest.json"))
+        for layer in manifest[0]["Layers"]:
+            with tarfile.open(fileobj=_member(outer, layer)) as inner:
+                for entry in inner:
+                    seen += 1
+                    if entry.name.lstrip("./").startswith("run/secrets/"):
+                        assert entry.isdir() or entry.size == 0, entry.name
+                    if entry.isfile() and entry.size == len(secret):
+                        assert _member(inner, entry).read() != secret, entry.name
+    assert seen > 1000  # the layers were really read
+
+
+SERVER_SMOKE = """
+import importlib.util, torch
+from dscache_server.presets import PRESETS, build_random_model
+from dscache_server.tokenizer import DeepSeekTokenizer
+assert importlib.util.find_spec("triton") is None, "triton should not be in the image"
+ids = DeepSeekTokenizer().encode("Revenue grew 12% in 2024.")
+model = build_random_model(PRESETS["mini-gqa"], seed=0)
+with torch.no_grad():
+    logits = model(torch.tensor([ids])).logits
+assert logits.shape == (1, len(ids), 129280), logits.shape
+assert bool(torch.isfinite(logits).all())
+print("forward ok", torch.__version__)
+"""
+
+
+@pytest.mark.images
+def test_server_runs_dscache_and_a_forward_of_mini_gqa(run_image: RunImage) -> None:
+    ref = IMAGES["server"].ref
+    assert run_image(ref, "--version").strip() == f"dscache {__version__}"
+    assert "--sidecar-socket" in run_image(ref, "server", "--help")
+    assert "forward ok 2.15.0" in run_image(ref, "-c", SERVER_SMOKE, entrypoint="python")
+
+
+@pytest.mark.images
+def test_core_runs_every_light_command_and_has_no_torch(run_image: RunImage) -> None:
+    ref = IMAGES["core"].ref
+    assert run_image(ref, "--version").strip() == f"dscache {__version__}"
+    for command in ("sidecar", "operator", "prewarm", "load"):
+        assert "usage: dscache" in run_image(ref, command, "--help"), command
+    probe = "import importlib.util as u; print([m for m in ('torch', 'triton') if u.find_spec(m)])"
+    assert run_image(ref, "-c", probe, entrypoint="python").strip() == "[]"
+
+
+def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 120) -> str:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        text: str = response.read().decode()
+        return text
+
+
+def _wait_http(url: str, timeout: float, why: Callable[[], str]) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _http(url, timeout=2)
+            return
+        except OSError:  # refused, or 503 while the model loads
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{url} not ready in {timeout:.0f} s:\n{why()}") from None
+            time.sleep(0.5)
+
+
+@pytest.mark.images
+def test_sidecar_and_server_images_share_the_cache_like_a_pod(
+    docker: PrivateDocker, tmp_path: Path
+) -> None:
+    """core runs the sidecar, server the model server: the second request hits the cache."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.chown(cache, 10001, 10001)  # what the operator's cache-owner init container does
+    metrics_port, server_port = _free_port(), _free_port()
+    pod = ["run", "--detach", "--read-only", "--tmpfs", "/tmp", "--network", "host"]
+    pod += ["--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+    pod += ["--volume", f"{cache}:/cache"]
+    sidecar = ["--capacity", "256MiB", "--segment-size", "64MiB", "--metrics-host", "127.0.0.1"]
+    server = ["--model", "mini-gqa", "--host", "127.0.0.1", "--block-tokens", "64"]
+    server += ["--min-cache-tokens", "64", "--no-calibrate"]
+    sock = ("--sidecar-socket", "/cache/sidecar.sock", "--sidecar-data-dir", "/cache")
+    names = (f"dscache-sidecar-{metrics_port}", f"dscache-server-{server_port}")
+    try:
+        docker.run(
+            [*pod, "--name", names[0], IMAGES["core"].ref, "sidecar", "--data-dir", "/cache"]
+            + ["--socket", "/cache/sidecar.sock", "--metrics-port", str(metrics_port), *sidecar]
+        )
+        docker.run(
+            [*pod, "--name", names[1], IMAGES["server"].ref, "server", *server, *sock]
+            + ["--port", str(server_port)]
+        )
+        base = f"http://127.0.0.1:{server_port}"
+        _wait_http(f"{base}/ready", 300, lambda: docker.run(["logs", names[1]], check=False))
+        chat = {
+            "model": "mini-gqa",
+            "messages": [{"role": "user", "content": "Summarise the annual report. " * 60}],
+            "max_tokens": 4,
+        }
+        first = json.loads(_http(f"{base}/v1/chat/completions", chat))
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        deadline = time.monotonic() + 30  # blocks are stored after the response
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        while "dscache_sidecar_stored_blocks_total 0.0" in _http(metrics):
+            assert time.monotonic() < deadline, "no block stored"
+            time.sleep(0.5)
+        second = json.loads(_http(f"{base}/v1/chat/completions", chat))
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
+        for name in reversed(names):  # SIGTERM: both stop cleanly
+            docker.run(["stop", "--time", "30", name])
+            assert docker.run(["inspect", "--format", "{{.State.ExitCode}}", name]).strip() == "0"
+    finally:
+        for name in names:
+            docker.run(["rm", "--force", name], check=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.mark.images
+def test_router_serves_a_rendered_config_as_10001_on_a_read_only_root(
+    docker: PrivateDocker, run_image: RunImage, tmp_path: Path
+) -> None:
+    port = _free_port()
+    conf_dir = tmp_path / "router"
+    conf_dir.mkdir(mode=0o755)
+    conf = RouterConfig(
+        listen=f"127.0.0.1:{port}",
+        stable=("127.0.0.1:9",),
+        canary=("127.0.0.1:10",),
+        canary_weight=10,
+        load_modules=DEBIAN_LUA_MODULES,
+    )
+    (conf_dir / "nginx.conf").write_text(render_nginx_conf(conf))
+    os.chmod(conf_dir, 0o755)
+    os.chmod(conf_dir / "nginx.conf", 0o644)
+    mount = ("--volume", f"{conf_dir}:/etc/dscache-router:ro", "--user", "10001")
+    ref = IMAGES["router"].ref
+    # nginx -t reports on stderr; success is the exit status (run_image checks it).
+    run_image(
+        ref, "-p", "/tmp", "-e", "stderr", "-c", "/etc/dscache-router/nginx.conf", "-t", flags=mount
+    )
+    # And really serve: the image's default command, host network (loopback only here).
+    name = f"dscache-router-test-{port}"
+    docker.run(
+        [
+            "run",
+            "--detach",
+            "--name",
+            name,
+            "--read-only",
+            "--tmpfs",
+            "/tmp",
+            "--network",
+            "host",
+            "--cap-drop",
+            "ALL",
+            *mount,
+            ref,
+        ]
+    )
+    try:
+        body = ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{port}/dscache/router/health", timeout=2
+                ) as response:
+                    body = response.read().decode()
+                break
+            except OSError:
+                time.sleep(0.2)
+        assert body == "ok\n", docker.run(["logs", name], check=False)
+        docker.run(["stop", "--time", "20", name])
+        state = json.loads(docker.run(["inspect", "--format", "{{json .State}}", name]))
+        assert state["ExitCode"] == 0
+    finally:
+        docker.run(["rm", "--force", name], check=False)
+
+
+@pytest.mark.images
+def test_pause_exits_0_on_sigterm(docker: PrivateDocker, run_image: RunImage) -> None:
+    ref = IMAGES["pause"].ref
+    assert run_image(ref, "-v").strip() == "pause (dscache) 1.0"
+    name = f"dscache-pause-test-{os.getpid()}"
+    docker.run(["run", "--detach", "--name", name, "--read-only", "--network", "none", ref])
+    try:
+        started = time.monotonic()
+        docker.run(["stop", "--time", "30", name])
+        stopped_in = time.monotonic() - started
+        state = json.loads(docker.run(["inspect", "--format", "{{json .State}}", name]))
+        assert state["ExitCode"] == 0 and not state["OOMKilled"]
+        assert stopped_in < 10  # SIGTERM ended it, not the SIGKILL after 30 s
+    finally:
+        docker.run(["rm", "--force", name], check=False)
