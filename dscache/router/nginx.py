@@ -27,6 +27,19 @@ Routing rules, in the order NGINX applies them to a request:
    conversation, and every conversation opening with the same long document,
    shares that leading part, so id-less turns land on the pod holding it.
 
+5. **Reload on change** (``watch_config``, needs the Lua module; the operator
+   turns it on): NGINX runs as the container's only process, with no shell to
+   watch its config. Worker 0 runs a timer (``watch_interval_s``) that reads
+   the first bytes of ``config_path`` and compares the ``dscache-config-id``
+   line there with the id of the config it is running (a literal in its own
+   text); on a new id it sends the master SIGHUP through LuaJIT's FFI, once
+   per id. The master re-reads the file and keeps serving the old config if
+   the new one is invalid (and the worker does not signal again until the id
+   changes once more). A ConfigMap volume swaps its ``..data`` symlink
+   atomically, so the watcher never reads half a file. The id is a hash of
+   everything but the watcher itself, so comparing ids is exact and race-free:
+   a change between the master's read and the worker's start is still seen.
+
 Invariants: the output depends only on the config (no clock, no randomness);
 every string that reaches the file is validated against a strict pattern, so a
 config value can never inject NGINX directives; upstream lists are rendered in
@@ -35,6 +48,7 @@ the order given (the consistent-hash ring does not depend on it).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Annotated, Literal
 
@@ -128,6 +142,18 @@ class RouterConfig(BaseModel):
     debug_headers: bool = Field(
         default=False, description="add X-Dscache-Track/-Upstream/-Key-Source response headers"
     )
+    watch_config: bool = Field(
+        default=False,
+        description="reload NGINX when the file at config_path changes (needs the Lua module)",
+    )
+    # The operator's mount point; a local run sets its own file.
+    config_path: FilePath = Field(
+        default="/etc/dscache-router/nginx.conf",
+        description="where NGINX reads this config (what watch_config watches)",
+    )
+    watch_interval_s: float = Field(
+        default=1.0, ge=0.1, le=60.0, description="seconds between two looks at config_path"
+    )
 
     @model_validator(mode="after")
     def _distinct_tracks(self) -> RouterConfig:
@@ -170,6 +196,46 @@ def _track_selector(weight: float) -> list[str]:
         "        * stable;",
         "    }",
     ]
+
+
+_WATCH_LUA = """\
+    init_worker_by_lua_block {
+        if ngx.worker.id() ~= 0 then
+            return
+        end
+        local ffi = require "ffi"
+        pcall(ffi.cdef, "int kill(int pid, int sig); int getppid(void);")
+        local path, loaded, signalled = "@PATH@", "@ID@", nil
+        local function file_id()
+            local f = io.open(path, "rb")
+            if not f then
+                return nil
+            end
+            local head = f:read(512)
+            f:close()
+            return head and string.match(head, "dscache%-config%-id: (%x+)")
+        end
+        local function check(premature)
+            if premature then
+                return
+            end
+            local id = file_id()
+            if id and id ~= loaded and id ~= signalled then
+                signalled = id
+                ngx.log(ngx.NOTICE, "dscache router: ", path, " is now ", id, ", reloading")
+                if ffi.C.kill(ffi.C.getppid(), 1) ~= 0 then
+                    ngx.log(ngx.ERR, "dscache router: cannot signal the master, errno ",
+                            ffi.errno())
+                end
+            end
+        end
+        local ok, err = ngx.timer.every(@INTERVAL@, check)
+        if not ok then
+            ngx.log(ngx.ERR, "dscache router: cannot watch ", path, ": ", err)
+        end
+    }"""
+
+CONFIG_ID_PREFIX = "# dscache-config-id: "
 
 
 _LUA_PROMPT_KEY = """\
@@ -245,8 +311,26 @@ def render_nginx_conf(config: RouterConfig) -> str:
         config: the router's settings and both tracks' upstream addresses.
 
     Returns:
-        The configuration text; identical configs give identical text.
+        The configuration text; identical configs give identical text. With
+        ``watch_config``, its second line is ``# dscache-config-id: <hex>``.
     """
+    lines = _render_lines(config)
+    if not config.watch_config:
+        return "\n".join(lines)
+    interval = f"{config.watch_interval_s:g}"
+    seed = "\n".join([*lines, f"watch {config.config_path} {interval}"])
+    config_id = hashlib.sha256(seed.encode()).hexdigest()[:16]
+    watch = (
+        _WATCH_LUA.replace("@PATH@", config.config_path)
+        .replace("@ID@", config_id)
+        .replace("@INTERVAL@", interval)
+    )
+    at = lines.index("http {") + 1
+    out = [lines[0], CONFIG_ID_PREFIX + config_id, *lines[1:at], watch, *lines[at:]]
+    return "\n".join(out)
+
+
+def _render_lines(config: RouterConfig) -> list[str]:
     c = config
     weight = c.effective_weight
     cookie_var = "$cookie_" + c.cookie_name
@@ -357,4 +441,4 @@ def render_nginx_conf(config: RouterConfig) -> str:
             "            proxy_next_upstream_tries 2;",
         ]
     lines += ["        }", "    }", "}", ""]
-    return "\n".join(lines)
+    return lines

@@ -20,8 +20,14 @@ def register(
     add_server_arguments(s)
     s.set_defaults(handler=_run_server)
 
-    p = sub.add_parser("prewarm", help="send prompts to a server so their prefixes get cached")
-    p.add_argument("--target", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p = sub.add_parser("prewarm", help="send prompts to servers so their prefixes get cached")
+    p.add_argument(
+        "--target",
+        action="append",
+        required=True,
+        help="server base URL, e.g. http://127.0.0.1:8000; repeatable and/or comma-separated: "
+        "every prompt goes to every target",
+    )
     p.add_argument(
         "--prompts",
         required=True,
@@ -29,7 +35,13 @@ def register(
     )
     p.add_argument("--tenant", default=None, help="tenant header value (default: none)")
     p.add_argument("--api-key", default=None, help="bearer API key (tenant by key)")
-    p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
+    p.add_argument(
+        "--concurrency", type=int, default=1, help="requests in flight per target (default 1)"
+    )
+    p.add_argument(
+        "--top-n", type=int, default=None, help="send only the first N prompts (default: all)"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (300)")
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
     p.set_defaults(handler=_run_prewarm)

@@ -1,9 +1,16 @@
-"""``dscache prewarm``: send prompts to a server so their prefixes get stored.
+"""``dscache prewarm``: send prompts to servers so their prefixes get stored.
 
 Each line of the prompts file is one chat: ``{"messages": [...]}`` or a bare list
 of messages. Every chat is sent as a one-token completion (the prefill stores the
-prompt's full blocks in the background). Failures are counted and reported; the
-command exits non-zero only when nothing succeeded.
+prompt's full blocks in the background).
+
+Several targets (``--target`` repeated and/or comma-separated) are the pods of
+one track: each pod has its own KV store and the router may send a session to
+any of them, so every prompt goes to every target, all targets at once, with
+``--concurrency`` requests in flight per target. Failures are counted and
+reported per target; the command exits non-zero when any target had prompts to
+take and took none (a pod that cannot be warmed is worth a failed Job), and
+with 2 when the prompts cannot be read.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +58,27 @@ def read_prompts(path: Path) -> list[list[dict[str, Any]]]:
     return chats
 
 
+def parse_targets(values: list[str]) -> list[str]:
+    """``--target`` values (each may hold several, comma-separated) -> distinct URLs, in order.
+
+    Raises:
+        ValueError: no target, or one that is not an http(s) URL.
+    """
+    out: list[str] = []
+    for value in values:
+        for part in value.split(","):
+            url = part.strip().rstrip("/")
+            if not url:
+                continue
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"target {url!r} is not an http:// or https:// URL")
+            if url not in out:
+                out.append(url)
+    if not out:
+        raise ValueError("no target given")
+    return out
+
+
 def prewarm(
     target: str,
     chats: list[list[dict[str, Any]]],
@@ -58,8 +88,20 @@ def prewarm(
     timeout_s: float = 300.0,
     model: str | None = None,
     progress: bool = True,
+    on_sent: Callable[[], None] | None = None,
 ) -> PrewarmResult:
-    """Sends every chat once; returns totals."""
+    """Sends every chat once to ``target``; returns totals.
+
+    Args:
+        target: the server's base URL.
+        chats: the chats to send.
+        headers: extra request headers (tenant, API key).
+        concurrency: requests in flight.
+        timeout_s: seconds per request.
+        model: model name to send (default: the server's).
+        progress: show a progress bar (when ``on_sent`` is not given).
+        on_sent: called once per chat answered or failed, instead of an own progress bar.
+    """
     result = PrewarmResult()
     url = target.rstrip("/") + "/v1/chat/completions"
     with httpx.Client(timeout=timeout_s, headers=headers or {}) as client:
@@ -71,18 +113,25 @@ def prewarm(
             try:
                 resp = client.post(url, json=body)
             except httpx.HTTPError as exc:
-                log.warning("prewarm request failed: %s", exc)
+                log.warning("prewarm request to %s failed: %s", target, exc)
                 return None
             if resp.status_code != 200:
-                log.warning("prewarm request got %d: %s", resp.status_code, resp.text[:200])
+                log.warning(
+                    "prewarm request to %s got %d: %s", target, resp.status_code, resp.text[:200]
+                )
                 return None
             data: dict[str, Any] = resp.json()
             return data
 
-        with ThreadPoolExecutor(max_workers=max(concurrency, 1)) as pool:
+        bar = None
+        if on_sent is None:
             bar = tqdm(total=len(chats), desc="prewarm", unit="prompt", disable=not progress)
+        with ThreadPoolExecutor(max_workers=max(concurrency, 1)) as pool:
             for data in pool.map(send, chats):
-                bar.update(1)
+                if bar is not None:
+                    bar.update(1)
+                elif on_sent is not None:
+                    on_sent()
                 if data is None:
                     result.failed += 1
                     continue
@@ -91,33 +140,92 @@ def prewarm(
                 result.prompt_tokens += int(usage.get("prompt_tokens", 0))
                 details = usage.get("prompt_tokens_details") or {}
                 result.cached_tokens += int(details.get("cached_tokens", 0))
+        if bar is not None:
             bar.close()
     return result
+
+
+def prewarm_targets(
+    targets: list[str],
+    chats: list[list[dict[str, Any]]],
+    *,
+    headers: dict[str, str] | None = None,
+    concurrency: int = 1,
+    timeout_s: float = 300.0,
+    model: str | None = None,
+    progress: bool = True,
+) -> dict[str, PrewarmResult]:
+    """Sends every chat to every target, all targets at once; returns totals per target.
+
+    ``concurrency`` requests are in flight per target, as with one target.
+    """
+    bar = tqdm(total=len(chats) * len(targets), desc="prewarm", unit="prompt", disable=not progress)
+    lock = threading.Lock()  # one bar, advanced from every target's thread
+
+    def sent() -> None:
+        with lock:
+            bar.update(1)
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(len(targets), 1)) as pool:
+            futures = {
+                t: pool.submit(
+                    prewarm,
+                    t,
+                    chats,
+                    headers=headers,
+                    concurrency=concurrency,
+                    timeout_s=timeout_s,
+                    model=model,
+                    on_sent=sent,
+                )
+                for t in targets
+            }
+            return {t: f.result() for t, f in futures.items()}
+    finally:
+        bar.close()
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """Entry point of ``dscache prewarm``."""
     try:
+        targets = parse_targets(args.target)
+    except ValueError as exc:
+        log.error("bad --target: %s", exc)
+        return 2
+    try:
         chats = read_prompts(Path(args.prompts))
     except (OSError, ValueError) as exc:
         log.error("cannot read prompts: %s", exc)
         return 2
+    if args.top_n is not None:
+        if args.top_n < 1:
+            log.error("--top-n must be at least 1, got %d", args.top_n)
+            return 2
+        chats = chats[: args.top_n]
     headers: dict[str, str] = {}
     if args.tenant:
         headers["X-Dscache-Tenant"] = args.tenant
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
-    result = prewarm(
-        args.target,
+    results = prewarm_targets(
+        targets,
         chats,
         headers=headers,
         concurrency=args.concurrency,
         timeout_s=args.timeout,
         model=args.model,
-        progress=True,
+        progress=not args.quiet,
     )
-    print(
-        f"prewarm: {result.sent} sent, {result.failed} failed, "
-        f"{result.prompt_tokens} prompt tokens, {result.cached_tokens} already cached"
-    )
-    return 0 if result.sent or not chats else 1
+    dead = []
+    for target, r in results.items():
+        print(
+            f"prewarm {target}: {r.sent} sent, {r.failed} failed, "
+            f"{r.prompt_tokens} prompt tokens, {r.cached_tokens} already cached"
+        )
+        if chats and not r.sent:
+            dead.append(target)
+    if dead:
+        print(f"prewarm: no prompt reached {', '.join(dead)}")
+        return 1
+    return 0

@@ -1,20 +1,29 @@
 """Rollout analysis: PromQL over Prometheus' HTTP API, and the verdict (pure part separate).
 
-Queries (``{sel}`` = namespace and revision label matchers, ``{w}`` = the step
-interval as a range):
+Queries (``{sel(rev)}`` = namespace and revision label matchers, ``{w}`` = the
+step interval as a range, ``{d}`` = the time since the step began):
 
-* hit rate: ``sum(rate(dscache_server_cache_hits_total{level="token",sel}[w]))
-  / (hits + sum(rate(dscache_server_cache_misses_total{level="token",sel}[w])))``
+* hit rate of a revision: ``sum(rate(dscache_server_cache_hits_total{level="token",
+  sel(rev)}[w])) / (hits + sum(rate(dscache_server_cache_misses_total{...}[w])))``,
+  for the canary and, over the same window, for the stable revision;
 * P99 TTFT: ``histogram_quantile(0.99, sum by (le)
-  (rate(dscache_server_ttft_seconds_bucket{sel}[w])))``, for the canary and the
-  stable revision.
+  (rate(dscache_server_ttft_seconds_bucket{sel(rev)}[w])))``, for both revisions;
+* the stable revision's two figures again with ``offset {d}``: over a window of
+  the same length that ended when the step began. They stand in when the stable
+  track had no traffic in the analysed window (blue-green, or a canary step of
+  100%), so the canary is still compared with the stable track's own level
+  under the same kind of traffic, just earlier.
 
-Verdict rules (:func:`judge`): a missing or NaN canary figure is ``NoData``
-(hold; never promote blind); an unreachable Prometheus is also ``NoData`` with
-the error in the message; hit rate below ``minHitRate`` or canary P99 above
-``stable P99 x maxTtftP99Ratio`` (or above ``maxTtftP99Seconds``) is ``Fail``;
-otherwise ``Pass``. Without stable TTFT data the ratio check is skipped and
-said so.
+Verdict rules (:func:`judge`), like against like: the canary's hit rate must be
+at least ``minHitRateRatio x`` the stable track's hit rate (same window, else
+the window before the step, said so in the message), and at least
+``minHitRate`` when that optional floor is set; the canary's P99 TTFT at most
+``stable P99 x maxTtftP99Ratio`` (same fallback; skipped, and said so, without
+any stable TTFT) and at most ``maxTtftP99Seconds`` when set. A missing or NaN
+canary figure is ``NoData`` (hold; never promote blind), and so is a missing
+stable hit rate when no ``minHitRate`` floor could judge the canary alone; an
+unreachable Prometheus is also ``NoData`` with the error in the message.
+Anything else failing is ``Fail``; otherwise ``Pass``.
 """
 
 from __future__ import annotations
@@ -39,11 +48,18 @@ class PrometheusError(RuntimeError):
 
 @dataclass(frozen=True)
 class Figures:
-    """The measured figures of one step (None = no data)."""
+    """The measured figures of one step (None = no data).
+
+    ``stable_*_before`` are the stable revision's figures over a window of the
+    same length that ended when the step began.
+    """
 
     hit_rate: float | None
     ttft_p99_seconds: float | None
-    stable_ttft_p99_seconds: float | None
+    stable_hit_rate: float | None = None
+    stable_ttft_p99_seconds: float | None = None
+    stable_hit_rate_before: float | None = None
+    stable_ttft_p99_seconds_before: float | None = None
 
 
 def _range(seconds: float) -> str:
@@ -51,52 +67,119 @@ def _range(seconds: float) -> str:
 
 
 def queries(
-    spec: AnalysisSpec, *, namespace: str, canary: str, stable: str, window_s: float
+    spec: AnalysisSpec,
+    *,
+    namespace: str,
+    canary: str,
+    stable: str,
+    window_s: float,
+    since_step_s: float,
 ) -> dict[str, str]:
-    """The PromQL of each figure."""
+    """The PromQL of each :class:`Figures` field.
+
+    Args:
+        spec: the analysis settings (label names).
+        namespace: the resource's namespace.
+        canary: the canary revision hash.
+        stable: the stable revision hash.
+        window_s: the rate window (the step interval).
+        since_step_s: seconds since the step began (the offset of the ``_before`` figures).
+    """
 
     def sel(revision: str) -> str:
         return f'{spec.namespace_label}="{namespace}",{spec.revision_label}="{revision}"'
 
     w = _range(window_s)
-    hits = f'sum(rate(dscache_server_cache_hits_total{{level="token",{sel(canary)}}}[{w}]))'
-    misses = f'sum(rate(dscache_server_cache_misses_total{{level="token",{sel(canary)}}}[{w}]))'
 
-    def p99(revision: str) -> str:
+    def hit_rate(revision: str, offset: str = "") -> str:
+        hits = (
+            f'sum(rate(dscache_server_cache_hits_total{{level="token",{sel(revision)}}}'
+            f"[{w}]{offset}))"
+        )
+        misses = (
+            f'sum(rate(dscache_server_cache_misses_total{{level="token",{sel(revision)}}}'
+            f"[{w}]{offset}))"
+        )
+        return f"{hits} / ({hits} + {misses})"
+
+    def p99(revision: str, offset: str = "") -> str:
         return (
             "histogram_quantile(0.99, sum by (le) "
-            f"(rate(dscache_server_ttft_seconds_bucket{{{sel(revision)}}}[{w}])))"
+            f"(rate(dscache_server_ttft_seconds_bucket{{{sel(revision)}}}[{w}]{offset})))"
         )
 
+    before = f" offset {_range(since_step_s)}"
     return {
-        "hit_rate": f"{hits} / ({hits} + {misses})",
+        "hit_rate": hit_rate(canary),
         "ttft_p99_seconds": p99(canary),
+        "stable_hit_rate": hit_rate(stable),
         "stable_ttft_p99_seconds": p99(stable),
+        "stable_hit_rate_before": hit_rate(stable, before),
+        "stable_ttft_p99_seconds_before": p99(stable, before),
     }
+
+
+def _pick(now: float | None, before: float | None) -> tuple[float | None, str]:
+    if now is not None:
+        return now, ""
+    if before is not None:
+        return before, " (stable's figure from before the step: no stable traffic in the window)"
+    return None, ""
 
 
 def judge(spec: AnalysisSpec, figures: Figures) -> Verdict:
     """The verdict on ``figures`` under ``spec``'s thresholds (pure)."""
-    hr, p99, stable = figures.hit_rate, figures.ttft_p99_seconds, figures.stable_ttft_p99_seconds
-    base = {"hit_rate": hr, "ttft_p99_seconds": p99, "stable_ttft_p99_seconds": stable}
+    hr, p99 = figures.hit_rate, figures.ttft_p99_seconds
+    stable_hr, hr_when = _pick(figures.stable_hit_rate, figures.stable_hit_rate_before)
+    stable_p99, p99_when = _pick(
+        figures.stable_ttft_p99_seconds, figures.stable_ttft_p99_seconds_before
+    )
+    base = {
+        "hit_rate": hr,
+        "stable_hit_rate": stable_hr,
+        "ttft_p99_seconds": p99,
+        "stable_ttft_p99_seconds": stable_p99,
+    }
     if hr is None or p99 is None:
         missing = [n for n, v in (("hit rate", hr), ("P99 TTFT", p99)) if v is None]
         return Verdict("NoData", f"no canary data for {', '.join(missing)}", **base)
-    text = f"hit rate {hr:.3f} (min {spec.min_hit_rate}), P99 TTFT {p99:.3f}s"
-    if hr < spec.min_hit_rate:
-        return Verdict("Fail", f"{text}: hit rate below {spec.min_hit_rate}", **base)
-    if spec.max_ttft_p99_seconds is not None and p99 > spec.max_ttft_p99_seconds:
-        return Verdict("Fail", f"{text}: above {spec.max_ttft_p99_seconds}s", **base)
-    if stable is None:
-        return Verdict("Pass", f"{text}; no stable TTFT data, ratio not checked", **base)
-    limit = stable * spec.max_ttft_p99_ratio
-    if p99 > limit:
+    floor = spec.min_hit_rate
+    if stable_hr is None and floor is None:
         return Verdict(
-            "Fail",
-            f"{text} > stable {stable:.3f}s x {spec.max_ttft_p99_ratio} = {limit:.3f}s",
+            "NoData",
+            f"canary hit rate {hr:.3f}, but no stable hit rate to compare it with "
+            "(neither in the window nor before the step) and no minHitRate floor",
             **base,
         )
-    return Verdict("Pass", f"{text} <= {limit:.3f}s (stable {stable:.3f}s)", **base)
+    parts = [f"hit rate {hr:.3f}"]
+    failures: list[str] = []
+    if stable_hr is not None:
+        need = stable_hr * spec.min_hit_rate_ratio
+        parts.append(f"stable {stable_hr:.3f} x {spec.min_hit_rate_ratio} = {need:.3f}{hr_when}")
+        if hr < need:
+            failures.append(f"hit rate below stable's {stable_hr:.3f} x {spec.min_hit_rate_ratio}")
+    else:
+        parts.append("no stable hit rate, ratio not checked")
+    if floor is not None:
+        parts.append(f"floor {floor}")
+        if hr < floor:
+            failures.append(f"hit rate below the floor {floor}")
+    parts.append(f"P99 TTFT {p99:.3f}s")
+    if spec.max_ttft_p99_seconds is not None and p99 > spec.max_ttft_p99_seconds:
+        failures.append(f"P99 TTFT above {spec.max_ttft_p99_seconds}s")
+    if stable_p99 is None:
+        parts.append("no stable TTFT data, ratio not checked")
+    else:
+        limit = stable_p99 * spec.max_ttft_p99_ratio
+        parts.append(
+            f"stable {stable_p99:.3f}s x {spec.max_ttft_p99_ratio} = {limit:.3f}s{p99_when}"
+        )
+        if p99 > limit:
+            failures.append(f"P99 TTFT > stable {stable_p99:.3f}s x {spec.max_ttft_p99_ratio}")
+    text = "; ".join(parts)
+    if failures:
+        return Verdict("Fail", f"{text}: {', '.join(failures)}", **base)
+    return Verdict("Pass", text, **base)
 
 
 class PrometheusClient:
@@ -135,13 +218,21 @@ def analyse(
     canary: str,
     stable: str,
     window_s: float,
+    since_step_s: float,
 ) -> Verdict:
     """Fetches the figures and judges them; no Prometheus -> NoData."""
     if not spec.enabled:
         return Verdict("Skipped", "analysis disabled (spec.rollout.analysis.enabled=false)")
     if client is None:
         return Verdict("NoData", "no Prometheus URL (spec.rollout.analysis.prometheusUrl)")
-    q = queries(spec, namespace=namespace, canary=canary, stable=stable, window_s=window_s)
+    q = queries(
+        spec,
+        namespace=namespace,
+        canary=canary,
+        stable=stable,
+        window_s=window_s,
+        since_step_s=since_step_s,
+    )
     try:
         figures = Figures(**{name: client.scalar(promql) for name, promql in q.items()})
     except PrometheusError as exc:

@@ -1,4 +1,4 @@
-"""``dscache operator [--namespace NS ... | --all-namespaces]`` and ``dscache operator crd``.
+"""``dscache operator [--namespace NS ... | --all-namespaces] [--peering NAME]``.
 
 Light module: argument parsing only; the handler imports kopf and the
 Kubernetes client. The operator uses the current kubeconfig (``$KUBECONFIG``
@@ -38,6 +38,13 @@ def register(
     p.add_argument("--health-port", type=int, default=None, help="/healthz port (0 = off)")
     p.add_argument("--metrics-port", type=int, default=None, help="/metrics port (0 = off)")
     p.add_argument(
+        "--peering",
+        default=None,
+        metavar="NAME",
+        help="kopf peering object shared by replicas, so exactly one acts "
+        "(env DSCACHE_OPERATOR_PEERING; default empty: standalone)",
+    )
+    p.add_argument(
         "--print-crd", action="store_true", help="print the CRD YAML and exit (no cluster needed)"
     )
     p.set_defaults(handler=_run_operator)
@@ -59,6 +66,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         "prometheus_url": args.prometheus_url,
         "health_port": args.health_port,
         "metrics_port": args.metrics_port,
+        "peering": args.peering,
     }
     settings = OperatorSettings(**{k: v for k, v in overrides.items() if v is not None})
     return run(settings)

@@ -6,8 +6,17 @@ Children (``<name>`` is the resource's name):
   (model server + KV sidecar per pod), PodDisruptionBudget ``<name>-<slot>``;
 * the router: ConfigMap, Deployment and PodDisruptionBudget ``<name>-router``,
   Service ``<name>`` (the entry point);
-* during a prewarm: Job ``<name>-prewarm-<revision>``;
+* during a prewarm: Job ``<name>-prewarm-<revision>`` (created once per
+  revision with the ready canary pods' addresses; a Job's template is
+  immutable, so it is never re-applied);
 * optionally ServiceMonitor and PrometheusRule ``<name>``.
+
+Images: the model server runs the server image (torch); the sidecar, the
+hostPath ``cache-owner`` init container and the prewarm Job run the slim core
+image; the router runs NGINX itself (exec form, no shell) and reloads itself
+when its mounted config changes. A hostPath cache lives in
+``<hostPath>/<namespace>/<name>-<slot>``: one directory per track, the same
+after a pod restart.
 
 Invariants: the same inputs give the same dicts (so re-applying is a no-op);
 every child carries an ownerReference to the resource (garbage collection),
@@ -70,31 +79,12 @@ _FACTORS = {
     "Ei": 2**60,
 }
 
-# The sidecar listens on loopback only, so its gRPC health check runs in the pod.
-_GRPC_HEALTH = (
-    "import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; "
-    f"c = grpc.insecure_channel('unix://{SOCKET}'); "
-    "r = g.HealthStub(c).Check(h.HealthCheckRequest(), timeout=3); "
-    "sys.exit(0 if r.status == h.HealthCheckResponse.SERVING else 1)"
-)
-
-_ROUTER_SCRIPT = f"""set -eu
-conf={ROUTER_CONF_DIR}/nginx.conf
-bin=$(command -v openresty || command -v nginx)
-"$bin" -p /tmp -e stderr -c "$conf" -g 'daemon off;' &
-pid=$!
-trap 'kill -QUIT "$pid"' TERM INT
-sum=$(cksum < "$conf")
-while kill -0 "$pid" 2>/dev/null; do
-  sleep 2
-  new=$(cksum < "$conf")
-  if [ "$new" != "$sum" ] && "$bin" -p /tmp -e stderr -t -q -c "$conf"; then
-    kill -HUP "$pid"
-    sum=$new
-  fi
-done
-wait "$pid"
-"""
+#: Pod annotation the operator sets on live router pods after a config change: a pod
+#: update makes the kubelet refresh the ConfigMap volume at once instead of on its
+#: next periodic sync; the router's own watcher then reloads NGINX.
+ROUTER_CONFIG_HASH = "dscache.io/router-config-hash"
+ROUTER_CONF = f"{ROUTER_CONF_DIR}/nginx.conf"
+PREWARM_TARGETS_ENV = "DSCACHE_PREWARM_TARGETS"
 
 
 def parse_quantity(value: str) -> int:
@@ -193,13 +183,49 @@ def _pod_security() -> Obj:
     }
 
 
-def _cache_volume(src: RevisionSource, size_bytes: int) -> Obj:
+def _cache_volume(owner: Owner, slot: str, src: RevisionSource, size_bytes: int) -> Obj:
     vol = src.cache.volume
-    if vol.type == "hostPath":
-        return {"name": "cache", "hostPath": {"path": vol.host_path, "type": "DirectoryOrCreate"}}
+    if vol.type == "hostPath" and vol.host_path:
+        path = cache_host_path(owner, slot, vol.host_path)
+        return {"name": "cache", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
     if vol.type == "persistentVolumeClaim":
         return {"name": "cache", "persistentVolumeClaim": {"claimName": vol.claim_name}}
     return {"name": "cache", "emptyDir": {"sizeLimit": str(size_bytes)}}
+
+
+def cache_host_path(owner: Owner, slot: str, host_path: str) -> str:
+    """``<hostPath>/<namespace>/<name>-<slot>``: a node directory per track.
+
+    Stable across pod restarts (a pod recreated on the same node finds its
+    cache) and distinct per track, so the blue and the green pod that share a
+    node never open one store directory twice.
+    """
+    return f"{host_path.rstrip('/')}/{owner.namespace}/{owner.name}-{slot}"
+
+
+def _cache_owner_init(src: RevisionSource) -> Obj:
+    # The kubelet creates a hostPath directory root-owned (0755) and fsGroup does
+    # not apply to hostPath volumes: hand the track's directory to the pods' user.
+    image = src.sidecar.image
+    return {
+        "name": "cache-owner",
+        "image": image.reference,
+        "imagePullPolicy": image.pull_policy,
+        "command": ["chown", f"{RUN_AS}:{RUN_AS}", CACHE_DIR],
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "16Mi"},
+            "limits": {"memory": "64Mi"},
+        },
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsGroup": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+        },
+        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}],
+    }
 
 
 def _tenant_env(src: RevisionSource) -> list[Obj]:
@@ -218,7 +244,7 @@ def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) ->
     size = parse_quantity(src.cache.size)
     capacity = size * 9 // 10  # headroom for the index and partly written segments
     server_image = src.server.image
-    sidecar_image = src.sidecar.image or server_image
+    sidecar_image = src.sidecar.image
     port = src.server.port
     sel = {**selector_labels(owner, "model"), SLOT: slot}
     server_args = ["server", "--model", src.model.name, "--port", str(port)]
@@ -230,6 +256,9 @@ def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) ->
     if src.model.revision:
         server_args += ["--revision", src.model.revision]
     http_probe = {"httpGet": {"path": "/health", "port": "http"}}
+    # The sidecar's gRPC health, as HTTP on its metrics port: no process per probe.
+    sidecar_live = {"httpGet": {"path": "/healthz", "port": "metrics"}}
+    sidecar_ready = {"httpGet": {"path": "/readyz", "port": "metrics"}}
     spread_selector = {"matchLabels": sel}
     affinity: Obj = {}
     if src.cache.volume.type == "hostPath":
@@ -304,16 +333,12 @@ def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) ->
                     }
                 ],
                 "livenessProbe": {
-                    "exec": {"command": ["python", "-c", _GRPC_HEALTH]},
+                    **sidecar_live,
                     "periodSeconds": 15,
                     "timeoutSeconds": 5,
                     "failureThreshold": 3,
                 },
-                "readinessProbe": {
-                    "exec": {"command": ["python", "-c", _GRPC_HEALTH]},
-                    "periodSeconds": 10,
-                    "timeoutSeconds": 5,
-                },
+                "readinessProbe": {**sidecar_ready, "periodSeconds": 10, "timeoutSeconds": 5},
                 "resources": _resources(src.sidecar.resources),
                 "securityContext": _container_security(),
                 "volumeMounts": [
@@ -324,13 +349,15 @@ def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) ->
             },
         ],
         "volumes": [
-            _cache_volume(src, size),
+            _cache_volume(owner, slot, src, size),
             {"name": "socket", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         ],
     }
     if affinity:
         spec["affinity"] = affinity
+    if src.cache.volume.type == "hostPath":
+        spec["initContainers"] = [_cache_owner_init(src)]
     return {"metadata": {"labels": {**sel, REVISION: revision}}, "spec": spec}
 
 
@@ -417,10 +444,13 @@ def router_config(
         session_header=r.session_header,
         cookie_name=r.cookie_name,
         prompt_key=PromptKey(mode=r.prompt_key, max_bytes=r.prompt_key_bytes),
+        load_modules=tuple(r.load_modules),
         pid_file=f"{TMP}/nginx.pid",
         temp_dir=TMP,
         error_log="stderr",
         access_log="off",
+        watch_config=True,
+        config_path=ROUTER_CONF,
     )
 
 
@@ -434,8 +464,19 @@ def router_configmap(owner: Owner, config: RouterConfig) -> Obj:
     }
 
 
+def router_config_hash(configmap: Obj) -> str:
+    """The value of :data:`ROUTER_CONFIG_HASH` for a router ConfigMap."""
+    text: str = configmap["data"]["nginx.conf"]
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
-    """Deployment ``<name>-router``: NGINX that reloads when its ConfigMap changes."""
+    """Deployment ``<name>-router``: NGINX itself (no shell), reloading when its ConfigMap changes.
+
+    The rendered config carries a Lua timer that sends NGINX's master a SIGHUP
+    when the mounted file changes (see :mod:`dscache.router.nginx`); the pod
+    template never changes with the config, so a weight change restarts nothing.
+    """
     r = spec.routing
     sel = selector_labels(owner, "router")
     probe = {"httpGet": {"path": "/dscache/router/health", "port": "http"}, "periodSeconds": 5}
@@ -465,7 +506,17 @@ def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
                             "name": "nginx",
                             "image": r.image.reference,
                             "imagePullPolicy": r.image.pull_policy,
-                            "command": ["/bin/sh", "-c", _ROUTER_SCRIPT],
+                            "command": ["nginx"],
+                            "args": [
+                                "-p",
+                                TMP,
+                                "-e",
+                                "stderr",
+                                "-c",
+                                ROUTER_CONF,
+                                "-g",
+                                "daemon off;",
+                            ],
                             "ports": [
                                 {"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}
                             ],
@@ -509,20 +560,29 @@ def prewarm_job_name(owner: Owner, revision: str) -> str:
 
 
 def prewarm_job(
-    owner: Owner, spec: DeepSeekCacheDeploymentSpec, status: DeepSeekCacheDeploymentStatus
+    owner: Owner,
+    spec: DeepSeekCacheDeploymentSpec,
+    status: DeepSeekCacheDeploymentStatus,
+    targets: tuple[str, ...],
 ) -> Obj | None:
-    """The prewarm Job of the canary revision (None: nothing to prewarm)."""
+    """The prewarm Job of the canary revision (None: nothing to prewarm yet).
+
+    Args:
+        owner: the resource.
+        spec: its spec (prompts, topN, concurrency, timeout, image).
+        status: the status naming the canary slot and revision.
+        targets: ``ip:port`` of every ready canary pod: the router may send a
+            session to any of them, so every one gets every prompt. None yet
+            (no ready pod): no Job yet.
+
+    A Job's pod template is immutable: the caller creates this once per
+    revision, with the addresses of that moment, and never re-applies it.
+    """
     p = spec.prewarm
     slot, revision = status.canary_slot, status.canary_revision
-    if not p.enabled or p.prompts is None or slot is None or revision is None:
+    if not p.enabled or p.prompts is None or slot is None or revision is None or not targets:
         return None
-    src = RevisionSource.model_validate(status.slots[slot].source)
-    target = f"http://{owner.name}-{slot}.{owner.namespace}.svc:{src.server.port}"
-    script = (
-        'head -n "$TOP_N" /prewarm/prompts.jsonl > /tmp/prompts.jsonl && '
-        'exec dscache prewarm --target "$TARGET" --prompts /tmp/prompts.jsonl '
-        '--concurrency "$CONCURRENCY"'
-    )
+    urls = ",".join(f"http://{address}" for address in targets)
     lbls = {**labels(owner, "prewarm", "canary"), SLOT: slot, REVISION: revision}
     return {
         "apiVersion": "batch/v1",
@@ -542,14 +602,26 @@ def prewarm_job(
                     "containers": [
                         {
                             "name": "prewarm",
-                            "image": src.server.image.reference,
-                            "imagePullPolicy": src.server.image.pull_policy,
-                            "command": ["/bin/sh", "-c", script],
-                            "env": [
-                                {"name": "TARGET", "value": target},
-                                {"name": "TOP_N", "value": str(p.top_n)},
-                                {"name": "CONCURRENCY", "value": str(p.concurrency)},
+                            "image": p.image.reference,
+                            "imagePullPolicy": p.image.pull_policy,
+                            "command": ["dscache"],
+                            "args": [
+                                "prewarm",
+                                "--target",
+                                f"$({PREWARM_TARGETS_ENV})",
+                                "--prompts",
+                                "/prewarm/prompts.jsonl",
+                                "--top-n",
+                                str(p.top_n),
+                                "--concurrency",
+                                str(p.concurrency),
+                                "--quiet",
                             ],
+                            "env": [{"name": PREWARM_TARGETS_ENV, "value": urls}],
+                            "resources": {
+                                "requests": {"cpu": "50m", "memory": "128Mi"},
+                                "limits": {"memory": "512Mi"},
+                            },
                             "securityContext": _container_security(),
                             "volumeMounts": [
                                 {"name": "prompts", "mountPath": "/prewarm", "readOnly": True},
@@ -593,11 +665,34 @@ def service_monitor(owner: Owner) -> Obj:
 
 
 def prometheus_rule(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
-    """PrometheusRule: the token hit rate stayed under minHitRate for 10 minutes."""
+    """PrometheusRule ``DscacheHitRateLow`` on the token hit rate of both tracks.
+
+    With ``minHitRate`` set: the hit rate over 10 minutes stayed under it for
+    10 minutes. Without it (the default; traffic has no universal good hit
+    rate): it stayed under ``minHitRateRatio`` times its own level over the
+    hour before, i.e. the cache got worse than it was (sessions losing their
+    pod, a cache too small, a cold rollout), whatever its natural level.
+    """
     a = spec.rollout.analysis
     sel = f'{a.namespace_label}="{owner.namespace}",service=~"{owner.name}-(blue|green)"'
-    hits = f'sum(rate(dscache_server_cache_hits_total{{level="token",{sel}}}[10m]))'
-    misses = f'sum(rate(dscache_server_cache_misses_total{{level="token",{sel}}}[10m]))'
+
+    def hit_rate(window: str, offset: str = "") -> str:
+        def total(name: str) -> str:
+            return f'sum(rate({name}{{level="token",{sel}}}[{window}]{offset}))'
+
+        hits = total("dscache_server_cache_hits_total")
+        misses = total("dscache_server_cache_misses_total")
+        return f"{hits} / ({hits} + {misses})"
+
+    if a.min_hit_rate is not None:
+        expr = f"{hit_rate('10m')} < {a.min_hit_rate}"
+        summary = f"KV-cache token hit rate below {a.min_hit_rate} for 10 minutes"
+    else:
+        expr = f"({hit_rate('10m')}) < {a.min_hit_rate_ratio} * ({hit_rate('1h', ' offset 10m')})"
+        summary = (
+            f"KV-cache token hit rate below {a.min_hit_rate_ratio} x its level of the hour "
+            "before, for 10 minutes"
+        )
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
@@ -609,12 +704,11 @@ def prometheus_rule(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
                     "rules": [
                         {
                             "alert": "DscacheHitRateLow",
-                            "expr": f"{hits} / ({hits} + {misses}) < {a.min_hit_rate}",
+                            "expr": expr,
                             "for": "10m",
                             "labels": {"severity": "warning"},
                             "annotations": {
-                                "summary": f"{owner.namespace}/{owner.name}: KV-cache token hit "
-                                f"rate below {a.min_hit_rate} for 10 minutes",
+                                "summary": f"{owner.namespace}/{owner.name}: {summary}",
                                 "description": "Sessions are losing their pod or the cache is "
                                 "too small; check the router and dscache_sidecar_evictions_total.",
                             },
@@ -638,13 +732,13 @@ def children(
     stable_addresses: tuple[str, ...],
     canary_addresses: tuple[str, ...],
     *,
-    prewarm: bool,
     monitoring: bool,
 ) -> list[Obj]:
-    """Every child to apply now, in a safe order (tracks before the router).
+    """Every child to (re-)apply now, in a safe order (tracks before the router).
 
     Frozen tracks (a ``kubectl rollout undo`` was seen) are left out: the
-    operator does not fight a person's rollback.
+    operator does not fight a person's rollback. The prewarm Job is not among
+    them: it is created once (:func:`prewarm_job`), never re-applied.
     """
     out: list[Obj] = []
     for slot, ss in sorted(status.slots.items()):
@@ -654,10 +748,6 @@ def children(
         out.append(
             pdb(owner, f"{owner.name}-{slot}", "model", track_of(status, slot), {SLOT: slot})
         )
-    if prewarm:
-        job = prewarm_job(owner, spec, status)
-        if job is not None:
-            out.append(job)
     cfg = router_config(spec, status, stable_addresses, canary_addresses)
     out += [
         router_configmap(owner, cfg),

@@ -86,4 +86,6 @@ def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
     ks.posting.level = logging.INFO
     ks.watching.server_timeout = 300
     ks.networking.request_timeout = settings.api_timeout_seconds
+    ks.peering.lifetime = settings.peering_lifetime_seconds
+    ks.peering.stealth = True  # no log line per keep-alive; pauses and resumes are still logged
     return ks

@@ -5,7 +5,9 @@ in-cluster), with objects as plain dicts, so the desired objects of
 :mod:`.desired` go to the API server unchanged. Every write of a child is a
 server-side apply with field manager ``dscache-operator`` and ``force``: the
 operator owns the fields it renders and nothing else, and re-applying the
-same object is a no-op on the server (no new resourceVersion).
+same object is a no-op on the server (no new resourceVersion). The one
+exception is the prewarm Job (:meth:`Kube.create`): created once, never
+re-applied, since a Job's pod template is immutable.
 """
 
 from __future__ import annotations
@@ -116,6 +118,21 @@ class Kube:
             content_type="application/apply-patch+yaml",
         )
 
+    def create(self, obj: Obj) -> Obj | None:
+        """Creates ``obj``; None if an object of that name exists already (HTTP 409)."""
+        res = RESOURCES[obj["kind"]]
+        try:
+            return self._call(
+                "POST",
+                res.path(obj["metadata"]["namespace"]),
+                query=[("fieldManager", FIELD_MANAGER)],
+                body=obj,
+            )
+        except ApiError as exc:
+            if exc.status == 409:
+                return None
+            raise
+
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
         """The object, or None if it does not exist."""
         try:
@@ -159,6 +176,25 @@ class Kube:
             body=body,
             content_type="application/merge-patch+json",
         )
+
+    def peering_exists(self, name: str, namespace: str | None) -> bool:
+        """Whether kopf's peering object exists (False also without its CRD).
+
+        A ClusterKopfPeering for ``namespace`` None, else a KopfPeering in ``namespace``.
+        """
+        base = "/apis/kopf.dev/v1"
+        path = (
+            f"{base}/clusterkopfpeerings/{name}"
+            if namespace is None
+            else f"{base}/namespaces/{namespace}/kopfpeerings/{name}"
+        )
+        try:
+            self._call("GET", path)
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     def has_api(self, group_version: str, plural: str) -> bool:
         """Whether the cluster serves ``plural`` in ``group_version`` (e.g. CRD installed)."""

@@ -4,12 +4,19 @@
 resource from the API server (a timer's body may be older than the status the
 previous reconcile wrote), observes the children, fetches the analysis only
 when the state machine says a step is due, lets :func:`.rollout.next_step`
-decide, server-side-applies the desired children, then writes the status
+decide, server-side-applies the desired children, creates the prewarm Job
+(once per revision, with the ready canary pods' addresses; never re-applied:
+a Job's template is immutable), nudges the live router pods after a router
+config change (an annotation patch, so the kubelet refreshes the ConfigMap
+volume now rather than on its next periodic sync), then writes the status
 (guarded by the resource's resourceVersion) and clears one-shot annotations.
 
 Invariants: calls for one resource never overlap (a lock per uid); the status
 is written after the children, so a crash in between repeats the same
-(idempotent) applies on the next tick rather than skipping them.
+(idempotent) applies on the next tick rather than skipping them. Two operator
+replicas never both act for long (kopf peering pauses all but one), and even
+then the resourceVersion guard lets only one of two overlapping decisions be
+written.
 """
 
 from __future__ import annotations
@@ -26,15 +33,18 @@ from typing import Any
 
 from dscache_operator import KIND
 from dscache_operator.analysis import PrometheusClient, analyse
-from dscache_operator.conditions import set_condition
+from dscache_operator.conditions import parse_time, set_condition
 from dscache_operator.desired import (
+    ROUTER_CONFIG_HASH,
     SLOT,
     TEMPLATE_HASH,
     TRACK,
     Owner,
     children,
     pod_address,
+    prewarm_job,
     prewarm_job_name,
+    router_config_hash,
     selector_labels,
     track_of,
 )
@@ -139,6 +149,7 @@ class Reconciler:
         self._locks_guard = threading.Lock()
         self._monitoring: tuple[float, bool] | None = None
         self._applied: dict[tuple[str, str, str], tuple[str, float]] = {}
+        self._router_pods_at: dict[str, str] = {}  # uid -> config hash the router pods carry
 
     def _lock(self, uid: str) -> threading.Lock:
         with self._locks_guard:
@@ -171,21 +182,25 @@ class Reconciler:
         now = self.clock()
         observed = self._observe(owner, spec, status, meta)
         if analysis_due(status, observed, now):
-            observed = replace(observed, verdict=self._analyse(owner, spec, status))
+            observed = replace(observed, verdict=self._analyse(owner, spec, status, now))
         decision = next_step(status, observed, now)
         new = decision.status
         stable = self._addresses(owner, new, new.stable_slot)
         canary = self._addresses(owner, new, new.canary_slot)
-        for child in children(
-            owner,
-            spec,
-            new,
-            stable,
-            canary,
-            prewarm=new.phase == "Prewarming" and observed.prewarm_enabled,
-            monitoring=self._monitoring_available(),
-        ):
+        objs = children(owner, spec, new, stable, canary, monitoring=self._monitoring_available())
+        for child in objs:
             self._apply(child)
+        if (
+            new.phase == "Prewarming"
+            and observed.prewarm_enabled
+            and observed.prewarm == "absent"
+            and new.canary_revision == status.canary_revision
+        ):
+            job = prewarm_job(owner, spec, new, canary)
+            if job is not None:
+                self._create(job)
+        configmap = next(o for o in objs if o["kind"] == "ConfigMap")
+        self._nudge_router_pods(owner, router_config_hash(configmap))
         for slot, ss in new.slots.items():
             if ss.frozen:  # template left alone; its track label still tells the truth
                 self._label_frozen(owner, slot, track_of(new, slot))
@@ -211,6 +226,37 @@ class Reconciler:
             horizon = now - self.settings.reapply_seconds
             self._applied = {k: v for k, v in self._applied.items() if v[1] > horizon}
         self._applied[key] = (digest, now)
+
+    def _create(self, obj: Obj) -> None:
+        meta = obj["metadata"]
+        if self.kube.create(obj) is None:
+            log.info("%s %s/%s exists already", obj["kind"], meta["namespace"], meta["name"])
+        else:
+            log.info("created %s %s/%s", obj["kind"], meta["namespace"], meta["name"])
+
+    def _nudge_router_pods(self, owner: Owner, digest: str) -> None:
+        # The kubelet refreshes a ConfigMap volume on its periodic sync (a minute
+        # or more) but syncs a pod at once when the pod changes: annotate the live
+        # router pods (never the template, which would restart them) with the
+        # config's hash; NGINX's own watcher then reloads within a second.
+        if self._router_pods_at.get(owner.uid) == digest:
+            return
+        pods = self.kube.list("Pod", owner.namespace, selector_labels(owner, "router"))
+        patch = {"metadata": {"annotations": {ROUTER_CONFIG_HASH: digest}}}
+        for pod in pods:
+            meta = pod["metadata"]
+            if meta.get("deletionTimestamp"):
+                continue
+            if (meta.get("annotations") or {}).get(ROUTER_CONFIG_HASH) == digest:
+                continue
+            try:
+                self.kube.merge_patch("Pod", owner.namespace, meta["name"], patch)
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
+        if len(self._router_pods_at) > 10000:  # deleted resources' entries
+            self._router_pods_at.clear()
+        self._router_pods_at[owner.uid] = digest
 
     def _label_frozen(self, owner: Owner, slot: str, track: str) -> None:
         name = f"{owner.name}-{slot}"
@@ -266,9 +312,11 @@ class Reconciler:
         owner: Owner,
         spec: DeepSeekCacheDeploymentSpec,
         status: DeepSeekCacheDeploymentStatus,
+        now: datetime,
     ) -> Any:
         url = spec.rollout.analysis.prometheus_url or self.settings.prometheus_url
         client = PrometheusClient(url, self.settings.prometheus_timeout_seconds) if url else None
+        started = parse_time(status.step_started_at) if status.step_started_at else now
         verdict = analyse(
             client,
             spec.rollout.analysis,
@@ -276,6 +324,7 @@ class Reconciler:
             canary=status.canary_revision or "",
             stable=status.stable_revision or "",
             window_s=spec.interval_s,
+            since_step_s=max(spec.interval_s, (now - started).total_seconds()),
         )
         self.metrics.analyses.labels(result=verdict.result).inc()
         log.info(

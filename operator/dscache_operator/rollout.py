@@ -8,7 +8,9 @@ turns: one is stable, the other receives the next revision. A rollout goes
 with ``weight`` = ``steps[i]`` percent of sessions on the canary during step i
 (blue-green: one step of 100). Each step lasts ``interval``; then the analysis
 verdict decides: Pass -> next step (after the last: promote), Fail -> abort,
-NoData -> hold (phase Paused) until data comes; never promote blind. On
+NoData -> hold (phase Paused) until data comes; never promote blind. The
+verdict (with the canary's and the stable track's figures it compared) is
+recorded in ``status.lastAnalysis``. On
 promotion the canary becomes stable and the old track stays warm until
 ``retireAt`` (rollbackWindow), when it is scaled to zero. An abort sets weight
 0, marks the revision rolled back (not retried until the spec changes) and
@@ -98,6 +100,7 @@ class Verdict:
     hit_rate: float | None = None
     ttft_p99_seconds: float | None = None
     stable_ttft_p99_seconds: float | None = None
+    stable_hit_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -251,6 +254,7 @@ class _Work:
             weight=self.s["weight"],
             result=v.result,
             hit_rate=v.hit_rate,
+            stable_hit_rate=v.stable_hit_rate,
             ttft_p99_seconds=v.ttft_p99_seconds,
             stable_ttft_p99_seconds=v.stable_ttft_p99_seconds,
             message=v.message,

@@ -2,11 +2,15 @@
 
 Command-line flags of ``dscache operator`` override the environment, which
 overrides the defaults. The long prefix cannot collide with the
-``<SERVICE>_PORT`` variables Kubernetes injects into pods.
+``<SERVICE>_PORT`` variables Kubernetes injects into pods. :func:`peering_priority`
+is the one derived value: a replica's kopf peering priority, higher for an
+older process.
 """
 
 from __future__ import annotations
 
+import random
+import time
 from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
@@ -50,6 +54,21 @@ class OperatorSettings(BaseSettings):
     max_workers: int = Field(
         default=4, ge=1, le=64, description="threads running handlers (resources in parallel)"
     )
+    peering: str = Field(
+        default="",
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?)?$",
+        max_length=253,
+        description="kopf peering object (ClusterKopfPeering with all namespaces, else a "
+        "KopfPeering in each watched namespace) shared by the operator's replicas: exactly "
+        "one acts, the others stand by; empty = standalone (one process, e.g. from a shell)",
+    )
+    peering_lifetime_seconds: int = Field(
+        default=30,
+        ge=2,
+        le=3600,
+        description="seconds a replica's peering record counts as alive without a keep-alive: "
+        "how long a standby waits before taking over from a replica that died without saying so",
+    )
 
     @field_validator("namespaces", mode="before")
     @classmethod
@@ -65,6 +84,35 @@ class OperatorSettings(BaseSettings):
         return self
 
     @property
+    def standalone(self) -> bool:
+        """No peering: this process acts alone."""
+        return not self.peering
+
+    @property
     def clusterwide(self) -> bool:
         """Watch every namespace."""
         return self.all_namespaces or not self.namespaces
+
+
+#: Priorities are ``(_EPOCH_END - start second) * _TIEBREAK + random``: positive
+#: until the year 2128, and below 2**53, so JSON carries them exactly.
+_EPOCH_END = 5 * 10**9
+_TIEBREAK = 10**6
+
+
+def peering_priority(started_at: float | None = None, tiebreak: int | None = None) -> int:
+    """This process's kopf peering priority: the older the process, the higher.
+
+    kopf pauses every peer that sees a live peer of a higher priority, and every
+    peer of an equal one, so replicas need distinct priorities. Ranking by start
+    time keeps the active replica active while others start (a rolling update
+    or a scale-up never moves the work to a newcomer); the random low digits
+    break ties between replicas started within the same second.
+
+    Args:
+        started_at: the start time (Unix seconds); default now.
+        tiebreak: the low digits (0 <= x < 10**6); default random.
+    """
+    started = time.time() if started_at is None else started_at
+    low = random.randrange(_TIEBREAK) if tiebreak is None else tiebreak
+    return (_EPOCH_END - int(started)) * _TIEBREAK + low

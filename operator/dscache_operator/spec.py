@@ -22,8 +22,10 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
+
+from dscache.router import DEBIAN_LUA_MODULES
 
 DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
@@ -72,8 +74,14 @@ class ImageSpec(_Model):
         return f"{self.repository}{sep}{self.tag}"
 
 
+#: The model server image (torch; also holds everything the core image does).
 DEFAULT_IMAGE = ImageSpec(repository="ghcr.io/dscache/dscache", tag="0.1.0")
-DEFAULT_ROUTER_IMAGE = ImageSpec(repository="openresty/openresty", tag="1.27.1.2-alpine")
+#: The slim image without torch: sidecar, operator, prewarm.
+DEFAULT_CORE_IMAGE = ImageSpec(repository="ghcr.io/dscache/dscache-core", tag="0.1.0")
+#: Debian's NGINX with the ndk and Lua modules (loaded from DEBIAN_LUA_MODULES).
+DEFAULT_ROUTER_IMAGE = ImageSpec(repository="ghcr.io/dscache/dscache-router", tag="0.1.0")
+#: ``load_module`` paths of the default router image (Debian's libnginx-mod-http-{ndk,lua}).
+DEFAULT_ROUTER_MODULES: tuple[str, ...] = DEBIAN_LUA_MODULES
 
 
 class ResourcesSpec(_Model):
@@ -135,8 +143,10 @@ class ServerSpec(_Model):
 class SidecarSpec(_Model):
     """The KV-cache sidecar container (``dscache sidecar``)."""
 
-    image: ImageSpec | None = Field(
-        default=None, description="Sidecar image; defaults to the model server's image."
+    image: ImageSpec = Field(
+        default=DEFAULT_CORE_IMAGE,
+        description="Sidecar image; the slim core image (no torch) by default, so the KV store "
+        "does not change with the model server's image.",
     )
     metrics_port: int = Field(default=9102, ge=1, le=65535, description="Port of /metrics.")
     resources: ResourcesSpec = Field(
@@ -214,7 +224,17 @@ class RoutingSpec(_Model):
     replicas: int = Field(default=2, ge=0, le=100, description="Router pods.")
     image: ImageSpec = Field(
         default=DEFAULT_ROUTER_IMAGE,
-        description="NGINX image with the Lua module (OpenResty) when promptKey is lua.",
+        description="NGINX image with the Lua module (the router reloads itself with Lua, and "
+        "promptKey lua needs it too); its entrypoint must be nginx.",
+    )
+    load_modules: Annotated[
+        list[Annotated[str, Field(pattern=r"^/[A-Za-z0-9_./-]+$", max_length=1024)]],
+        Field(max_length=16),
+    ] = Field(
+        default_factory=lambda: list(DEFAULT_ROUTER_MODULES),
+        description="load_module paths of the router image's dynamic modules (NDK and Lua for "
+        "the default image); [] for an image with Lua built in, e.g. OpenResty.",
+        json_schema_extra={"default": list(DEFAULT_ROUTER_MODULES)},
     )
     port: int = Field(default=80, ge=1, le=65535, description="Port of the router Service.")
     resources: ResourcesSpec = Field(
@@ -237,6 +257,10 @@ class PrewarmSpec(_Model):
     """Prewarming a new revision's cache before it takes traffic."""
 
     enabled: bool = Field(default=True, description="Run a prewarm Job for every new revision.")
+    image: ImageSpec = Field(
+        default=DEFAULT_CORE_IMAGE,
+        description="Image of the prewarm Job (runs `dscache prewarm`; the slim core image).",
+    )
     prompts: ConfigMapKeyRef | None = Field(
         default=None,
         description="Prompts to replay (JSONL of chats, hottest first); no prompts, no Job.",
@@ -261,8 +285,18 @@ class AnalysisSpec(_Model):
         description="Prometheus base URL; defaults to the operator's "
         "DSCACHE_OPERATOR_PROMETHEUS_URL.",
     )
-    min_hit_rate: float = Field(
-        default=0.85, ge=0.0, le=1.0, description="Canary's token hit rate must be at least this."
+    min_hit_rate_ratio: float = Field(
+        default=0.95,
+        ge=0.0,
+        le=10.0,
+        description="Canary's token hit rate must be at least the stable track's hit rate over "
+        "the same window times this.",
+    )
+    min_hit_rate: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="Optional absolute floor on the canary's token hit rate (unset: none).",
     )
     max_ttft_p99_ratio: float = Field(
         default=1.2,
@@ -355,7 +389,9 @@ class MonitoringSpec(_Model):
 
     service_monitor: bool = Field(default=True, description="Create a ServiceMonitor.")
     prometheus_rule: bool = Field(
-        default=True, description="Create a PrometheusRule (hit rate < minHitRate for 10m)."
+        default=True,
+        description="Create a PrometheusRule: hit rate under minHitRate for 10m, or, without "
+        "minHitRate, under minHitRateRatio times its own level of the hour before.",
     )
 
 
@@ -415,6 +451,19 @@ class RevisionSource(_Model):
     sidecar: SidecarSpec
     cache: CacheSpec
     tenant_salt: TenantSaltSpec
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_before_the_core_image(cls, data: Any) -> Any:
+        # Sources stored by an older operator carry sidecar.image null, which meant
+        # "the server's image": keep it so, so such a track's template is unchanged.
+        if isinstance(data, dict):
+            sidecar = data.get("sidecar")
+            if isinstance(sidecar, dict) and "image" in sidecar and sidecar["image"] is None:
+                server = data.get("server") or {}
+                image = server.get("image") or DEFAULT_IMAGE.model_dump(by_alias=True)
+                data = {**data, "sidecar": {**sidecar, "image": image}}
+        return data
 
 
 def revision_of(source: RevisionSource) -> str:
@@ -499,6 +548,9 @@ class AnalysisResult(_Model):
     weight: int = Field(description="Canary weight analysed, percent.")
     result: Literal["Pass", "Fail", "NoData", "Skipped"] = Field(description="Verdict.")
     hit_rate: float | None = Field(default=None, description="Canary token hit rate.")
+    stable_hit_rate: float | None = Field(
+        default=None, description="Stable token hit rate the canary was compared with."
+    )
     ttft_p99_seconds: float | None = Field(default=None, description="Canary P99 TTFT.")
     stable_ttft_p99_seconds: float | None = Field(default=None, description="Stable P99 TTFT.")
     message: str = Field(default="", description="Why.")

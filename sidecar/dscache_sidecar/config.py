@@ -125,6 +125,9 @@ class SidecarSettings(BaseSettings):
         default=65536, description="longest chain a request may carry"
     )
     grpc_workers: int = Field(default=8, description="gRPC server worker threads")
+    readyz_timeout_s: float = Field(
+        default=2.0, gt=0, description="seconds the /readyz health RPC over the socket may take"
+    )
     stream_chunk_bytes: int = Field(
         default=1024**2, description="chunk size of streaming Get, bytes"
     )

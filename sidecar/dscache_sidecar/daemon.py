@@ -8,7 +8,9 @@ Contract:
       unexpected errors become INTERNAL and are logged.
     * SIGTERM/SIGINT stop it gracefully: in-flight calls finish (up to a grace
       period), the index gets its last access statistics, files are closed.
-    * Metrics are served over HTTP at ``/metrics`` (prometheus_client).
+    * Metrics are served over HTTP at ``/metrics`` (prometheus_client), and the
+      health service's verdict at ``/healthz`` and ``/readyz`` on the same port
+      (:mod:`dscache_sidecar.probes`), for kubelet HTTP probes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import start_http_server
 
 from dscache.v1 import kvcache_pb2 as pb
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -36,6 +37,7 @@ from dscache_sidecar.codec import Codec
 from dscache_sidecar.config import SidecarSettings, settings_from_args
 from dscache_sidecar.index import BlockRecord
 from dscache_sidecar.metrics import SidecarMetrics
+from dscache_sidecar.probes import ProbeServer, SocketHealthCheck, make_app, servicer_status
 from dscache_sidecar.store import BlockSpec, KVStore, StoreFullError
 
 log = logging.getLogger(__name__)
@@ -339,6 +341,8 @@ class RunningSidecar:
     socket_path: str
     tcp_port: int | None
     metrics_port: int | None
+    http: ProbeServer | None = None
+    socket_check: SocketHealthCheck | None = None
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stops serving (in-flight calls get ``grace_s``), then closes the store."""
@@ -347,6 +351,10 @@ class RunningSidecar:
         self.store.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
+        if self.socket_check is not None:
+            self.socket_check.close()
+        if self.http is not None:
+            self.http.close()
 
 
 def create_server(
@@ -381,21 +389,29 @@ def create_server(
         tcp_port = server.add_insecure_port(settings.tcp)
     server.start()
     os.chmod(sock, 0o600)
-    metrics_port: int | None = None
-    if settings.metrics_port is not None:
-        http, _thread = start_http_server(
-            settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry
-        )
-        metrics_port = int(http.server_port)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    metrics_port: int | None = None
+    http: ProbeServer | None = None
+    socket_check: SocketHealthCheck | None = None
+    if settings.metrics_port is not None:
+        socket_check = SocketHealthCheck(sock, SERVICE_NAME, timeout_s=settings.readyz_timeout_s)
+        app = make_app(
+            metrics.registry,
+            live=lambda: servicer_status(health_servicer, SERVICE_NAME),
+            ready=socket_check,
+        )
+        http = ProbeServer(settings.metrics_host, settings.metrics_port, app)
+        metrics_port = http.port
     log.info(
         "sidecar serving on unix:%s%s, metrics on %s",
         sock,
         f" and {settings.tcp} (port {tcp_port})" if tcp_port else "",
         f"{settings.metrics_host}:{metrics_port}" if metrics_port else "off",
     )
-    return RunningSidecar(server, store, metrics, health_servicer, sock, tcp_port, metrics_port)
+    return RunningSidecar(
+        server, store, metrics, health_servicer, sock, tcp_port, metrics_port, http, socket_check
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ class Figures:
 
     hit_rate: float
     ttft_s: float
+    traffic: float = 1.0  # share of the nominal request rate; 0 = idle (counters stop)
 
 
 @dataclass
@@ -81,10 +82,10 @@ class FakeServerMetrics:
         for s in self._series.values():
             dt = now - s.last
             s.last = now
-            tokens = TOKENS_PER_S * dt
+            tokens = TOKENS_PER_S * dt * s.figures.traffic
             s.hits += tokens * s.figures.hit_rate
             s.misses += tokens * (1.0 - s.figures.hit_rate)
-            n = REQUESTS_PER_S * dt
+            n = REQUESTS_PER_S * dt * s.figures.traffic
             s.requests += n
             s.ttft_sum += n * s.figures.ttft_s
             s.buckets = tuple(

@@ -1,7 +1,9 @@
 """Fixtures of the operator's cluster tests: the chart, a real operator, a real Prometheus.
 
-* ``chart``: ``helm upgrade --install`` of charts/dscache (CRD, RBAC, the
-  operator Deployment, which KWOK runs as a pod without a process).
+* ``chart``: ``helm upgrade --install`` of charts/dscache (CRDs, RBAC, the
+  peering object, the operator Deployment scaled to zero: the operator under
+  test is the local process below, and an in-cluster replica on a real node
+  would act on the same resources).
 * ``operator``: the real ``dscache operator --all-namespaces`` as a local
   process against the dev cluster (a 1 s tick), restartable and killable.
 * ``prometheus``: Debian's ``prometheus`` binary on a loopback port, scraping a
@@ -36,6 +38,8 @@ def chart(dev_cluster: DevCluster) -> str:
         "--namespace",
         CHART_NS,
         "--create-namespace",
+        "--set",
+        "operator.replicas=0",
         "--wait",
         "--timeout",
         "120s",

@@ -1,4 +1,5 @@
-"""The operator's cluster-test harness: a real Prometheus and the real operator as processes.
+"""The operator's cluster-test harness: a real Prometheus, the real operator as processes,
+and the helpers the cluster tests share to create resources and wait on their status.
 
 Kept out of conftest.py so the tests can import the types.
 """
@@ -14,12 +15,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
-from fakes.server_metrics import FakeServerMetrics
+import yaml
+from fakes.server_metrics import FakeServerMetrics, Figures
 
-from dscache.devcluster import DevCluster
+from dscache.devcluster import DevCluster, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,7 +101,11 @@ class PrometheusProcess:
 
 
 class OperatorProcess:
-    """``dscache operator`` as a child process; ``restart()`` and ``kill()`` for the tests."""
+    """``dscache operator`` as a child process; ``restart()`` and ``kill()`` for the tests.
+
+    ``peering`` runs it as one replica of a peered set (``--peering NAME``);
+    ``metrics=True`` serves its ``/metrics`` on a free port (:meth:`reconciles`).
+    """
 
     def __init__(
         self,
@@ -105,21 +113,31 @@ class OperatorProcess:
         workdir: Path,
         prometheus_url: str,
         kubeconfig: Path | None = None,
+        *,
+        name: str = "operator",
+        peering: str | None = None,
+        metrics: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.cluster = cluster
         self.kubeconfig = kubeconfig
         self.workdir = workdir
         self.prometheus_url = prometheus_url
+        self.name = name
+        self.peering = peering
+        self.metrics_port = _free_port() if metrics else 0
+        self.extra_env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.start()
 
     @property
     def log(self) -> Path:
-        return self.workdir / f"operator-{self.starts}.log"
+        return self.workdir / f"{self.name}-{self.starts}.log"
 
     def start(self) -> None:
         env = self.cluster.env()
+        env.update(self.extra_env)
         if self.kubeconfig is not None:
             env["KUBECONFIG"] = str(self.kubeconfig)
         paths = [str(ROOT / "operator"), str(ROOT / "sidecar"), str(ROOT)]
@@ -140,7 +158,8 @@ class OperatorProcess:
                     "--health-port",
                     "0",
                     "--metrics-port",
-                    "0",
+                    str(self.metrics_port),
+                    *(["--peering", self.peering] if self.peering else []),
                 ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -166,3 +185,126 @@ class OperatorProcess:
 
     def tail(self) -> str:
         return self.log.read_text()[-4000:] if self.log.exists() else ""
+
+    def reconciles(self) -> float:
+        """``dscache_operator_reconciles_total`` over every result (0 before the first)."""
+        assert self.metrics_port, "started without metrics=True"
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            return 0.0  # not serving yet
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("dscache_operator_reconciles_total{")
+        )
+
+
+# ----------------------------------------------------------------------------- resources
+
+GOOD = Figures(hit_rate=0.95, ttft_s=0.2)
+BAD = Figures(hit_rate=0.40, ttft_s=0.2)
+STABLE = Figures(hit_rate=0.90, ttft_s=0.2)
+
+
+def get(c: DevCluster, ns: str, name: str) -> dict[str, Any]:
+    out: dict[str, Any] = c.kubectl_json("get", "dscd", name, "-n", ns)
+    return out
+
+
+def status(c: DevCluster, ns: str, name: str) -> dict[str, Any]:
+    return get(c, ns, name).get("status") or {}
+
+
+def condition(st: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((x for x in st.get("conditions", []) if x["type"] == type_), {})
+
+
+def wait_for(
+    c: DevCluster,
+    ns: str,
+    name: str,
+    what: str,
+    ok: Callable[[dict[str, Any]], bool],
+    op: OperatorProcess,
+    timeout: float = 90.0,
+) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        st = status(c, ns, name)
+        return st if ok(st) else None
+
+    try:
+        return wait_until(what, probe, timeout, 0.3)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\noperator log:\n{op.tail()}") from exc
+
+
+def events(c: DevCluster, ns: str, name: str) -> list[str]:
+    out = c.kubectl_json(
+        "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}"
+    )
+    items = sorted(
+        out["items"], key=lambda e: e.get("lastTimestamp") or e["metadata"]["creationTimestamp"]
+    )
+    return [e["reason"] for e in items]
+
+
+def apply(c: DevCluster, ns: str, docs: list[dict[str, Any]]) -> None:
+    c.kubectl("apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump_all(docs))
+
+
+def spec_doc(name: str, prom: PrometheusProcess, **rollout: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "dscache.io/v1alpha1",
+        "kind": "DeepSeekCacheDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"preset": "tiny-gqa", "revision": "1"},
+            "replicas": 2,
+            "routing": {"replicas": 1},
+            "rollout": {
+                "interval": "5s",
+                "rollbackWindow": "10m",
+                "analysis": {"prometheusUrl": prom.url},
+                **rollout,
+            },
+        },
+    }
+
+
+def set_revision(c: DevCluster, ns: str, name: str, revision: str) -> None:
+    patch = json.dumps({"spec": {"model": {"revision": revision}}})
+    c.kubectl("patch", "dscd", name, "-n", ns, "--type", "merge", "-p", patch)
+
+
+def available(c: DevCluster, ns: str, name: str, op: OperatorProcess) -> dict[str, Any]:
+    return wait_for(c, ns, name, "Available", lambda s: s.get("phase") == "Available", op)
+
+
+def start_rollout(
+    c: DevCluster,
+    ns: str,
+    name: str,
+    op: OperatorProcess,
+    metrics: FakeServerMetrics,
+    revision: str,
+    figures: Figures | None = GOOD,
+) -> tuple[str, str]:
+    """Patches the model revision; returns (stable, canary) revision hashes."""
+    stable = status(c, ns, name)["stableRevision"]
+    metrics.set(ns, stable, STABLE)
+    set_revision(c, ns, name, revision)
+    st = wait_for(
+        c, ns, name, "canary", lambda s: s.get("canaryRevision") not in (None, stable), op
+    )
+    if figures is not None:
+        metrics.set(ns, st["canaryRevision"], figures)
+    return stable, st["canaryRevision"]
+
+
+def router_conf(c: DevCluster, ns: str, name: str) -> str:
+    cm = c.kubectl_json("get", "configmap", f"{name}-router", "-n", ns)
+    text: str = cm["data"]["nginx.conf"]
+    return text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dscache_operator.analysis import Figures, PrometheusClient, analyse, judge, queries
@@ -13,45 +14,116 @@ from fakes.server_metrics import FakeServerMetrics
 from fakes.server_metrics import Figures as Served
 from operator_harness import PrometheusProcess
 
+from dscache.devcluster import wait_until
+
 SPEC = AnalysisSpec()
 
 
+def F(
+    hit: float | None,
+    stable_hit: float | None,
+    p99: float | None = 0.30,
+    stable_p99: float | None = 0.30,
+    *,
+    stable_hit_before: float | None = None,
+    stable_p99_before: float | None = None,
+) -> Figures:
+    return Figures(
+        hit_rate=hit,
+        ttft_p99_seconds=p99,
+        stable_hit_rate=stable_hit,
+        stable_ttft_p99_seconds=stable_p99,
+        stable_hit_rate_before=stable_hit_before,
+        stable_ttft_p99_seconds_before=stable_p99_before,
+    )
+
+
+FLOOR = AnalysisSpec(min_hit_rate=0.5)
+
+
 @pytest.mark.parametrize(
-    ("figures", "result", "words"),
+    ("spec", "figures", "result", "words", "stable_used"),
     [
-        (Figures(0.90, 0.30, 0.30), "Pass", "<= 0.360s"),
-        (Figures(0.84, 0.30, 0.30), "Fail", "hit rate below 0.85"),
-        (Figures(0.90, 0.50, 0.30), "Fail", "> stable 0.300s x 1.2"),
-        (Figures(0.90, 0.50, None), "Pass", "ratio not checked"),
-        (Figures(None, 0.30, 0.30), "NoData", "hit rate"),
-        (Figures(0.90, None, 0.30), "NoData", "P99 TTFT"),
+        # Like with like: a naturally low hit rate passes when stable's is as low.
+        (SPEC, F(0.40, 0.41), "Pass", "stable 0.410 x 0.95 = 0.389", 0.41),
+        (SPEC, F(0.90, 0.92), "Pass", "P99 TTFT 0.300s", 0.92),
+        (SPEC, F(0.84, 0.92), "Fail", "hit rate below stable's 0.920 x 0.95", 0.92),
+        (SPEC, F(0.30, 0.41), "Fail", "hit rate below stable's 0.410", 0.41),
+        # The old absolute default (0.85) no longer blocks low-hit-rate traffic.
+        (SPEC, F(0.60, 0.62), "Pass", "hit rate 0.600", 0.62),
+        # An optional floor is checked as well.
+        (FLOOR, F(0.45, 0.46), "Fail", "hit rate below the floor 0.5", 0.46),
+        (FLOOR, F(0.55, 0.56), "Pass", "floor 0.5", 0.56),
+        # Stable had no traffic in the window (blue-green at 100%): the window
+        # before the step stands in, and the message says so.
+        (SPEC, F(0.80, None, stable_hit_before=0.82), "Pass", "from before the step", 0.82),
+        (SPEC, F(0.60, None, stable_hit_before=0.82), "Fail", "from before the step", 0.82),
+        # The window's own figure wins over the earlier one.
+        (SPEC, F(0.80, 0.81, stable_hit_before=0.99), "Pass", "stable 0.810", 0.81),
+        # No stable figure at all: NoData (never promote blind) ...
+        (SPEC, F(0.99, None), "NoData", "no stable hit rate to compare", None),
+        # ... unless a floor can judge the canary alone.
+        (FLOOR, F(0.99, None), "Pass", "no stable hit rate, ratio not checked", None),
+        (FLOOR, F(0.40, None), "Fail", "below the floor 0.5", None),
+        # No canary figure: NoData.
+        (SPEC, F(None, 0.90), "NoData", "no canary data for hit rate", 0.90),
+        (SPEC, F(0.90, 0.90, p99=None), "NoData", "P99 TTFT", 0.90),
+        # TTFT: ratio to stable's P99, the same fallback, and the optional ceiling.
+        (SPEC, F(0.90, 0.90, 0.50, 0.30), "Fail", "P99 TTFT > stable 0.300s x 1.2", 0.90),
+        (SPEC, F(0.90, 0.90, 0.35, 0.30), "Pass", "stable 0.300s x 1.2 = 0.360s", 0.90),
+        (SPEC, F(0.90, 0.90, 0.50, None), "Pass", "no stable TTFT data, ratio not checked", 0.90),
+        (
+            SPEC,
+            F(0.90, None, 0.50, None, stable_hit_before=0.9, stable_p99_before=0.3),
+            "Fail",
+            "P99 TTFT > stable 0.300s",
+            0.90,
+        ),
     ],
 )
-def test_verdicts(figures: Figures, result: str, words: str) -> None:
-    v = judge(SPEC, figures)
-    assert v.result == result and words in v.message
+def test_verdicts(
+    spec: AnalysisSpec, figures: Figures, result: str, words: str, stable_used: float | None
+) -> None:
+    v = judge(spec, figures)
+    assert v.result == result, v.message
+    assert words in v.message, v.message
     assert v.hit_rate == figures.hit_rate
+    assert v.stable_hit_rate == stable_used
 
 
 def test_absolute_ttft_ceiling() -> None:
-    v = judge(AnalysisSpec(max_ttft_p99_seconds=0.25), Figures(0.9, 0.3, 0.3))
+    v = judge(AnalysisSpec(max_ttft_p99_seconds=0.25), F(0.9, 0.9, 0.3, 0.3))
     assert v.result == "Fail" and "above 0.25s" in v.message
 
 
-def test_queries_select_namespace_and_revision() -> None:
-    q = queries(SPEC, namespace="prod", canary="bbb", stable="aaa", window_s=120)
+def test_queries_compare_the_same_window_and_the_window_before_the_step() -> None:
+    q = queries(SPEC, namespace="prod", canary="bbb", stable="aaa", window_s=120, since_step_s=150)
     assert 'namespace="prod",dscache_io_revision="bbb"' in q["hit_rate"]
-    assert "[120s]" in q["hit_rate"] and 'level="token"' in q["hit_rate"]
+    assert "[120s]))" in q["hit_rate"] and 'level="token"' in q["hit_rate"]
+    assert 'dscache_io_revision="aaa"' in q["stable_hit_rate"]
+    assert "[120s]))" in q["stable_hit_rate"] and "offset" not in q["stable_hit_rate"]
     assert 'dscache_io_revision="aaa"' in q["stable_ttft_p99_seconds"]
+    # Same length, ending when the step began.
+    assert "[120s] offset 150s))" in q["stable_hit_rate_before"]
+    assert "[120s] offset 150s)))" in q["stable_ttft_p99_seconds_before"]
+    assert "offset" not in q["hit_rate"] + q["ttft_p99_seconds"]
 
 
 def test_no_prometheus_or_a_dead_one_is_no_data() -> None:
-    assert analyse(None, SPEC, namespace="n", canary="b", stable="a", window_s=5).result == "NoData"
+    assert (
+        analyse(
+            None, SPEC, namespace="n", canary="b", stable="a", window_s=5, since_step_s=5
+        ).result
+        == "NoData"
+    )
     dead = PrometheusClient("http://127.0.0.1:9", timeout_s=1)
-    v = analyse(dead, SPEC, namespace="n", canary="b", stable="a", window_s=5)
+    v = analyse(dead, SPEC, namespace="n", canary="b", stable="a", window_s=5, since_step_s=5)
     assert v.result == "NoData" and "unavailable" in v.message
     off = AnalysisSpec(enabled=False)
-    assert analyse(None, off, namespace="n", canary="b", stable="a", window_s=5).result == "Skipped"
+    assert (
+        analyse(None, off, namespace="n", canary="b", stable="a", window_s=5, since_step_s=5).result
+        == "Skipped"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,18 +144,86 @@ def test_real_prometheus_figures_and_verdicts(prom: PrometheusProcess) -> None:
     time.sleep(4.5)  # a few scrapes at 1 s
 
     def verdict(canary: str) -> tuple[str, str]:
-        v = analyse(client, SPEC, namespace="ns1", canary=canary, stable="stable1", window_s=4)
+        v = analyse(
+            client,
+            SPEC,
+            namespace="ns1",
+            canary=canary,
+            stable="stable1",
+            window_s=4,
+            since_step_s=4,
+        )
         return v.result, v.message
 
     result, message = verdict("good")
     assert result == "Pass", message
-    v = analyse(client, SPEC, namespace="ns1", canary="good", stable="stable1", window_s=4)
+    v = analyse(
+        client, SPEC, namespace="ns1", canary="good", stable="stable1", window_s=4, since_step_s=4
+    )
     assert v.hit_rate == pytest.approx(0.95, abs=0.01)
     assert v.ttft_p99_seconds is not None and 0.1 < v.ttft_p99_seconds <= 0.25
     assert verdict("slow")[0] == "Fail"
     assert verdict("cold")[0] == "Fail"
     assert verdict("absent")[0] == "NoData"
     assert (
-        analyse(client, SPEC, namespace="other", canary="good", stable="stable1", window_s=4).result
+        analyse(
+            client,
+            SPEC,
+            namespace="other",
+            canary="good",
+            stable="stable1",
+            window_s=4,
+            since_step_s=4,
+        ).result
         == "NoData"
     )
+
+
+def test_real_prometheus_blue_green_compares_with_stable_before_the_step(
+    prom: PrometheusProcess,
+) -> None:
+    """Stable idle in the window (all sessions on the canary): its figure from before counts."""
+    client = PrometheusClient(prom.url)
+    prom.metrics.set("ns2", "blue", Served(hit_rate=0.60, ttft_s=0.2))
+    wait_until("stable has a hit rate", lambda: _scalar(client, "ns2", "blue", 4), 30)
+    time.sleep(4)  # a whole window of stable traffic before the switch
+    prom.metrics.set("ns2", "blue", Served(hit_rate=0.60, ttft_s=0.2, traffic=0.0))
+    step_began = time.monotonic()
+    prom.metrics.set("ns2", "warm", Served(hit_rate=0.58, ttft_s=0.2))
+    prom.metrics.set("ns2", "cold", Served(hit_rate=0.30, ttft_s=0.2))
+    wait_until(
+        "stable idle for a whole window",
+        lambda: _scalar(client, "ns2", "blue", 4) is None and _scalar(client, "ns2", "warm", 4),
+        30,
+    )
+
+    def verdict(canary: str) -> Any:
+        return analyse(
+            client,
+            SPEC,
+            namespace="ns2",
+            canary=canary,
+            stable="blue",
+            window_s=4,
+            since_step_s=time.monotonic() - step_began,
+        )
+
+    warm = verdict("warm")
+    # 0.58 would fail the old absolute 0.85 floor; against stable's own 0.60 it passes.
+    assert warm.result == "Pass", warm.message
+    assert warm.stable_hit_rate == pytest.approx(0.60, abs=0.02)
+    assert "from before the step" in warm.message
+    cold = verdict("cold")
+    assert cold.result == "Fail" and "below stable's 0.6" in cold.message, cold.message
+
+
+def _scalar(client: PrometheusClient, ns: str, revision: str, window_s: float) -> float | None:
+    q = queries(
+        SPEC,
+        namespace=ns,
+        canary=revision,
+        stable=revision,
+        window_s=window_s,
+        since_step_s=window_s,
+    )
+    return client.scalar(q["hit_rate"])

@@ -71,10 +71,17 @@ def test_rendered_manifests_are_valid_kubernetes(helm: str, values: str) -> None
     kinds = [d["kind"] for d in docs]
     assert "CustomResourceDefinition" in kinds and "Deployment" in kinds
     for doc in docs:
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        if doc["apiVersion"].startswith(("monitoring.coreos.com/", "kopf.dev/")):
             assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == "dscache"
             continue
         kubernetes_validate.validate(doc, K8S, strict=True)
+    crds = {d["metadata"]["name"] for d in docs if d["kind"] == "CustomResourceDefinition"}
+    assert crds == {
+        "deepseekcachedeployments.dscache.io",
+        "clusterkopfpeerings.kopf.dev",
+        "kopfpeerings.kopf.dev",
+    }
+    _check_operator_deployment(docs, values)
     if values == "monitoring":
         dash = next(d for d in docs if d["kind"] == "ConfigMap")
         assert json.loads(dash["data"]["dscache.json"])["uid"] == "dscache-overview"
@@ -109,6 +116,48 @@ def test_invalid_values_are_rejected_by_the_schema(helm: str) -> None:
         check=False,
     )
     assert done.returncode != 0 and "typo" in done.stderr
+
+
+def _rules(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [r for d in docs if d["kind"] == kind for r in d["rules"]]
+
+
+def _check_operator_deployment(docs: list[dict[str, Any]], values: str) -> None:
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    # Two replicas by default, one acting through kopf peering.
+    assert dep["spec"]["replicas"] == 2
+    assert c["args"][-2:] == ["--peering", "dscache"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["DSCACHE_OPERATOR_PEERING_LIFETIME_SECONDS"]["value"] == "30"
+    # As a pod: the ServiceAccount token mounted, the slim image, read-only root, /tmp.
+    assert pod["automountServiceAccountToken"] is True
+    assert c["image"] == "ghcr.io/dscache/dscache-core:0.1.0"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}
+    assert [v["emptyDir"] for v in pod["volumes"] if v["name"] == "tmp"] == [{"sizeLimit": "64Mi"}]
+    peerings = [d for d in docs if d["apiVersion"] == "kopf.dev/v1"]
+    if values == "namespaced":
+        assert sorted((p["kind"], p["metadata"]["namespace"]) for p in peerings) == [
+            ("KopfPeering", "team-a"),
+            ("KopfPeering", "team-b"),
+        ]
+        peering_rules = [r for r in _rules(docs, "Role") if r["apiGroups"] == ["kopf.dev"]]
+        assert {tuple(r["resources"]) for r in peering_rules} == {("kopfpeerings",)}
+        namespaced = _rules(docs, "Role")
+    else:
+        assert [(p["kind"], p["metadata"]["name"]) for p in peerings] == [
+            ("ClusterKopfPeering", "dscache")
+        ]
+        peering_rules = [r for r in _rules(docs, "ClusterRole") if r["apiGroups"] == ["kopf.dev"]]
+        assert [r["resources"] for r in peering_rules] == [["clusterkopfpeerings"]]
+        namespaced = _rules(docs, "ClusterRole")
+    assert all(r["verbs"] == ["get", "list", "watch", "patch"] for r in peering_rules)
+    by_resource = {res: r["verbs"] for r in namespaced for res in r["resources"]}
+    assert "patch" in by_resource["pods"] and "delete" not in by_resource["pods"]
+    assert by_resource["jobs"] == ["get", "list", "watch", "create"]  # created once, never patched
 
 
 def _documented_leaves(values: Any, schema: dict[str, Any], prefix: str = "") -> list[str]:

@@ -9,129 +9,38 @@ model-server metrics endpoint whose figures each test sets.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from fakes.server_metrics import FakeServerMetrics, Figures
-from operator_harness import OperatorProcess, PrometheusProcess
+from fakes.server_metrics import FakeServerMetrics
+from operator_harness import (
+    BAD,
+    GOOD,
+    OperatorProcess,
+    PrometheusProcess,
+    apply,
+    available,
+    condition,
+    events,
+    get,
+    router_conf,
+    spec_doc,
+    start_rollout,
+    status,
+    wait_for,
+)
 
 from dscache.devcluster import DevCluster, ToolError, wait_until
 
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
-GOOD = Figures(hit_rate=0.95, ttft_s=0.2)
-BAD = Figures(hit_rate=0.40, ttft_s=0.2)
-STABLE = Figures(hit_rate=0.90, ttft_s=0.2)
-
-
-def get(c: DevCluster, ns: str, name: str) -> dict[str, Any]:
-    out: dict[str, Any] = c.kubectl_json("get", "dscd", name, "-n", ns)
-    return out
-
-
-def status(c: DevCluster, ns: str, name: str) -> dict[str, Any]:
-    return get(c, ns, name).get("status") or {}
-
-
-def condition(st: dict[str, Any], type_: str) -> dict[str, Any]:
-    return next((x for x in st.get("conditions", []) if x["type"] == type_), {})
-
-
-def wait_for(
-    c: DevCluster,
-    ns: str,
-    name: str,
-    what: str,
-    ok: Callable[[dict[str, Any]], bool],
-    op: OperatorProcess,
-    timeout: float = 90.0,
-) -> dict[str, Any]:
-    def probe() -> dict[str, Any] | None:
-        st = status(c, ns, name)
-        return st if ok(st) else None
-
-    try:
-        return wait_until(what, probe, timeout, 0.3)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}\noperator log:\n{op.tail()}") from exc
-
-
-def events(c: DevCluster, ns: str, name: str) -> list[str]:
-    out = c.kubectl_json(
-        "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}"
-    )
-    items = sorted(
-        out["items"], key=lambda e: e.get("lastTimestamp") or e["metadata"]["creationTimestamp"]
-    )
-    return [e["reason"] for e in items]
-
-
-def apply(c: DevCluster, ns: str, docs: list[dict[str, Any]]) -> None:
-    c.kubectl("apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump_all(docs))
-
-
-def spec_doc(name: str, prom: PrometheusProcess, **rollout: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "dscache.io/v1alpha1",
-        "kind": "DeepSeekCacheDeployment",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"preset": "tiny-gqa", "revision": "1"},
-            "replicas": 2,
-            "routing": {"replicas": 1},
-            "rollout": {
-                "interval": "5s",
-                "rollbackWindow": "10m",
-                "analysis": {"prometheusUrl": prom.url},
-                **rollout,
-            },
-        },
-    }
-
-
-def set_revision(c: DevCluster, ns: str, name: str, revision: str) -> None:
-    patch = json.dumps({"spec": {"model": {"revision": revision}}})
-    c.kubectl("patch", "dscd", name, "-n", ns, "--type", "merge", "-p", patch)
-
-
-def available(c: DevCluster, ns: str, name: str, op: OperatorProcess) -> dict[str, Any]:
-    return wait_for(c, ns, name, "Available", lambda s: s.get("phase") == "Available", op)
-
-
-def start_rollout(
-    c: DevCluster,
-    ns: str,
-    name: str,
-    op: OperatorProcess,
-    metrics: FakeServerMetrics,
-    revision: str,
-    figures: Figures | None = GOOD,
-) -> tuple[str, str]:
-    """Patches the model revision; returns (stable, canary) revision hashes."""
-    stable = status(c, ns, name)["stableRevision"]
-    metrics.set(ns, stable, STABLE)
-    set_revision(c, ns, name, revision)
-    st = wait_for(
-        c, ns, name, "canary", lambda s: s.get("canaryRevision") not in (None, stable), op
-    )
-    if figures is not None:
-        metrics.set(ns, st["canaryRevision"], figures)
-    return stable, st["canaryRevision"]
-
-
-def router_conf(c: DevCluster, ns: str, name: str) -> str:
-    cm = c.kubectl_json("get", "configmap", f"{name}-router", "-n", ns)
-    text: str = cm["data"]["nginx.conf"]
-    return text
-
-
 # ----------------------------------------------------------------------------- chart
 
 
@@ -145,6 +54,10 @@ def test_chart_rbac_is_least_privilege(dev_cluster: DevCluster, chart: str, tmp_
     assert can("patch", "deployments.apps", "-n", "default")
     assert can("patch", "deepseekcachedeployments.dscache.io/status", "-n", "default")
     assert can("create", "jobs.batch", "-n", "default")
+    assert not can("patch", "jobs.batch", "-n", "default")  # the prewarm Job is created once
+    assert can("patch", "pods", "-n", "default")  # the router pods' config-hash annotation
+    assert not can("delete", "pods", "-n", "default")
+    assert can("patch", "clusterkopfpeerings.kopf.dev")
     assert not can("get", "secrets", "-n", "default")
     assert not can("delete", "deployments.apps", "-n", "default")
     assert not can("create", "clusterrolebindings.rbac.authorization.k8s.io")
@@ -279,7 +192,8 @@ def test_examples_create_owned_hardened_children(
     pod = dep["spec"]["template"]["spec"]
     server, sidecar = pod["containers"]
     assert server["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert "grpc_health" in " ".join(sidecar["readinessProbe"]["exec"]["command"])
+    probe = sidecar["readinessProbe"]["httpGet"]
+    assert (probe["path"], probe["port"]) == ("/readyz", "metrics")
     for container in (server, sidecar):
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
         assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
@@ -372,6 +286,48 @@ def test_good_figures_promote_through_every_step(
     assert reasons.count("StepStarted") == 4 and "Prewarmed" in reasons and "Promoted" in reasons
     job = c.kubectl_json("get", "job", f"{name}-prewarm-{canary}", "-n", ns)
     assert job["status"].get("succeeded") == 1
+    # The Job warmed every canary pod (they were all ready when it was created) ...
+    green_pods = c.kubectl_json(
+        "get",
+        "pods",
+        "-n",
+        ns,
+        "-l",
+        f"app.kubernetes.io/instance={name},app.kubernetes.io/component=model,dscache.io/slot=green",
+    )["items"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    targets = set(env["DSCACHE_PREWARM_TARGETS"].split(","))
+    assert targets == {f"http://{p['status']['podIP']}:8000" for p in green_pods}, targets
+    assert len(targets) == 2
+    # ... and was created once, never server-side applied (its template is immutable).
+    shown = c.kubectl_json(
+        "get", "job", f"{name}-prewarm-{canary}", "-n", ns, "--show-managed-fields"
+    )
+    ops = {(m["manager"], m["operation"]) for m in shown["metadata"]["managedFields"]}
+    assert ("dscache-operator", "Apply") not in ops and ("dscache-operator", "Update") in ops
+    # The live router pods carry the current config's hash (the kubelet resyncs them).
+    cm = c.kubectl_json("get", "configmap", f"{name}-router", "-n", ns)
+    digest = hashlib.sha256(cm["data"]["nginx.conf"].encode()).hexdigest()[:16]
+
+    def router_pods_current() -> bool:
+        pods = c.kubectl_json(
+            "get",
+            "pods",
+            "-n",
+            ns,
+            "-l",
+            f"app.kubernetes.io/instance={name},app.kubernetes.io/component=router",
+        )["items"]
+        return bool(pods) and all(
+            p["metadata"].get("annotations", {}).get("dscache.io/router-config-hash") == digest
+            for p in pods
+        )
+
+    wait_until("router pods annotated with the config hash", router_pods_current, 30)
+    router = c.kubectl_json("get", "deployment", f"{name}-router", "-n", ns)
+    template_meta = router["spec"]["template"]["metadata"]
+    assert "dscache.io/router-config-hash" not in (template_meta.get("annotations") or {})
     # The old track stays warm; the labels say who is who.
     blue = c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)
     green = c.kubectl_json("get", "deployment", f"{name}-green", "-n", ns)
@@ -582,8 +538,8 @@ def test_deleting_the_resource_garbage_collects_everything(
 
 
 def test_kubectl_explain_documents_the_fields(dev_cluster: DevCluster, chart: str) -> None:
-    out = dev_cluster.kubectl("explain", "dscd.spec.rollout.analysis.minHitRate").stdout
-    assert "Canary's token hit rate must be at least this." in out
+    out = dev_cluster.kubectl("explain", "dscd.spec.rollout.analysis.minHitRateRatio").stdout
+    assert "at least the stable track's hit rate" in out
     out = dev_cluster.kubectl("explain", "dscd.status.conditions").stdout
     assert "Available, Progressing, Degraded, RolledBack, Ready." in out
 
@@ -676,7 +632,8 @@ def test_monitoring_objects_appear_once_their_crds_exist(
         sm = objs["ServiceMonitor"]["spec"]
         assert sm["podTargetLabels"] == ["dscache.io/revision", "dscache.io/slot"]
         rule = objs["PrometheusRule"]["spec"]["groups"][0]["rules"][0]
-        assert rule["alert"] == "DscacheHitRateLow" and "< 0.85" in rule["expr"]
+        # No minHitRate in the example: the alert is relative to the hour before.
+        assert rule["alert"] == "DscacheHitRateLow" and "< 0.95 * (" in rule["expr"]
     finally:
         for crd in crds:
             c.kubectl("delete", "crd", crd["metadata"]["name"], "--wait=false", check=False)

@@ -12,12 +12,18 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from dscache_operator.desired import (
+    PREWARM_TARGETS_ENV,
+    ROUTER_CONF,
     TEMPLATE_HASH,
     Owner,
     children,
     model_deployment,
     parse_quantity,
+    prewarm_job,
+    prometheus_rule,
     router_config,
+    router_configmap,
+    router_deployment,
 )
 from dscache_operator.rollout import Observed, TrackObservation, next_step
 from dscache_operator.spec import (
@@ -60,15 +66,25 @@ def spec() -> DeepSeekCacheDeploymentSpec:
     )
 
 
-def _all(spec: DeepSeekCacheDeploymentSpec) -> list[dict[str, Any]]:
+def _rollout(
+    spec: DeepSeekCacheDeploymentSpec,
+) -> tuple[DeepSeekCacheDeploymentSpec, DeepSeekCacheDeploymentStatus]:
     s1 = _status_for(spec)
     spec2 = parse_spec(
         {**spec.model_dump(by_alias=True), "model": {"preset": "tiny-gqa", "revision": "2"}}
     )
-    s2 = _status_for(spec2, s1)  # a rollout in progress: both tracks exist
-    return children(
-        OWNER, spec2, s2, ("10.0.0.1:8000",), ("10.0.1.1:8000",), prewarm=True, monitoring=True
-    )
+    return spec2, _status_for(spec2, s1)  # a rollout in progress: both tracks exist
+
+
+CANARY_PODS = ("10.0.1.1:8000", "10.0.1.2:8000", "[fd00::7]:8000")
+
+
+def _all(spec: DeepSeekCacheDeploymentSpec) -> list[dict[str, Any]]:
+    spec2, s2 = _rollout(spec)
+    objs = children(OWNER, spec2, s2, ("10.0.0.1:8000",), CANARY_PODS[:1], monitoring=True)
+    job = prewarm_job(OWNER, spec2, s2, CANARY_PODS)
+    assert job is not None
+    return [*objs, job]
 
 
 def test_every_child_is_owned_labelled_and_schema_valid(spec: DeepSeekCacheDeploymentSpec) -> None:
@@ -116,7 +132,15 @@ def test_model_pods_are_hardened_and_probed(spec: DeepSeekCacheDeploymentSpec) -
     assert server["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert server["livenessProbe"]["httpGet"]["path"] == "/health"
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert "grpc_health" in " ".join(sidecar["livenessProbe"]["exec"]["command"])
+    # The sidecar's probes are HTTP on its metrics port: no process spawned per probe.
+    assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert "exec" not in sidecar["livenessProbe"] and "exec" not in sidecar["readinessProbe"]
+    assert {p["name"] for p in sidecar["ports"]} == {"metrics"}
+    # Images: torch for the server, the slim core image for the sidecar.
+    assert server["image"] == "ghcr.io/dscache/dscache:0.1.0"
+    assert sidecar["image"] == "ghcr.io/dscache/dscache-core:0.1.0"
+    assert "initContainers" not in pod  # emptyDir: nothing to chown
     assert server["args"][:3] == ["server", "--model", "tiny-gqa"]
     assert "--sidecar-socket" in server["args"]
     assert sidecar["args"][0] == "sidecar"
@@ -169,17 +193,130 @@ def test_frozen_tracks_are_not_applied(spec: DeepSeekCacheDeploymentSpec) -> Non
     data = s.model_dump()
     data["slots"]["blue"]["frozen"] = True
     frozen = DeepSeekCacheDeploymentStatus.model_validate(data)
-    objs = children(OWNER, spec, frozen, (), (), prewarm=False, monitoring=False)
+    objs = children(OWNER, spec, frozen, (), (), monitoring=False)
     names = {(o["kind"], o["metadata"]["name"]) for o in objs}
     assert ("Deployment", "chat-blue") not in names and ("Service", "chat-blue") in names
 
 
-def test_prewarm_job_targets_the_canary(spec: DeepSeekCacheDeploymentSpec) -> None:
-    objs = _all(spec)
-    (job,) = [o for o in objs if o["kind"] == "Job"]
-    env = {e["name"]: e["value"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env["TARGET"] == "http://chat-green.prod.svc:8000" and env["TOP_N"] == "100"
-    assert "dscache prewarm" in job["spec"]["template"]["spec"]["containers"][0]["command"][2]
+def test_prewarm_job_warms_every_ready_canary_pod(spec: DeepSeekCacheDeploymentSpec) -> None:
+    spec2, s2 = _rollout(spec)
+    job = prewarm_job(OWNER, spec2, s2, CANARY_PODS)
+    assert job is not None
+    assert job["metadata"]["name"] == f"chat-prewarm-{s2.canary_revision}"
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env[PREWARM_TARGETS_ENV] == (
+        "http://10.0.1.1:8000,http://10.0.1.2:8000,http://[fd00::7]:8000"
+    )
+    # Exec form, no shell: every target, the top N prompts, the core image.
+    assert c["command"] == ["dscache"]
+    args = c["args"]
+    assert args[:3] == ["prewarm", "--target", f"$({PREWARM_TARGETS_ENV})"]
+    assert args[args.index("--top-n") + 1] == "100"
+    assert args[args.index("--concurrency") + 1] == "2"
+    assert c["image"] == "ghcr.io/dscache/dscache-core:0.1.0"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["automountServiceAccountToken"] is False
+    # The Job is not among the children re-applied on every reconcile.
+    assert not any(o["kind"] == "Job" for o in children(OWNER, spec2, s2, (), (), monitoring=False))
+
+
+def test_no_prewarm_job_without_a_ready_canary_pod(spec: DeepSeekCacheDeploymentSpec) -> None:
+    spec2, s2 = _rollout(spec)
+    assert prewarm_job(OWNER, spec2, s2, ()) is None
+    no_prompts = parse_spec({**spec2.model_dump(by_alias=True), "prewarm": {}})
+    assert prewarm_job(OWNER, no_prompts, s2, CANARY_PODS) is None
+
+
+def test_host_path_caches_get_a_directory_per_track(spec: DeepSeekCacheDeploymentSpec) -> None:
+    hp = parse_spec(
+        {
+            **spec.model_dump(by_alias=True),
+            "cache": {"volume": {"type": "hostPath", "hostPath": "/mnt/nvme/dscache/"}},
+        }
+    )
+    spec2, s2 = _rollout(hp)
+    paths = {}
+    for slot in ("blue", "green"):
+        dep = model_deployment(OWNER, spec2, s2, slot)
+        kubernetes_validate.validate(dep, "1.35.0", strict=True)
+        pod = dep["spec"]["template"]["spec"]
+        (cache,) = [v for v in pod["volumes"] if v["name"] == "cache"]
+        paths[slot] = cache["hostPath"]["path"]
+        assert cache["hostPath"]["type"] == "DirectoryOrCreate"
+        # The kubelet creates it root-owned; an init container hands it to uid 10001 ...
+        (init,) = pod["initContainers"]
+        assert init["command"] == ["chown", "10001:10001", "/var/cache/dscache"]
+        assert init["image"] == "ghcr.io/dscache/dscache-core:0.1.0"
+        assert init["volumeMounts"] == [{"name": "cache", "mountPath": "/var/cache/dscache"}]
+        # ... as root with CHOWN alone: no other capability, no escalation, read-only root.
+        sc = init["securityContext"]
+        assert (sc["runAsUser"], sc["runAsNonRoot"]) == (0, False)
+        assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+        assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+        # Two pods of one track never share a node (and so never a directory).
+        anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert anti[0]["labelSelector"]["matchLabels"]["dscache.io/slot"] == slot
+    assert paths == {
+        "blue": "/mnt/nvme/dscache/prod/chat-blue",
+        "green": "/mnt/nvme/dscache/prod/chat-green",
+    }
+    # Stable across restarts and rollouts: the same track finds the same directory.
+    spec3, s3 = _rollout(spec2)
+    again = model_deployment(OWNER, spec3, s3, "blue")["spec"]["template"]["spec"]["volumes"]
+    assert {v["name"]: v for v in again}["cache"]["hostPath"]["path"] == paths["blue"]
+
+
+def test_router_runs_nginx_itself_and_watches_its_config(
+    spec: DeepSeekCacheDeploymentSpec,
+) -> None:
+    dep = router_deployment(OWNER, spec)
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == "ghcr.io/dscache/dscache-router:0.1.0"
+    assert c["command"] == ["nginx"]  # exec form, no shell
+    assert c["args"] == [
+        "-p",
+        "/tmp",
+        "-e",
+        "stderr",
+        "-c",
+        "/etc/dscache-router/nginx.conf",
+        "-g",
+        "daemon off;",
+    ]
+    assert (
+        "annotations" not in dep["spec"]["template"]["metadata"]
+    )  # a config change restarts nothing
+    cfg = router_config(spec, _status_for(spec), ("10.0.0.1:8000",), ())
+    assert cfg.watch_config and cfg.config_path == ROUTER_CONF
+    text = router_configmap(OWNER, cfg)["data"]["nginx.conf"]
+    assert "init_worker_by_lua_block" in text and "# dscache-config-id: " in text
+    for module in DEBIAN_LUA_MODULES:
+        assert f"load_module {module};" in text
+    openresty = parse_spec({**spec.model_dump(by_alias=True), "routing": {"loadModules": []}})
+    assert "load_module" not in render_text(openresty)
+
+
+def render_text(spec: DeepSeekCacheDeploymentSpec) -> str:
+    cfg = router_config(spec, _status_for(spec), ("10.0.0.1:8000",), ())
+    text: str = router_configmap(OWNER, cfg)["data"]["nginx.conf"]
+    return text
+
+
+def test_prometheus_rule_without_a_floor_alerts_on_a_drop(
+    spec: DeepSeekCacheDeploymentSpec,
+) -> None:
+    rule = prometheus_rule(OWNER, spec)["spec"]["groups"][0]["rules"][0]
+    # No universal good hit rate: alert when it falls under 0.95 x its level of the hour before.
+    assert rule["alert"] == "DscacheHitRateLow" and rule["for"] == "10m"
+    assert "< 0.95 * (" in rule["expr"] and "[1h] offset 10m" in rule["expr"]
+    floor = parse_spec(
+        {**spec.model_dump(by_alias=True), "rollout": {"analysis": {"minHitRate": 0.7}}}
+    )
+    rule = prometheus_rule(OWNER, floor)["spec"]["groups"][0]["rules"][0]
+    assert rule["expr"].endswith("< 0.7") and "offset" not in rule["expr"]
 
 
 def _free_port() -> int:
@@ -198,13 +335,12 @@ def test_the_operators_router_config_passes_nginx_t(
     (cm,) = [o for o in objs if o["kind"] == "ConfigMap"]
     text = cm["data"]["nginx.conf"]
     assert "10.0.0.1:8000" in text and "access_by_lua_block" in text
-    # OpenResty has Lua built in; Debian's NGINX loads it as a module.
-    modules = "".join(f"load_module {m};\n" for m in DEBIAN_LUA_MODULES)
+    # As the router image runs it: Debian's NGINX loading the ndk and Lua modules.
     local = text.replace("/tmp", str(tmp_path)).replace(
         "listen 8080;", f"listen 127.0.0.1:{_free_port()};"
     )
     conf = tmp_path / "nginx.conf"
-    conf.write_text(modules + local)
+    conf.write_text(local)
     done = subprocess.run(
         [nginx, "-t", "-q", "-p", str(tmp_path), "-c", str(conf), "-e", "stderr"],
         capture_output=True,

@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
-from dscache_operator.crd import build_crd, render_crd_yaml, targets
+from dscache_operator.crd import (
+    build_crd,
+    build_peering_crd,
+    main,
+    render_crd_yaml,
+    render_files,
+    target_dirs,
+    targets,
+)
 from dscache_operator.spec import (
     DeepSeekCacheDeploymentSpec,
     InvalidSpecError,
+    RevisionSource,
     parse_duration,
     parse_spec,
     revision_of,
 )
+
+from dscache.router import DEBIAN_LUA_MODULES
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"model": {"preset": "tiny-gqa"}}
@@ -26,10 +38,52 @@ def test_crd_files_are_generated_from_the_models() -> None:
     text = render_crd_yaml()
     for path in targets(ROOT):
         assert path.read_text() == text, f"{path} is stale: python -m dscache_operator.crd"
+    files = render_files()
+    assert set(files) == {
+        "deepseekcachedeployments.dscache.io.yaml",
+        "clusterkopfpeerings.kopf.dev.yaml",
+        "kopfpeerings.kopf.dev.yaml",
+    }
+    for directory in target_dirs(ROOT):
+        assert {p.name for p in directory.glob("*.yaml")} == set(files), directory
+        for name, want in files.items():
+            assert (directory / name).read_text() == want, f"{directory / name} is stale"
 
 
-def test_crd_is_a_valid_kubernetes_object() -> None:
-    kubernetes_validate.validate(build_crd(), "1.35.0", strict=True)
+def test_crd_check_fails_on_a_stale_or_stray_file(tmp_path: Path) -> None:
+    assert main(["--root", str(tmp_path)]) == 0  # writes them
+    assert main(["--root", str(tmp_path), "--check"]) == 0
+    chart_crd = tmp_path / "charts" / "dscache" / "crds" / "kopfpeerings.kopf.dev.yaml"
+    chart_crd.write_text(chart_crd.read_text() + "# edited\n")
+    assert main(["--root", str(tmp_path), "--check"]) == 1
+    assert main(["--root", str(tmp_path)]) == 0
+    (tmp_path / "crds" / "old.yaml").write_text("kind: Nothing\n")
+    assert main(["--root", str(tmp_path), "--check"]) == 1
+
+
+@pytest.mark.parametrize(
+    "crd",
+    [build_crd(), build_peering_crd(clusterwide=True), build_peering_crd(clusterwide=False)],
+    ids=["dscd", "clusterkopfpeering", "kopfpeering"],
+)
+def test_crd_is_a_valid_kubernetes_object(crd: dict[str, Any]) -> None:
+    kubernetes_validate.validate(crd, "1.35.0", strict=True)
+
+
+def test_peering_crds_are_what_kopf_looks_for() -> None:
+    cluster = build_peering_crd(clusterwide=True)["spec"]
+    ns = build_peering_crd(clusterwide=False)["spec"]
+    assert (cluster["group"], cluster["names"]["plural"], cluster["scope"]) == (
+        "kopf.dev",
+        "clusterkopfpeerings",
+        "Cluster",
+    )
+    assert (ns["names"]["kind"], ns["scope"]) == ("KopfPeering", "Namespaced")
+    for spec in (cluster, ns):
+        (version,) = spec["versions"]
+        assert version["name"] == "v1" and "subresources" not in version  # kopf patches the object
+        status = version["schema"]["openAPIV3Schema"]["properties"]["status"]
+        assert status["x-kubernetes-preserve-unknown-fields"] is True
 
 
 def _apply_defaults(schema: dict[str, Any], value: Any) -> Any:
@@ -84,7 +138,13 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
     spec = parse_spec(MINIMAL)
     assert spec.replicas == 2
     assert spec.rollout.steps == [10, 25, 50, 100] and spec.steps == (10, 25, 50, 100)
-    assert spec.rollout.analysis.min_hit_rate == 0.85
+    assert spec.rollout.analysis.min_hit_rate is None  # no absolute floor by default
+    assert spec.rollout.analysis.min_hit_rate_ratio == 0.95
+    assert spec.server.image.reference == "ghcr.io/dscache/dscache:0.1.0"
+    assert spec.sidecar.image.reference == "ghcr.io/dscache/dscache-core:0.1.0"
+    assert spec.prewarm.image.reference == "ghcr.io/dscache/dscache-core:0.1.0"
+    assert spec.routing.image.reference == "ghcr.io/dscache/dscache-router:0.1.0"
+    assert spec.routing.load_modules == list(DEBIAN_LUA_MODULES)
     assert spec.interval_s == 300 and spec.rollback_window_s == 1800
     assert spec.routing.session_header == "X-Session-ID"
     assert spec.cache.block_tokens == 256 and spec.cache.min_tokens == 512
@@ -140,3 +200,33 @@ def test_examples_parse() -> None:
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") == "DeepSeekCacheDeployment":
                 parse_spec(doc["spec"])
+
+
+def test_a_track_stored_by_an_older_operator_keeps_its_sidecar_image() -> None:
+    # Before the core image, sidecar.image null meant "the server's image".
+    stored = parse_spec(MINIMAL).revision_source().model_dump(mode="json", by_alias=True)
+    stored["sidecar"]["image"] = None
+    stored["server"]["image"] = {"repository": "r.example/dscache", "tag": "0.0.9"}
+    src = RevisionSource.model_validate(stored)
+    assert src.sidecar.image.reference == "r.example/dscache:0.0.9"
+
+
+def test_patterns_are_valid_for_the_api_servers_go_regexp() -> None:
+    # Go's RE2 rejects repeat counts above 1000; Python's re does not.
+    patterns: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                patterns.append(node["pattern"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(build_crd())
+    assert patterns
+    for p in patterns:
+        counts = [int(n) for n in re.findall(r"\{(\d+)(?:,(\d*))?\}", p) for n in n if n]
+        assert all(c <= 1000 for c in counts), p

@@ -34,8 +34,21 @@ T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
 REV_A, REV_B, REV_C = "aaaaaaaaaa", "bbbbbbbbbb", "cccccccccc"
 READY = TrackObservation(exists=True, ready=True)
 NOT_READY = TrackObservation(exists=True, ready=False)
-PASS = Verdict("Pass", "ok", hit_rate=0.93, ttft_p99_seconds=0.2, stable_ttft_p99_seconds=0.25)
-FAIL = Verdict("Fail", "hit rate 0.40 below 0.85", hit_rate=0.4, ttft_p99_seconds=0.2)
+PASS = Verdict(
+    "Pass",
+    "ok",
+    hit_rate=0.93,
+    stable_hit_rate=0.95,
+    ttft_p99_seconds=0.2,
+    stable_ttft_p99_seconds=0.25,
+)
+FAIL = Verdict(
+    "Fail",
+    "hit rate 0.40; stable 0.900 x 0.95 = 0.855: hit rate below stable's 0.900 x 0.95",
+    hit_rate=0.4,
+    stable_hit_rate=0.9,
+    ttft_p99_seconds=0.2,
+)
 NODATA = Verdict("NoData", "no canary data for hit rate")
 
 
@@ -213,6 +226,9 @@ def test_good_figures_promote_through_every_step(available: DeepSeekCacheDeploym
         assert reasons(d) == ["AnalysisPassed", "StepStarted"]
         assert s.last_analysis is not None and s.last_analysis.result == "Pass"
         assert s.hit_rate == "0.930"
+        # What the canary was compared with is on record, on the wire too.
+        assert s.last_analysis.stable_hit_rate == 0.95
+        assert dump_status(s)["lastAnalysis"]["stableHitRate"] == 0.95
     assert weights == [10, 25, 50, 100]
     t += timedelta(seconds=61)
     d = run(s, obs(REV_B, verdict=PASS), t)
@@ -241,6 +257,7 @@ def test_bad_hit_rate_rolls_back_at_once(available: DeepSeekCacheDeploymentStatu
     c = get_condition(s.conditions, "RolledBack")
     assert c is not None and "hit rate 0.40" in c.message and "25%" in c.message
     assert s.last_analysis is not None and s.last_analysis.hit_rate == 0.4
+    assert s.last_analysis.stable_hit_rate == 0.9
     assert slot_replicas(s, "green", 2) == 0
     # Not retried while the spec still asks for the rolled-back revision.
     again = run(s, obs(REV_B), t + timedelta(hours=1))

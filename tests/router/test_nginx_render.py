@@ -72,6 +72,35 @@ def test_track_split(
     assert ("upstream dscache_stable" in text) == bool(stable)
 
 
+def test_config_watch_is_an_option_and_its_id_names_the_config() -> None:
+    base = RouterConfig(stable=("a:1",), canary=("b:1",), canary_weight=10)
+    assert "init_worker_by_lua_block" not in render_nginx_conf(base)  # off by default
+    assert "dscache-config-id" not in render_nginx_conf(base)
+    watched = base.model_copy(update={"watch_config": True, "config_path": "/etc/r/nginx.conf"})
+    text = render_nginx_conf(watched)
+    header, id_line = text.splitlines()[:2]
+    assert header.startswith("# Rendered by dscache.router.nginx")
+    config_id = id_line.removeprefix("# dscache-config-id: ")
+    assert len(config_id) == 16 and int(config_id, 16) >= 0
+    # The running config knows its own id and where to look; worker 0 alone watches.
+    assert f'"/etc/r/nginx.conf", "{config_id}"' in text
+    assert "ngx.worker.id() ~= 0" in text and "ngx.timer.every(1, check)" in text
+    assert "ffi.C.kill(ffi.C.getppid(), 1)" in text
+    # Same config, same id; any change (weight, path, interval), another id.
+    assert render_nginx_conf(watched.model_copy()) == text
+    others = [
+        watched.model_copy(update={"canary_weight": 25}),
+        watched.model_copy(update={"config_path": "/etc/other.conf"}),
+        watched.model_copy(update={"watch_interval_s": 2.0}),
+    ]
+    ids = {render_nginx_conf(c).splitlines()[1] for c in [watched, *others]}
+    assert len(ids) == 4
+    # Without the watcher the rest of the text is the same.
+    assert text.replace(text[text.index("    init_worker") : text.index("    access_log")], "") == (
+        render_nginx_conf(base).replace(header + "\n", header + "\n" + id_line + "\n")
+    )
+
+
 def test_no_upstreams_answers_503() -> None:
     text = render_nginx_conf(RouterConfig())
     assert "return 503" in text and "proxy_pass" not in text

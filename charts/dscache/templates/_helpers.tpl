@@ -63,17 +63,27 @@ app.kubernetes.io/component: operator
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  # patch: an annotation on live router pods after a router config change, so the
+  # kubelet refreshes the ConfigMap volume at once (never a spec field).
+  verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  # The prewarm Job is created once per revision and never changed.
+  verbs: ["get", "list", "watch", "create"]
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors", "prometheusrules"]
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- end }}
+
+{{/* Rules of kopf's peering, where the peering objects live: keep-alives are patches. */}}
+{{- define "dscache.peeringRules" -}}
+- apiGroups: ["kopf.dev"]
+  resources: [{{ . | quote }}]
+  verbs: ["get", "list", "watch", "patch"]
 {{- end }}

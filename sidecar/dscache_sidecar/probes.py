@@ -1,0 +1,150 @@
+"""The sidecar's HTTP server: ``/metrics`` as before, plus ``/healthz`` and ``/readyz``.
+
+Kubelet probes are plain HTTP GETs on the metrics port, so a probe spawns no
+process (the exec probes they replace started a Python interpreter for every
+check, in every pod, every few seconds).
+
+Contract:
+    * ``/healthz`` (liveness): what the daemon's ``grpc.health.v1`` service
+      reports for ``dscache.v1.KVCache``, asked in-process: ``200 SERVING``, or
+      ``503`` with the status name (``NOT_SERVING`` from a graceful stop on).
+      No RPC, so a daemon busy with real work is not declared dead.
+    * ``/readyz`` (readiness): a real ``Check`` RPC over the daemon's unix
+      socket, the path the model server uses, with a deadline
+      (``readyz_timeout_s``): ``200 SERVING``, else ``503`` with the status or
+      the RPC error. A daemon whose gRPC server stopped answering is not ready.
+    * Every other path is prometheus_client's WSGI app, exactly what
+      ``prometheus_client.start_http_server`` served (content negotiation,
+      gzip, ``name[]`` filters).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+StartResponse = Callable[..., Any]
+WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+
+SERVING = "SERVING"
+
+
+class _Context:
+    """The one thing ``HealthServicer.Check`` may do with a context: set NOT_FOUND."""
+
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+
+def servicer_status(servicer: Any, service: str) -> str:
+    """The status ``servicer`` (a ``grpc_health`` HealthServicer) reports for ``service``."""
+    context = _Context()
+    response = servicer.Check(health_pb2.HealthCheckRequest(service=service), context)
+    if context.code is not None:
+        return "SERVICE_UNKNOWN"
+    name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    return name
+
+
+class SocketHealthCheck:
+    """``Check`` RPCs over the daemon's unix socket, on one lazily opened channel."""
+
+    def __init__(self, socket_path: str, service: str, timeout_s: float) -> None:
+        self.target = f"unix:{socket_path}"
+        self.service = service
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+
+    def __call__(self) -> str:
+        """The status name, or ``ERROR: <code>`` when the RPC failed."""
+        with self._lock:
+            if self._channel is None:
+                self._channel = grpc.insecure_channel(self.target)
+            stub = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            response = stub.Check(
+                health_pb2.HealthCheckRequest(service=self.service), timeout=self.timeout_s
+            )
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            return f"ERROR: {code.name if code is not None else exc}"
+        name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        return name
+
+    def close(self) -> None:
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel = None
+
+
+def make_app(
+    registry: CollectorRegistry, live: Callable[[], str], ready: Callable[[], str]
+) -> WsgiApp:
+    """The WSGI app: ``/healthz`` from ``live()``, ``/readyz`` from ``ready()``, else metrics."""
+    metrics = make_wsgi_app(registry)
+    checks = {"/healthz": live, "/readyz": ready}
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        check = checks.get(environ.get("PATH_INFO", ""))
+        if check is None:
+            out: Iterable[bytes] = metrics(environ, start_response)
+            return out
+        status = check()
+        body = f"{status}\n".encode()
+        code = "200 OK" if status == SERVING else "503 Service Unavailable"
+        headers = [
+            ("Content-Type", "text/plain; charset=utf-8"),
+            ("Content-Length", str(len(body))),
+            ("Cache-Control", "no-store"),
+        ]
+        start_response(code, headers)
+        return [body]
+
+    return app
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # one line per probe and scrape is noise
+
+
+class ProbeServer:
+    """The HTTP server of :func:`make_app` on ``host:port`` (port 0: any free one)."""
+
+    def __init__(self, host: str, port: int, app: WsgiApp) -> None:
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+
+        class Server(_ThreadingServer):
+            address_family = family
+
+        self.httpd = make_server(str(sockaddr[0]), port, app, Server, handler_class=_QuietHandler)
+        self.port = int(self.httpd.server_port)
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, name="sidecar-http", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops serving and frees the port."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(5)

@@ -1,0 +1,248 @@
+"""The router reloads itself: real NGINX, a ConfigMap-style volume, no shell, no restart.
+
+NGINX runs as its container runs it (``nginx -p DIR -e stderr -c CONF -g 'daemon
+off;'``, master and workers under one non-root user) on a config rendered with
+``watch_config``. The test swaps the config the way the kubelet updates a
+ConfigMap volume (a new timestamped directory, then an atomic rename of the
+``..data`` symlink) and checks what a user would notice: the new canary weight
+is served within seconds, an invalid file leaves the router serving the last
+good config, and the next good one is picked up again.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from dscache.router import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+HAS_LUA = all(Path(m).exists() for m in DEBIAN_LUA_MODULES)
+NOBODY = 65534
+PICKUP_S = 10.0  # what a user may wait for a weight change; the watcher looks every second
+
+
+class _Pod(ThreadingHTTPServer):
+    def __init__(self) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _ConfigMapVolume:
+    """``<dir>/nginx.conf -> ..data/nginx.conf``, ``..data -> ..<n>``, as the kubelet lays it out."""
+
+    def __init__(self, root: Path, owner: int | None) -> None:
+        self.root = root
+        self.owner = owner
+        self.version = 0
+        root.mkdir()
+        self._chown(root)
+
+    @property
+    def path(self) -> Path:
+        return self.root / "nginx.conf"
+
+    def _chown(self, path: Path) -> None:
+        if self.owner is not None:
+            os.chown(path, self.owner, self.owner, follow_symlinks=False)
+
+    def publish(self, text: str) -> None:
+        self.version += 1
+        version = self.root / f"..2026_11_30_12_00_{self.version:02d}"
+        version.mkdir()
+        (version / "nginx.conf").write_text(text)
+        tmp = self.root / "..data_tmp"
+        tmp.symlink_to(version.name)
+        for p in (version, version / "nginx.conf", tmp):
+            self._chown(p)
+        os.replace(tmp, self.root / "..data")  # the atomic swap
+        if not self.path.is_symlink():
+            self.path.symlink_to("..data/nginx.conf")
+            self._chown(self.path)
+
+
+class _Router:
+    def __init__(self, workdir: Path, stable: str, canary: str) -> None:
+        assert NGINX is not None
+        root = os.geteuid() == 0
+        # Master and workers under one user, as in the container: a worker may signal
+        # its master only then (as root, NGINX's workers would drop to nobody).
+        self.owner = NOBODY if root else None
+        self.workdir = workdir
+        if self.owner is not None:
+            os.chown(workdir, NOBODY, NOBODY)
+        self.volume = _ConfigMapVolume(workdir / "config", self.owner)
+        self.port = _free_port()
+        self.stable, self.canary = stable, canary
+        self.log = workdir / "stderr.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def render(self, weight: float) -> str:
+        return render_nginx_conf(
+            RouterConfig(
+                listen=f"127.0.0.1:{self.port}",
+                stable=(self.stable,),
+                canary=(self.canary,),
+                canary_weight=weight,
+                load_modules=DEBIAN_LUA_MODULES,
+                pid_file=str(self.workdir / "nginx.pid"),
+                temp_dir=str(self.workdir),
+                error_log="stderr",
+                debug_headers=True,
+                watch_config=True,
+                config_path=str(self.volume.path),
+            )
+        )
+
+    def start(self, weight: float) -> None:
+        assert NGINX is not None
+        self.volume.publish(self.render(weight))
+        cmd = [NGINX, "-p", str(self.workdir), "-e", "stderr", "-c", str(self.volume.path)]
+        cmd += ["-g", "daemon off;"]
+        if self.owner is not None:
+            cmd = [
+                "setpriv",
+                f"--reuid={self.owner}",
+                f"--regid={self.owner}",
+                "--clear-groups",
+                *cmd,
+            ]
+        with self.log.open("wb") as err:
+            self.proc = subprocess.Popen(cmd, stderr=err)
+        deadline = time.monotonic() + 15
+        while self.track("probe") is None:
+            assert self.proc.poll() is None, self.log.read_text()
+            assert time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.05)
+
+    def track(self, session: str) -> str | None:
+        """The track the router sends ``session`` to; None if it does not answer."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            conn.request("GET", "/v1/models", headers={"X-Session-ID": session})
+            resp = conn.getresponse()
+            resp.read()
+            return resp.getheader("X-Dscache-Track") if resp.status == 200 else None
+        except OSError:
+            return None
+        finally:
+            conn.close()
+
+    def tracks(self) -> set[str | None]:
+        return {self.track(f"session-{i}") for i in range(40)}
+
+    def wait_all_on(self, track: str) -> float:
+        """Seconds until every session goes to ``track`` (fails past :data:`PICKUP_S`)."""
+        start = time.monotonic()
+        while (seen := self.tracks()) != {track}:
+            assert time.monotonic() - start < PICKUP_S, (seen, self.log.read_text()[-3000:])
+            time.sleep(0.1)
+        return time.monotonic() - start
+
+    def workers(self) -> set[int]:
+        """PIDs of the master's children (NGINX's workers); a reload replaces them."""
+        assert self.proc is not None
+        out: set[int] = set()
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid:
+                out.add(int(stat.parent.name))
+        return out
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def router() -> Iterator[_Router]:
+    if NGINX is None or not HAS_LUA:
+        pytest.skip("needs Debian's nginx-light + libnginx-mod-http-lua (apt-get install)")
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("running as root needs setpriv (util-linux) to run NGINX as one user")
+    # Not under pytest's tmp_path: its parents are private to root, and NGINX runs as nobody.
+    workdir = Path(tempfile.mkdtemp(prefix="dscache-router-watch-"))
+    os.chmod(workdir, 0o755)
+    stable, canary = _Pod(), _Pod()
+    r = _Router(workdir, stable.address, canary.address)
+    yield r
+    r.stop()
+    for pod in (stable, canary):
+        pod.shutdown()
+        pod.server_close()
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_new_weight_is_served_within_seconds_without_a_restart(router: _Router) -> None:
+    router.start(weight=0)
+    assert router.tracks() == {"stable"}
+    assert router.proc is not None
+    master = router.proc.pid
+
+    workers = router.workers()
+    router.volume.publish(router.render(100))
+    took = router.wait_all_on("canary")
+    assert took < PICKUP_S
+    # Reloaded, not restarted: the same master, new workers.
+    assert router.proc.poll() is None and router.proc.pid == master
+    assert router.workers().isdisjoint(workers)
+
+    # An invalid file (a new id, so the watcher does signal): the master rejects it
+    # and keeps serving the last good config.
+    router.volume.publish("# dscache-config-id: 00000000deadbeef\nthis is not nginx {\n")
+    deadline = time.monotonic() + PICKUP_S
+    while "unknown directive" not in router.log.read_text():
+        assert time.monotonic() < deadline, router.log.read_text()[-3000:]
+        time.sleep(0.1)
+    assert router.proc.poll() is None
+    assert router.tracks() == {"canary"}
+
+    # The next good config is picked up as usual.
+    router.volume.publish(router.render(0))
+    assert router.wait_all_on("stable") < PICKUP_S
+    assert router.proc.poll() is None
+
+
+def test_an_unchanged_file_causes_no_reload(router: _Router) -> None:
+    router.start(weight=0)
+    workers = router.workers()
+    router.volume.publish(router.volume.path.read_text())  # a resync that rewrote the same bytes
+    time.sleep(3)  # three looks by the watcher
+    assert router.workers() == workers  # no reload: the same worker processes
+    assert router.tracks() == {"stable"}
