@@ -40,6 +40,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Mapping
@@ -66,7 +67,7 @@ POD_CIDR = "10.244.0.0/16"
 STOP_GRACE_S = 10.0
 #: Stop stages: clients of the API server, the API server, etcd.
 _STOP_STAGES = (
-    frozenset({"kwok", "kube-scheduler", "kube-controller-manager", "prometheus"}),
+    frozenset({"kwok", "kube-scheduler", "kube-controller-manager", "prometheus", "podsd"}),
     frozenset({"kube-apiserver"}),
     frozenset({"etcd"}),
 )
@@ -694,9 +695,21 @@ class DevCluster:
         return import_s
 
     def _start_prometheus(self, binary: str, address: str, tie_to_parent: bool) -> None:
-        (self.state_dir / "prometheus.yml").write_text(
-            prometheus.config(self.state_dir / "kubeconfig")
+        targets = self.state_dir / "prometheus-targets.json"
+        self._launch(
+            "podsd",
+            [
+                sys.executable,
+                "-m",
+                "dscache.devcluster.podsd",
+                f"--server={self.server}",
+                f"--pki={self.state_dir / 'pki'}",
+                f"--out={targets}",
+            ],
+            tie_to_parent,
         )
+        self._wait("podsd", targets.exists, time.monotonic() + 30)
+        (self.state_dir / "prometheus.yml").write_text(prometheus.config(targets))
         listen = f"{address}:{_free_port()}"
         self._launch(
             "prometheus", prometheus.command(binary, self.state_dir, listen), tie_to_parent

@@ -1266,15 +1266,27 @@ def image_loader(
 
 
 def _present_config(base: list[str], ref: str) -> str | None:
-    """The config digest of the image ``ref`` in containerd, or None when absent."""
+    """The config digest of the image ``ref`` in containerd, or None when absent.
+
+    An image whose record exists but whose content is not complete and unpacked
+    (a store cut short by a full disk, say) counts as absent, so it is imported
+    again rather than failing every pod sandbox later.
+    """
+    name = _containerd_name(ref)
     listed = subprocess.run(
-        [*base, "images", "list", f"name=={_containerd_name(ref)}"],
+        [*base, "images", "list", f"name=={name}"],
         capture_output=True,
         text=True,
         check=False,
     )
     rows = listed.stdout.splitlines()[1:] if listed.returncode == 0 else []
     if not rows:
+        return None
+    checked = subprocess.run(
+        [*base, "images", "check", f"name=={name}"], capture_output=True, text=True, check=False
+    )
+    row = next((r for r in checked.stdout.splitlines()[1:] if r.split()[:1] == [name]), "")
+    if "complete" not in row.split() or not row.rstrip().endswith("true"):
         return None
     target = rows[0].split()[2]
     return _config_of(base, target)
