@@ -49,6 +49,7 @@ the order given (the consistent-hash ring does not depend on it).
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from typing import Annotated, Literal
 
@@ -78,6 +79,7 @@ def _matching(pattern: re.Pattern[str], what: str) -> AfterValidator:
 
 
 Address = Annotated[str, _matching(_ADDRESS_RE, "upstream address")]
+TrackName = Annotated[str, _matching(re.compile(r"^[a-z][a-z0-9-]{0,31}$"), "track name")]
 Listen = Annotated[str, _matching(_LISTEN_RE, "listen address")]
 HeaderName = Annotated[str, _matching(_HEADER_RE, "header name")]
 CookieName = Annotated[str, _matching(_COOKIE_RE, "cookie name")]
@@ -114,8 +116,30 @@ class RouterConfig(BaseModel):
     listen: Listen = Field(default="8080", description="listen address, PORT or HOST:PORT")
     stable: tuple[Address, ...] = Field(default=(), description="stable track's pods")
     canary: tuple[Address, ...] = Field(default=(), description="canary track's pods")
+    previous: tuple[Address, ...] = Field(
+        default=(),
+        description="pods of a track that takes no new session but keeps serving the sessions "
+        "remembered on it (the old stable track during the rollback window); needs "
+        "session_memory_s",
+    )
     canary_weight: float = Field(
-        default=0.0, ge=0.0, le=100.0, description="percent of sessions on the canary"
+        default=0.0, ge=0.0, le=100.0, description="percent of new sessions on the canary"
+    )
+    stable_name: TrackName = Field(
+        default="stable", description="name of the stable track (the operator's slot: blue, green)"
+    )
+    canary_name: TrackName = Field(default="canary", description="name of the canary track")
+    previous_name: TrackName = Field(default="previous", description="name of the previous track")
+    session_memory_s: int = Field(
+        default=0,
+        ge=0,
+        le=7 * 86400,
+        description="remember which track each session is on for this many seconds after its "
+        "last request, so a live session never changes track (needs the Lua module); "
+        "0: a session follows the weight",
+    )
+    session_memory_mib: int = Field(
+        default=16, ge=1, le=4096, description="shared memory for remembered sessions, MiB"
     )
     session_header: HeaderName = Field(default="X-Session-ID", description="client's key header")
     cookie_name: CookieName = Field(default="dscache_session", description="session cookie")
@@ -157,10 +181,26 @@ class RouterConfig(BaseModel):
 
     @model_validator(mode="after")
     def _distinct_tracks(self) -> RouterConfig:
-        shared = set(self.stable) & set(self.canary)
-        if shared:
-            raise ValueError(f"addresses on both tracks: {sorted(shared)}")
+        tracks = (self.stable, self.canary, self.previous)
+        for i, a in enumerate(tracks):
+            for b in tracks[i + 1 :]:
+                shared = set(a) & set(b)
+                if shared:
+                    raise ValueError(f"addresses on two tracks: {sorted(shared)}")
+        names = (self.stable_name, self.canary_name, self.previous_name)
+        if len(set(names)) != len(names):
+            raise ValueError(f"track names must differ: {names}")
         return self
+
+    @property
+    def live_tracks(self) -> tuple[str, ...]:
+        """Names of the tracks with pods, stable first."""
+        named = (
+            (self.stable_name, self.stable),
+            (self.canary_name, self.canary),
+            (self.previous_name, self.previous),
+        )
+        return tuple(name for name, pods in named if pods)
 
     @property
     def effective_weight(self) -> float:
@@ -185,17 +225,48 @@ def _upstream(name: str, servers: tuple[str, ...], keepalive: int) -> list[str]:
     return lines
 
 
-def _track_selector(weight: float) -> list[str]:
+def _track_selector(c: RouterConfig) -> list[str]:
+    """``$dscache_new_track``: the track a new session takes at the current weight."""
+    weight = c.effective_weight
     if weight <= 0.0 or weight >= 100.0:
-        track = "canary" if weight >= 100.0 else "stable"
-        return ["    map $dscache_key $dscache_track {", f"        default {track};", "    }"]
+        track = c.canary_name if weight >= 100.0 else c.stable_name
+        return ["    map $dscache_key $dscache_new_track {", f"        default {track};", "    }"]
     pct = f"{weight:.2f}".rstrip("0").rstrip(".")
     return [
-        '    split_clients "${dscache_key}" $dscache_track {',
-        f"        {pct}% canary;",
-        "        * stable;",
+        '    split_clients "${dscache_key}" $dscache_new_track {',
+        f"        {pct}% {c.canary_name};",
+        f"        * {c.stable_name};",
         "    }",
     ]
+
+
+def _role_map(c: RouterConfig, track_var: str) -> list[str]:
+    """``$dscache_track``: stable, canary or previous, for headers and logs."""
+    return [
+        f"    map {track_var} $dscache_track {{",
+        f"        {c.canary_name} canary;",
+        f"        {c.previous_name} previous;",
+        "        default stable;",
+        "    }",
+    ]
+
+
+_LUA_SESSION_MEMORY = """            local live = {%(live)s}
+            local sessions = ngx.shared.dscache_sessions
+            local key = ngx.var.dscache_key
+            -- A fresh request id names no session: nothing to remember.
+            local remember = ngx.var.dscache_key_source ~= "new"
+            local track = remember and sessions:get(key) or nil
+            if not track or not live[track] then
+                track = ngx.var.dscache_new_track
+            end
+            ngx.var.dscache_chosen_track = track
+            if remember then
+                local ok, err = sessions:set(key, track, %(ttl)d)
+                if not ok then
+                    ngx.log(ngx.WARN, "dscache router: cannot remember a session: ", err)
+                end
+            end"""
 
 
 _WATCH_LUA = """\
@@ -239,7 +310,7 @@ CONFIG_ID_PREFIX = "# dscache-config-id: "
 
 
 _LUA_PROMPT_KEY = """\
-        access_by_lua_block {
+            local function prompt_key()
             if ngx.var.dscache_key_source ~= "new" then
                 return
             end
@@ -301,7 +372,8 @@ _LUA_PROMPT_KEY = """\
             end
             ngx.var.dscache_key = "p-" .. ngx.md5(lead)
             ngx.var.dscache_key_source = "prompt"
-        }"""
+            end
+            prompt_key()"""
 
 
 def render_nginx_conf(config: RouterConfig) -> str:
@@ -379,11 +451,29 @@ def _render_lines(config: RouterConfig) -> list[str]:
         "    }",
         "",
     ]
-    lines += _track_selector(weight)
-    if c.stable:
-        lines += _upstream("dscache_stable", c.stable, c.upstream_keepalive)
-    if c.canary:
-        lines += _upstream("dscache_canary", c.canary, c.upstream_keepalive)
+    memory = c.session_memory_s > 0
+    track_var = "$dscache_chosen_track" if memory else "$dscache_new_track"
+    lines += _track_selector(c)
+    lines += _role_map(c, track_var)
+    if memory:
+        lines.append(f"    lua_shared_dict dscache_sessions {c.session_memory_mib}m;")
+    for name, pods in (
+        (c.stable_name, c.stable),
+        (c.canary_name, c.canary),
+        (c.previous_name, c.previous),
+    ):
+        if pods:
+            lines += _upstream(f"dscache_{name}", pods, c.upstream_keepalive)
+    status = json.dumps(
+        {
+            "canary_weight": weight,
+            "stable": c.stable_name if c.stable else None,
+            "canary": c.canary_name if c.canary else None,
+            "previous": c.previous_name if c.previous else None,
+            "session_memory_s": c.session_memory_s,
+        },
+        sort_keys=True,
+    )
     lines += [
         "",
         "    server {",
@@ -393,16 +483,24 @@ def _render_lines(config: RouterConfig) -> list[str]:
         '        if ($dscache_key = "") {',
         "            set $dscache_key $request_id;",
         "        }",
+        *(['        set $dscache_chosen_track "";'] if memory else []),
         "",
         "        location = /dscache/router/health {",
         "            access_log off;",
         '            return 200 "ok\\n";',
         "        }",
         "",
+        "        location = /dscache/router/status {",
+        "            access_log off;",
+        "            default_type application/json;",
+        f"            return 200 '{status}\\n';",
+        "        }",
+        "",
         "        location / {",
     ]
+    access: list[str] = []
     if c.prompt_key.mode == "lua":
-        lines.append(
+        access.append(
             _LUA_PROMPT_KEY
             % {
                 "scan": c.prompt_key.max_bytes * 4,
@@ -410,6 +508,11 @@ def _render_lines(config: RouterConfig) -> list[str]:
                 "max_messages": c.prompt_key.max_messages,
             }
         )
+    if memory:
+        live = ", ".join(f'["{t}"] = true' for t in c.live_tracks)
+        access.append(_LUA_SESSION_MEMORY % {"live": live, "ttl": c.session_memory_s})
+    if access:
+        lines += ["        access_by_lua_block {", *access, "        }"]
     lines += [
         "            add_header Set-Cookie $dscache_set_cookie always;",
     ]
@@ -426,7 +529,7 @@ def _render_lines(config: RouterConfig) -> list[str]:
         ]
     else:
         lines += [
-            "            proxy_pass http://dscache_$dscache_track;",
+            f"            proxy_pass http://dscache_{track_var};",
             f"            proxy_set_header {c.upstream_header} $dscache_key;",
             "            proxy_set_header Host $host;",
             "            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;",

@@ -46,6 +46,7 @@ from dscache_operator.spec import (
     DeepSeekCacheDeploymentStatus,
     ResourcesSpec,
     RevisionSource,
+    SchedulingSpec,
     parse_duration,
 )
 
@@ -181,6 +182,18 @@ def _pod_security() -> Obj:
         "fsGroup": RUN_AS,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+def scheduling(s: SchedulingSpec) -> Obj:
+    """The pod spec fields of ``spec.scheduling`` (none when unset)."""
+    out: Obj = {}
+    if s.node_selector:
+        out["nodeSelector"] = dict(s.node_selector)
+    if s.tolerations:
+        out["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in s.tolerations]
+    if s.priority_class_name:
+        out["priorityClassName"] = s.priority_class_name
+    return out
 
 
 def _cache_volume(owner: Owner, slot: str, src: RevisionSource, size_bytes: int) -> Obj:
@@ -356,6 +369,7 @@ def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) ->
     }
     if affinity:
         spec["affinity"] = affinity
+    spec.update(scheduling(src.scheduling))
     if src.cache.volume.type == "hostPath":
         spec["initContainers"] = [_cache_owner_init(src)]
     return {"metadata": {"labels": {**sel, REVISION: revision}}, "spec": spec}
@@ -433,13 +447,29 @@ def router_config(
     status: DeepSeekCacheDeploymentStatus,
     stable: tuple[str, ...],
     canary: tuple[str, ...],
+    previous: tuple[str, ...] = (),
 ) -> RouterConfig:
-    """The router's config: pod addresses of both tracks and the canary weight."""
+    """The router's config: each track's pod addresses, named by slot, and the canary weight.
+
+    Tracks are named after their slot (blue, green), so a session the router
+    remembers on a slot stays there when the slot's role changes: on promotion
+    the old stable slot becomes the previous track, which takes no new session
+    but keeps serving its own until they end or the slot retires.
+    """
     r = spec.routing
+    # Upstream names must differ even for tracks without pods: "idle", "retired".
+    prev = status.previous_slot
+    warm = prev is not None and prev != status.canary_slot
+    memory = round(parse_duration(r.session_memory))
     return RouterConfig(
         listen=str(ROUTER_PORT),
         stable=stable,
         canary=canary if status.canary_slot is not None else (),
+        previous=previous if warm and memory > 0 else (),
+        stable_name=status.stable_slot or "blue",
+        canary_name=status.canary_slot or "idle",
+        previous_name=prev if warm and prev is not None else "retired",
+        session_memory_s=memory,
         canary_weight=status.weight,
         session_header=r.session_header,
         cookie_name=r.cookie_name,
@@ -490,6 +520,7 @@ def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
             "template": {
                 "metadata": {"labels": sel},
                 "spec": {
+                    **scheduling(spec.scheduling),
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "securityContext": _pod_security(),
@@ -595,6 +626,7 @@ def prewarm_job(
             "template": {
                 "metadata": {"labels": lbls},
                 "spec": {
+                    **scheduling(spec.scheduling),
                     "restartPolicy": "Never",
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
@@ -732,6 +764,7 @@ def children(
     stable_addresses: tuple[str, ...],
     canary_addresses: tuple[str, ...],
     *,
+    previous_addresses: tuple[str, ...] = (),
     monitoring: bool,
 ) -> list[Obj]:
     """Every child to (re-)apply now, in a safe order (tracks before the router).
@@ -748,7 +781,7 @@ def children(
         out.append(
             pdb(owner, f"{owner.name}-{slot}", "model", track_of(status, slot), {SLOT: slot})
         )
-    cfg = router_config(spec, status, stable_addresses, canary_addresses)
+    cfg = router_config(spec, status, stable_addresses, canary_addresses, previous_addresses)
     out += [
         router_configmap(owner, cfg),
         router_deployment(owner, spec),

@@ -187,7 +187,16 @@ class Reconciler:
         new = decision.status
         stable = self._addresses(owner, new, new.stable_slot)
         canary = self._addresses(owner, new, new.canary_slot)
-        objs = children(owner, spec, new, stable, canary, monitoring=self._monitoring_available())
+        previous = self._addresses(owner, new, new.previous_slot)
+        objs = children(
+            owner,
+            spec,
+            new,
+            stable,
+            canary,
+            previous_addresses=previous,
+            monitoring=self._monitoring_available(),
+        )
         for child in objs:
             self._apply(child)
         if (

@@ -221,6 +221,13 @@ class RoutingSpec(_Model):
     prompt_key_bytes: int = Field(
         default=4096, ge=64, le=1 << 20, description="Leading prompt bytes hashed by 'lua'."
     )
+    session_memory: Duration = Field(
+        default="30m",
+        description="How long the router remembers a session's track after its last request: "
+        "a conversation running when a rollout starts finishes on the track it started on "
+        "(and on the warm previous track after promotion), and only new sessions follow the "
+        "canary weight; '0s' makes every session follow the weight.",
+    )
     replicas: int = Field(default=2, ge=0, le=100, description="Router pods.")
     image: ImageSpec = Field(
         default=DEFAULT_ROUTER_IMAGE,
@@ -384,6 +391,41 @@ class TenantSaltSpec(_Model):
     secret_ref: SecretKeyRef | None = Field(default=None, description="Secret key of the salt.")
 
 
+LabelKey = Annotated[str, Field(pattern=r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9._-]{1,63}$")]
+
+
+class TolerationSpec(_Model):
+    """A pod toleration (as in a Pod's spec.tolerations)."""
+
+    key: LabelKey | None = Field(default=None, description="Taint key; unset with Exists: all.")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: Annotated[str, Field(max_length=63)] | None = Field(
+        default=None, description="Taint value (with Equal)."
+    )
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect; unset: all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="With NoExecute: seconds the pod stays after the taint."
+    )
+
+
+class SchedulingSpec(_Model):
+    """Where the pods go: GPU node pools, dedicated (tainted) nodes, priority."""
+
+    node_selector: dict[LabelKey, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, description="Node labels the pods require, e.g. a GPU pool's."
+    )
+    tolerations: Annotated[list[TolerationSpec], Field(max_length=32)] = Field(
+        default_factory=list,
+        description="Taints the pods tolerate.",
+        json_schema_extra={"default": []},
+    )
+    priority_class_name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)] | None = Field(
+        default=None, description="PriorityClass of the pods."
+    )
+
+
 class MonitoringSpec(_Model):
     """Prometheus Operator objects, created only when their CRDs exist in the cluster."""
 
@@ -412,6 +454,11 @@ class DeepSeekCacheDeploymentSpec(_Model):
     monitoring: MonitoringSpec = Field(
         default_factory=MonitoringSpec, description="ServiceMonitor and PrometheusRule."
     )
+    scheduling: SchedulingSpec = Field(
+        default_factory=SchedulingSpec,
+        description="Node selector, tolerations and priority of the model pods, the router "
+        "and the prewarm Job.",
+    )
 
     @property
     def interval_s(self) -> float:
@@ -436,6 +483,7 @@ class DeepSeekCacheDeploymentSpec(_Model):
             sidecar=self.sidecar,
             cache=self.cache,
             tenant_salt=self.tenant_salt,
+            scheduling=self.scheduling,
         )
 
 
@@ -451,6 +499,7 @@ class RevisionSource(_Model):
     sidecar: SidecarSpec
     cache: CacheSpec
     tenant_salt: TenantSaltSpec
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
 
     @model_validator(mode="before")
     @classmethod

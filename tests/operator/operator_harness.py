@@ -24,6 +24,7 @@ import yaml
 from fakes.server_metrics import FakeServerMetrics, Figures
 
 from dscache.devcluster import DevCluster, wait_until
+from dscache.devcluster.nodes import NODE_KIND_LABEL, SIMULATED_TAINT
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -251,8 +252,41 @@ def events(c: DevCluster, ns: str, name: str) -> list[str]:
     return [e["reason"] for e in items]
 
 
+#: These tests drive the operator's decisions with fake metrics: the model and
+#: router pods go to simulated (KWOK) nodes, where they run no process (the
+#: real-pod end-to-end tests are in tests/e2e/).
+SIMULATED = {
+    "nodeSelector": {NODE_KIND_LABEL: "simulated"},
+    "tolerations": [{"key": SIMULATED_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+}
+
+
+def simulated(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with its pods placed on simulated nodes, when it is a DeepSeekCacheDeployment."""
+    if doc.get("kind") != "DeepSeekCacheDeployment":
+        return doc
+    return {**doc, "spec": {**doc.get("spec", {}), "scheduling": SIMULATED}}
+
+
 def apply(c: DevCluster, ns: str, docs: list[dict[str, Any]]) -> None:
-    c.kubectl("apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump_all(docs))
+    """Applies ``docs``; DeepSeekCacheDeployments place their pods on simulated nodes."""
+    placed = [simulated(d) for d in docs]
+    c.kubectl("apply", "-n", ns, "-f", "-", stdin=yaml.safe_dump_all(placed))
+
+
+def example_docs(example: str) -> list[dict[str, Any]]:
+    """The documents of ``examples/<example>/``."""
+    return [
+        d
+        for p in sorted((ROOT / "examples" / example).glob("*.yaml"))
+        for d in yaml.safe_load_all(p.read_text())
+        if d
+    ]
+
+
+def apply_example(c: DevCluster, ns: str, example: str) -> None:
+    """``kubectl apply -f examples/<example>/``, its pods on simulated nodes."""
+    apply(c, ns, example_docs(example))
 
 
 def spec_doc(name: str, prom: PrometheusProcess, **rollout: Any) -> dict[str, Any]:

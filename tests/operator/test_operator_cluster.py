@@ -25,6 +25,7 @@ from operator_harness import (
     OperatorProcess,
     PrometheusProcess,
     apply,
+    apply_example,
     available,
     condition,
     events,
@@ -86,7 +87,7 @@ def test_chart_rbac_is_least_privilege(dev_cluster: DevCluster, chart: str, tmp_
     ns = "rbac-check"
     dev_cluster.kubectl("create", "namespace", ns)
     try:
-        dev_cluster.kubectl("apply", "-n", ns, "-f", str(ROOT / "examples" / "01-minimal"))
+        apply_example(dev_cluster, ns, "01-minimal")
         available(dev_cluster, ns, "chat", sa_operator)
         dev_cluster.kubectl("delete", "dscd", "chat", "-n", ns, "--timeout=60s")
     finally:
@@ -151,7 +152,7 @@ def test_examples_create_owned_hardened_children(
     dev_cluster: DevCluster, operator: OperatorProcess, ns: str, example: str
 ) -> None:
     c = dev_cluster
-    c.kubectl("apply", "-n", ns, "-f", str(ROOT / "examples" / example))
+    apply_example(c, ns, example)
     name = next(
         d["metadata"]["name"]
         for p in sorted((ROOT / "examples" / example).glob("*.yaml"))
@@ -521,7 +522,7 @@ def test_deleting_the_resource_garbage_collects_everything(
     dev_cluster: DevCluster, operator: OperatorProcess, ns: str
 ) -> None:
     c = dev_cluster
-    c.kubectl("apply", "-n", ns, "-f", str(ROOT / "examples" / "01-minimal"))
+    apply_example(c, ns, "01-minimal")
     available(c, ns, "chat", operator)
     c.kubectl("delete", "dscd", "chat", "-n", ns, "--wait=true", "--timeout=60s")
     sel = "app.kubernetes.io/instance=chat"
@@ -606,7 +607,7 @@ def test_monitoring_objects_appear_once_their_crds_exist(
     dev_cluster: DevCluster, operator: OperatorProcess, ns: str
 ) -> None:
     c = dev_cluster
-    c.kubectl("apply", "-n", ns, "-f", str(ROOT / "examples" / "01-minimal"))
+    apply_example(c, ns, "01-minimal")
     available(c, ns, "chat", operator)
     assert not c.kubectl("api-resources", "--api-group=monitoring.coreos.com").stdout.count(
         "servicemonitors"

@@ -29,11 +29,12 @@ from dscache_operator.rollout import Observed, TrackObservation, next_step
 from dscache_operator.spec import (
     DeepSeekCacheDeploymentSpec,
     DeepSeekCacheDeploymentStatus,
+    InvalidSpecError,
     parse_spec,
     revision_of,
 )
 
-from dscache.router import DEBIAN_LUA_MODULES
+from dscache.router import DEBIAN_LUA_MODULES, render_nginx_conf
 
 OWNER = Owner("chat", "prod", "0c5f0e38-8a7a-4f5b-9d63-2c1d3d1c2a11")
 T0 = datetime(2026, 11, 30, 12, tzinfo=UTC)
@@ -188,6 +189,40 @@ def test_router_config_follows_the_status(spec: DeepSeekCacheDeploymentSpec) -> 
     assert cfg.session_header == "X-Session-ID"
 
 
+def test_router_tracks_are_slots_and_the_previous_one_keeps_its_sessions(
+    spec: DeepSeekCacheDeploymentSpec,
+) -> None:
+    spec2, s2 = _rollout(spec)
+    stable, canary, old = ("10.0.0.1:8000",), ("10.0.1.1:8000",), ("10.0.2.1:8000",)
+    during = router_config(spec2, s2, stable, canary)
+    assert (during.stable_name, during.canary_name) == (s2.stable_slot, s2.canary_slot)
+    assert during.session_memory_s == 1800  # routing.sessionMemory default 30m
+    # Promoted: the new slot is stable, the old one is the warm previous track,
+    # named by its slot so the sessions remembered on it stay there.
+    promoted = s2.model_copy(
+        update={
+            "stable_slot": s2.canary_slot,
+            "stable_revision": s2.canary_revision,
+            "previous_slot": s2.stable_slot,
+            "canary_slot": None,
+            "canary_revision": None,
+            "weight": 0,
+        }
+    )
+    after = router_config(spec2, promoted, canary, (), old)
+    assert after.stable == canary and after.stable_name == s2.canary_slot
+    assert after.previous == old and after.previous_name == s2.stable_slot
+    assert after.canary == ()
+    assert after.live_tracks == (s2.canary_slot, s2.stable_slot)
+    text = render_nginx_conf(after)
+    assert f"upstream dscache_{s2.stable_slot} " in text and "lua_shared_dict" in text
+    # sessionMemory 0s: sessions follow the weight, a previous track takes nothing.
+    forgetful = parse_spec({**spec2.model_dump(by_alias=True), "routing": {"sessionMemory": "0s"}})
+    off = router_config(forgetful, promoted, canary, (), old)
+    assert off.session_memory_s == 0 and off.previous == ()
+    assert "lua_shared_dict" not in render_nginx_conf(off)
+
+
 def test_frozen_tracks_are_not_applied(spec: DeepSeekCacheDeploymentSpec) -> None:
     s = _status_for(spec)
     data = s.model_dump()
@@ -227,6 +262,44 @@ def test_no_prewarm_job_without_a_ready_canary_pod(spec: DeepSeekCacheDeployment
     assert prewarm_job(OWNER, spec2, s2, ()) is None
     no_prompts = parse_spec({**spec2.model_dump(by_alias=True), "prewarm": {}})
     assert prewarm_job(OWNER, no_prompts, s2, CANARY_PODS) is None
+
+
+def test_scheduling_places_model_router_and_prewarm_pods(
+    spec: DeepSeekCacheDeploymentSpec,
+) -> None:
+    placement = {
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "priorityClassName": "inference",
+    }
+    placed = parse_spec({**spec.model_dump(by_alias=True), "scheduling": placement})
+    # Where model pods run shapes them: a new placement is a new revision (rolled out).
+    assert revision_of(placed.revision_source()) != revision_of(spec.revision_source())
+    spec2, s2 = _rollout(placed)
+    objs = children(OWNER, spec2, s2, ("10.0.0.1:8000",), CANARY_PODS[:1], monitoring=False)
+    job = prewarm_job(OWNER, spec2, s2, CANARY_PODS)
+    assert job is not None
+    pods = [o["spec"]["template"]["spec"] for o in objs if o["kind"] == "Deployment"]
+    pods.append(job["spec"]["template"]["spec"])
+    assert len(pods) == 4  # blue, green, router, prewarm
+    for pod in pods:
+        assert pod["nodeSelector"] == placement["nodeSelector"]
+        assert pod["tolerations"] == placement["tolerations"]
+        assert pod["priorityClassName"] == "inference"
+    # Unset: none of the fields is rendered.
+    for o in children(OWNER, spec, _status_for(spec), (), (), monitoring=False):
+        if o["kind"] == "Deployment":
+            assert not {"nodeSelector", "tolerations", "priorityClassName"} & set(
+                o["spec"]["template"]["spec"]
+            )
+
+
+def test_invalid_scheduling_is_rejected(spec: DeepSeekCacheDeploymentSpec) -> None:
+    base = spec.model_dump(by_alias=True)
+    with pytest.raises(InvalidSpecError, match="scheduling"):
+        parse_spec({**base, "scheduling": {"tolerations": [{"operator": "Sometimes"}]}})
+    with pytest.raises(InvalidSpecError, match="scheduling"):
+        parse_spec({**base, "scheduling": {"nodeSelector": {"bad key!": "x"}}})
 
 
 def test_host_path_caches_get_a_directory_per_track(spec: DeepSeekCacheDeploymentSpec) -> None:

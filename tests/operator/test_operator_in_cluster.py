@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from operator_harness import ROOT
+from operator_harness import apply_example
 
 from dscache.devcluster import DevCluster, wait_until
 
@@ -39,7 +39,7 @@ def test_the_charts_operator_runs_in_cluster_with_one_active_replica(
             "both replicas in the peering", lambda: set(_peers(c, "dscache")) == set(names), 120
         )
 
-        c.kubectl("apply", "-n", ns, "-f", str(ROOT / "examples" / "01-minimal"))
+        apply_example(c, ns, "01-minimal")
 
         def reconciled() -> dict[str, Any] | None:
             body = c.kubectl_json("get", "dscd", "chat", "-n", ns)

@@ -12,6 +12,7 @@ good config, and the next good one is picked up again.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import shutil
 import socket
@@ -22,6 +23,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,12 +107,12 @@ class _Router:
         self.log = workdir / "stderr.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def render(self, weight: float) -> str:
+    def render(self, weight: float, **tracks: Any) -> str:
+        """The config at ``weight``; ``tracks`` override the tracks (names, pods, memory)."""
         return render_nginx_conf(
             RouterConfig(
                 listen=f"127.0.0.1:{self.port}",
-                stable=(self.stable,),
-                canary=(self.canary,),
+                **{"stable": (self.stable,), "canary": (self.canary,), **tracks},
                 canary_weight=weight,
                 load_modules=DEBIAN_LUA_MODULES,
                 pid_file=str(self.workdir / "nginx.pid"),
@@ -155,6 +157,47 @@ class _Router:
             return None
         finally:
             conn.close()
+
+    def upstream(self, session: str, headers: dict[str, str] | None = None) -> str | None:
+        """The pod address the router sends ``session`` to (None: no answer)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            conn.request("GET", "/v1/models", headers={"X-Session-ID": session, **(headers or {})})
+            resp = conn.getresponse()
+            resp.read()
+            return resp.getheader("X-Dscache-Upstream") if resp.status == 200 else None
+        except OSError:
+            return None
+        finally:
+            conn.close()
+
+    def status(self) -> dict[str, Any] | None:
+        """What ``/dscache/router/status`` says the running config is."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        try:
+            conn.request("GET", "/dscache/router/status")
+            resp = conn.getresponse()
+            body = resp.read()
+            return json.loads(body) if resp.status == 200 else None
+        except (OSError, ValueError):
+            return None
+        finally:
+            conn.close()
+
+    def publish_and_wait(self, weight: float, **tracks: Any) -> None:
+        """Publishes a config and returns once only workers with it serve.
+
+        For a moment after a reload an old worker still accepts connections with
+        the old config: wait until every worker that ran before has exited.
+        """
+        text = self.render(weight, **tracks)
+        want = json.loads(text.split("return 200 '", 1)[1].split("\\n'", 1)[0])
+        before = self.workers()
+        self.volume.publish(text)
+        deadline = time.monotonic() + PICKUP_S
+        while self.status() != want or self.workers() & before:
+            assert time.monotonic() < deadline, (self.status(), want, self.log.read_text()[-2000:])
+            time.sleep(0.1)
 
     def tracks(self) -> set[str | None]:
         return {self.track(f"session-{i}") for i in range(40)}
@@ -246,3 +289,88 @@ def test_an_unchanged_file_causes_no_reload(router: _Router) -> None:
     time.sleep(3)  # three looks by the watcher
     assert router.workers() == workers  # no reload: the same worker processes
     assert router.tracks() == {"stable"}
+
+
+# ----------------------------------------------------------------------------- session memory
+
+MEMORY = 600  # seconds a session is remembered after its last request
+
+
+def _where(router: _Router, sessions: list[str]) -> dict[str, str | None]:
+    return {s: router.upstream(s) for s in sessions}
+
+
+def test_a_live_session_keeps_its_track_through_a_whole_rollout(router: _Router) -> None:
+    """New sessions follow the weight; a session already running finishes where it started."""
+    blue, green = router.stable, router.canary
+    names = {"stable_name": "blue", "canary_name": "green", "session_memory_s": MEMORY}
+    router.start(weight=0)
+    router.publish_and_wait(0, **names)
+    old = [f"old-{i}" for i in range(60)]
+    assert set(_where(router, old).values()) == {blue}
+
+    # The canary takes every new session; the running ones stay on stable.
+    router.publish_and_wait(100, **names)
+    assert set(_where(router, old).values()) == {blue}
+    new = [f"new-{i}" for i in range(30)]
+    assert set(_where(router, new).values()) == {green}
+
+    # Promoted: green is stable, blue is the warm previous track. It takes no new
+    # session, but keeps those it has; green keeps its own.
+    promoted = {
+        "stable": (green,),
+        "stable_name": "green",
+        "canary": (),
+        "canary_name": "blue-next",
+        "previous": (blue,),
+        "previous_name": "blue",
+        "session_memory_s": MEMORY,
+    }
+    router.publish_and_wait(0, **promoted)
+    assert set(_where(router, old).values()) == {blue}
+    assert set(_where(router, new).values()) == {green}
+    assert set(_where(router, [f"later-{i}" for i in range(30)]).values()) == {green}
+    assert router.track("old-1") == "previous" and router.track("new-1") == "stable"
+
+    # The previous track retired: its sessions move, once, to the stable track.
+    router.publish_and_wait(
+        0, stable=(green,), stable_name="green", canary=(), session_memory_s=MEMORY
+    )
+    assert set(_where(router, old + new).values()) == {green}
+
+
+def test_an_aborted_canary_hands_its_sessions_back(router: _Router) -> None:
+    blue, green = router.stable, router.canary
+    names = {"stable_name": "blue", "canary_name": "green", "session_memory_s": MEMORY}
+    router.start(weight=0)
+    router.publish_and_wait(50, **names)
+    sessions = [f"s-{i}" for i in range(80)]
+    first = _where(router, sessions)
+    on_green = {s for s, pod in first.items() if pod == green}
+    assert 15 <= len(on_green) <= 65  # about half
+    # Abort: the canary leaves the config; its sessions go to stable at once.
+    router.publish_and_wait(
+        0, stable=(blue,), stable_name="blue", canary=(), session_memory_s=MEMORY
+    )
+    assert set(_where(router, sessions).values()) == {blue}
+
+
+def test_without_memory_a_session_follows_the_weight(router: _Router) -> None:
+    blue, green = router.stable, router.canary
+    router.start(weight=0)
+    sessions = [f"f-{i}" for i in range(40)]
+    assert set(_where(router, sessions).values()) == {blue}
+    router.publish_and_wait(100)
+    assert set(_where(router, sessions).values()) == {green}
+
+
+def test_the_status_endpoint_says_what_is_served(router: _Router) -> None:
+    router.start(weight=0)
+    router.publish_and_wait(25, stable_name="blue", canary_name="green", session_memory_s=60)
+    assert router.status() == {
+        "canary": "green",
+        "canary_weight": 25.0,
+        "previous": None,
+        "session_memory_s": 60,
+        "stable": "blue",
+    }
