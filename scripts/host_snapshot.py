@@ -4,6 +4,7 @@
 must be equal, because ``DevCluster.stop`` undoes every change (sysctls, links,
 iptables rules and chains, mounts, network namespaces, cgroups). Standard
 library only; counters and timestamps are left out so only real changes show.
+It also lists the dev cluster's kinds of process still running.
 """
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+#: Processes a dev cluster starts; none may outlive it.
+WATCHED = {
+    "containerd",
+    "containerd-shim-runc-v2",
+    "kubelet",
+    "kube-proxy",
+    "kube-apiserver",
+    "etcd",
+    "kwok",
+    "prometheus",
+}
 SYSCTLS = (
     "vm/overcommit_memory",
     "vm/panic_on_oom",
@@ -66,6 +78,11 @@ def snapshot() -> list[str]:
         root = Path("/sys/fs/cgroup") / hierarchy
         if root.is_dir():
             out += [f"cgroup {hierarchy}/{p.name}" for p in root.iterdir() if p.is_dir()]
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            name = Path((proc / "cmdline").read_bytes().split(b"\0")[0].decode()).name
+            if name in WATCHED:
+                out.append(f"process {name}")
     return sorted(out)
 
 

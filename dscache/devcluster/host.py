@@ -368,6 +368,7 @@ def undo(record: HostRecord, log: Callable[[str], None] = logger.info) -> None:
     """Takes back every change in ``record``; tolerant of what is already gone."""
     for cgroup in record.cgroups:
         _kill_cgroup_tasks(Path(cgroup))
+    _kill_shims(record.mount_roots)
     for root in record.mount_roots:
         unmount_below(Path(root))
     for cgroup in sorted(record.cgroups, key=len, reverse=True):
@@ -414,6 +415,23 @@ def _kill_cgroup_tasks(path: Path) -> None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.05 * (attempt + 1))
+
+
+def _kill_shims(roots: Iterable[str]) -> None:
+    """Kills containerd shims serving a containerd under ``roots`` (its owner was killed)."""
+    prefixes = tuple(r.rstrip("/") + "/" for r in roots)
+    if not prefixes:
+        return
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not argv or b"containerd-shim" not in argv[0]:
+            continue
+        if any(a.decode(errors="replace").startswith(prefixes) for a in argv[1:]):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(proc.name), signal.SIGKILL)
 
 
 def _remove_cgroup_tree(path: Path) -> None:

@@ -3,9 +3,11 @@
 Queries (``{sel(rev)}`` = namespace and revision label matchers, ``{w}`` = the
 step interval as a range, ``{d}`` = the time since the step began):
 
-* hit rate of a revision: ``sum(rate(dscache_server_cache_hits_total{level="token",
-  sel(rev)}[w])) / (hits + sum(rate(dscache_server_cache_misses_total{...}[w])))``,
-  for the canary and, over the same window, for the stable revision;
+* token hit rate of a revision: ``sum(rate(dscache_server_prompt_tokens_total
+  {source="reused",sel(rev)}[w])) / sum(rate(dscache_server_prompt_tokens_total
+  {sel(rev)}[w]))``, the share of prompt tokens served from the cache (prompts
+  the cache never looked up count as recomputed), for the canary and, over the
+  same window, for the stable revision;
 * P99 TTFT: ``histogram_quantile(0.99, sum by (le)
   (rate(dscache_server_ttft_seconds_bucket{sel(rev)}[w])))``, for both revisions;
 * the stable revision's two figures again with ``offset {d}``: over a window of
@@ -62,6 +64,20 @@ class Figures:
     stable_ttft_p99_seconds_before: float | None = None
 
 
+#: Prompt tokens by ``source`` (reused from the cache, recomputed): every prompt
+#: token lands in one of the two, also for prompts the cache never looked up
+#: (below minTokens, a failed sidecar), so a revision whose cache admits nothing
+#: shows a hit rate of 0, not an absence of data.
+PROMPT_TOKENS = "dscache_server_prompt_tokens_total"
+
+
+def token_hit_rate(selector: str, window: str, offset: str = "") -> str:
+    """PromQL: the share of prompt tokens reused from the cache, over ``window``."""
+    reused = f'sum(rate({PROMPT_TOKENS}{{source="reused",{selector}}}[{window}]{offset}))'
+    total = f"sum(rate({PROMPT_TOKENS}{{{selector}}}[{window}]{offset}))"
+    return f"{reused} / {total}"
+
+
 def _range(seconds: float) -> str:
     return f"{max(1, round(seconds))}s"
 
@@ -92,15 +108,7 @@ def queries(
     w = _range(window_s)
 
     def hit_rate(revision: str, offset: str = "") -> str:
-        hits = (
-            f'sum(rate(dscache_server_cache_hits_total{{level="token",{sel(revision)}}}'
-            f"[{w}]{offset}))"
-        )
-        misses = (
-            f'sum(rate(dscache_server_cache_misses_total{{level="token",{sel(revision)}}}'
-            f"[{w}]{offset}))"
-        )
-        return f"{hits} / ({hits} + {misses})"
+        return token_hit_rate(sel(revision), w, offset)
 
     def p99(revision: str, offset: str = "") -> str:
         return (

@@ -40,6 +40,7 @@ from typing import Any
 
 from dscache.router import PromptKey, RouterConfig, render_nginx_conf
 from dscache_operator import API_VERSION, KIND
+from dscache_operator.analysis import token_hit_rate
 from dscache_operator.rollout import slot_replicas
 from dscache_operator.spec import (
     DeepSeekCacheDeploymentSpec,
@@ -709,12 +710,7 @@ def prometheus_rule(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
     sel = f'{a.namespace_label}="{owner.namespace}",service=~"{owner.name}-(blue|green)"'
 
     def hit_rate(window: str, offset: str = "") -> str:
-        def total(name: str) -> str:
-            return f'sum(rate({name}{{level="token",{sel}}}[{window}]{offset}))'
-
-        hits = total("dscache_server_cache_hits_total")
-        misses = total("dscache_server_cache_misses_total")
-        return f"{hits} / ({hits} + {misses})"
+        return token_hit_rate(sel, window, offset)
 
     if a.min_hit_rate is not None:
         expr = f"{hit_rate('10m')} < {a.min_hit_rate}"

@@ -97,14 +97,17 @@ class FakeServerMetrics:
         with self._lock:
             self._advance(time.monotonic())
             lines = [
-                "# TYPE dscache_server_cache_hits_total counter",
-                "# TYPE dscache_server_cache_misses_total counter",
+                "# TYPE dscache_server_prompt_tokens_total counter",
                 "# TYPE dscache_server_ttft_seconds histogram",
             ]
             for (ns, rev), s in sorted(self._series.items()):
                 lbl = f'namespace="{ns}",dscache_io_revision="{rev}"'
-                lines.append(f'dscache_server_cache_hits_total{{level="token",{lbl}}} {s.hits}')
-                lines.append(f'dscache_server_cache_misses_total{{level="token",{lbl}}} {s.misses}')
+                lines.append(
+                    f'dscache_server_prompt_tokens_total{{source="reused",{lbl}}} {s.hits}'
+                )
+                lines.append(
+                    f'dscache_server_prompt_tokens_total{{source="recomputed",{lbl}}} {s.misses}'
+                )
                 for le, count in zip(BUCKETS, s.buckets, strict=True):
                     lines.append(f'dscache_server_ttft_seconds_bucket{{le="{le}",{lbl}}} {count}')
                 lines.append(f'dscache_server_ttft_seconds_bucket{{le="+Inf",{lbl}}} {s.requests}')

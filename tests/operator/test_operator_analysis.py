@@ -99,7 +99,7 @@ def test_absolute_ttft_ceiling() -> None:
 def test_queries_compare_the_same_window_and_the_window_before_the_step() -> None:
     q = queries(SPEC, namespace="prod", canary="bbb", stable="aaa", window_s=120, since_step_s=150)
     assert 'namespace="prod",dscache_io_revision="bbb"' in q["hit_rate"]
-    assert "[120s]))" in q["hit_rate"] and 'level="token"' in q["hit_rate"]
+    assert "[120s]))" in q["hit_rate"] and 'source="reused"' in q["hit_rate"]
     assert 'dscache_io_revision="aaa"' in q["stable_hit_rate"]
     assert "[120s]))" in q["stable_hit_rate"] and "offset" not in q["stable_hit_rate"]
     assert 'dscache_io_revision="aaa"' in q["stable_ttft_p99_seconds"]
