@@ -51,6 +51,13 @@ def register(
     f.add_argument(
         "--no-ideal", action="store_true", help="skip the ideal hit ratio (needs the tokenizer)"
     )
+    f.add_argument(
+        "--prewarm-out",
+        type=Path,
+        default=None,
+        help="also write each company's shared prefix, one chat per line: the prompts of a "
+        "prewarm Job (kubectl create configmap finance-prompts --from-file=prompts.jsonl=FILE)",
+    )
     f.set_defaults(handler=_run_workload)
 
     ld = sub.add_parser("load", help="replay a workload file against a server or the router")
@@ -70,6 +77,13 @@ def register(
     )
     ld.add_argument("--json", dest="json_out", type=Path, default=None, help="write the report")
     ld.add_argument("--timeout", type=float, default=300.0, help="seconds per request (300)")
+    ld.add_argument(
+        "--think",
+        type=_duration,
+        default=0.0,
+        help="mean pause between a session's turns (a user reading and typing; default 0); "
+        "with it, --concurrency is the number of live sessions",
+    )
     ld.add_argument("--model", default=None, help="model name to send (default: none)")
     ld.add_argument("--no-progress", action="store_true", help="no progress bar")
     ld.set_defaults(handler=_run_load)
@@ -109,6 +123,43 @@ def register(
     d.add_argument("--threads", type=int, default=1, help="torch threads per server (1)")
     d.set_defaults(handler=_run_demo)
 
+    kinds = d.add_subparsers(dest="demo_kind", metavar="KIND")
+    k = kinds.add_parser(
+        "kubernetes",
+        help="on a cluster whose pods run: the cache-warmth-aware canary against a blind "
+        "rolling update, a bad revision rolled back by the gate",
+        description="Installs the operator with Helm, applies examples/04-dev-cluster, drives "
+        "the finance workload through the router Service, and compares a warm canary rollout "
+        "with a plain rolling update of the same Deployment. Without --kubeconfig it uses the "
+        "running dev cluster, or starts one with a real node and stops it afterwards.",
+    )
+    k.add_argument("--quick", action="store_true", help="the ~15-minute profile")
+    k.add_argument("--json", dest="json_out", type=Path, default=None, help="write the report")
+    k.add_argument(
+        "--png",
+        dest="png_out",
+        type=Path,
+        default=None,
+        help="the figure (default: next to --json)",
+    )
+    k.add_argument("--kubeconfig", type=Path, default=None, help="an existing cluster")
+    k.add_argument(
+        "--prometheus-url", default=None, help="Prometheus the operator queries (with --kubeconfig)"
+    )
+    k.add_argument("--concurrency", type=int, default=24, help="live sessions (default 24)")
+    k.add_argument(
+        "--think",
+        type=_duration,
+        default=15.0,
+        help="mean pause between a session's turns (default 15s)",
+    )
+    k.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    k.add_argument(
+        "--interval", type=_duration, default=None, help="rollout step interval (quick 40s, 90s)"
+    )
+    k.add_argument("--workdir", type=Path, default=None, help="keep the cluster's logs here")
+    k.set_defaults(handler=_run_kube_demo)
+
 
 def _duration(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h)?\s*", text)
@@ -119,12 +170,15 @@ def _duration(text: str) -> float:
 
 
 def _run_workload(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from dscache.workload import (
         COMPANIES,
         WorkloadConfig,
         generate,
         ideal_hit_ratio,
         load_server_tokenizer,
+        prewarm_requests,
         summary,
         write_jsonl,
     )
@@ -142,6 +196,13 @@ def _run_workload(args: argparse.Namespace) -> int:
     )
     requests = generate(cfg)
     write_jsonl(requests, args.out)
+    if args.prewarm_out is not None:
+        import json
+
+        warm = prewarm_requests(generate(replace(cfg, sessions=max(cfg.sessions, 2000))))
+        lines = [json.dumps({"messages": r.messages}, ensure_ascii=False) for r in warm]
+        args.prewarm_out.write_text("".join(line + "\n" for line in lines))
+        print(f"wrote the shared prefixes of {len(warm)} companies to {args.prewarm_out}")
     info = summary(requests)
     print(
         f"wrote {info['requests']} requests ({info['sessions']} sessions, {info['companies']} "
@@ -174,6 +235,7 @@ def _run_load(args: argparse.Namespace) -> int:
         metrics_urls=tuple(args.metrics),
         model=args.model,
         progress=not args.no_progress,
+        think_s=args.think,
     )
     report = asyncio.run(run_load(cfg, read_jsonl(args.workload)))
     print(format_report(report))
@@ -181,6 +243,29 @@ def _run_load(args: argparse.Namespace) -> int:
         write_json(report, args.json_out)
         print(f"JSON written to {args.json_out}")
     return 0 if report.errors == 0 else 1
+
+
+def _run_kube_demo(args: argparse.Namespace) -> int:
+    from dscache.demo.kube import KubeDemoOptions, main
+
+    opts = KubeDemoOptions(
+        quick=args.quick,
+        kubeconfig=args.kubeconfig,
+        prometheus_url=args.prometheus_url,
+        concurrency=args.concurrency,
+        think_s=args.think,
+        seed=args.seed,
+        interval_s=round(args.interval) if args.interval else None,
+        workdir=args.workdir,
+    )
+    png = args.png_out
+    if png is None:
+        png = (
+            args.json_out.with_suffix(".png")
+            if args.json_out
+            else Path("dscache-demo-kubernetes.png")
+        )
+    return main(opts, args.json_out, png)
 
 
 def _run_demo(args: argparse.Namespace) -> int:

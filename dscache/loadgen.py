@@ -25,7 +25,9 @@ import asyncio
 import json
 import logging
 import math
+import random
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from http.cookiejar import CookieJar, DefaultCookiePolicy
@@ -67,6 +69,10 @@ class LoadConfig:
         session_header: header carrying the session id.
         upstream_header: response header naming the pod (router debug header), if any.
         progress: show a progress bar on stderr.
+        think_s: mean seconds a user takes between the end of one answer and the
+            next question of the same session (exponential, drawn from a seed of
+            the session's name, at most 4x the mean); 0: the next turn at once.
+            With think time, ``concurrency`` is the number of live sessions.
     """
 
     target: str
@@ -79,6 +85,7 @@ class LoadConfig:
     session_header: str = "X-Session-ID"
     upstream_header: str = "X-Dscache-Upstream"
     progress: bool = True
+    think_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -87,6 +94,8 @@ class LoadConfig:
             raise ValueError("requests must be >= 1")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("duration must be > 0")
+        if self.think_s < 0:
+            raise ValueError("think time must be >= 0")
 
 
 @dataclass
@@ -143,6 +152,18 @@ class LoadReport:
         if not with_results:
             d.pop("results")
         return d
+
+
+def think_times(session: str, turns: int, mean_s: float) -> list[float]:
+    """Seconds to wait before each turn of ``session``: none before the first.
+
+    Exponential with mean ``mean_s``, capped at 4x the mean, from a seed of the
+    session's name, so a replay waits the same way every time.
+    """
+    if mean_s <= 0 or turns <= 1:
+        return [0.0] * turns
+    rng = random.Random(zlib.crc32(session.encode()))
+    return [0.0] + [min(rng.expovariate(1.0 / mean_s), 4 * mean_s) for _ in range(turns - 1)]
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -303,8 +324,17 @@ async def run_load(
     workload: Sequence[ChatRequest],
     *,
     on_result: Callable[[RequestResult], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> LoadReport:
-    """Replays ``workload`` as ``cfg`` says and returns the report."""
+    """Replays ``workload`` as ``cfg`` says and returns the report.
+
+    Args:
+        cfg: Target, concurrency and limits.
+        workload: Requests, grouped into sessions by :func:`sessions_of`.
+        on_result: Called with each finished request (from the event loop).
+        should_stop: Polled before each request starts; once it returns True
+            no request starts (in-flight ones finish), like ``duration_s``.
+    """
     import httpx
 
     # httpx logs every request at INFO; a replay would drown the progress bar.
@@ -328,6 +358,8 @@ async def run_load(
         def may_start() -> bool:
             if cfg.requests is not None and started >= cfg.requests:
                 return False
+            if should_stop is not None and should_stop():
+                return False
             return cfg.duration_s is None or time.perf_counter() - t0 < cfg.duration_s
 
         async def worker() -> None:
@@ -335,7 +367,10 @@ async def run_load(
             while next_session < len(sessions):
                 turns = sessions[next_session]
                 next_session += 1
-                for req in turns:
+                pauses = think_times(turns[0].session, len(turns), cfg.think_s)
+                for req, pause in zip(turns, pauses, strict=True):
+                    if pause:
+                        await asyncio.sleep(pause)
                     if not may_start():
                         return
                     started += 1

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from fakes.openai_sse import FakeChatServer
 
-from dscache.loadgen import LoadConfig, parse_counters, percentile, run_load
+from dscache.loadgen import LoadConfig, parse_counters, percentile, run_load, think_times
 from dscache.workload import ChatRequest, WorkloadConfig, generate
 
 
@@ -135,3 +135,42 @@ def test_percentile_and_counter_parsing() -> None:
         'dscache_server_cache_hits{level="block"}': 7.0,
         'dscache_server_cache_hits{level="token"}': 1792.0,
     }
+
+
+def test_think_times_are_seeded_bounded_and_start_with_none() -> None:
+    pauses = think_times("s00001-ACME", 40, 2.0)
+    assert pauses == think_times("s00001-ACME", 40, 2.0)  # a replay waits the same
+    assert pauses[0] == 0.0 and all(0 < p <= 8.0 for p in pauses[1:])
+    assert think_times("s00002-ACME", 40, 2.0) != pauses
+    assert think_times("s", 5, 0.0) == [0.0] * 5 and think_times("s", 1, 2.0) == [0.0]
+
+
+def test_a_session_thinks_between_turns_and_others_go_on(fake: FakeChatServer) -> None:
+    workload = _workload(4)
+    cfg = LoadConfig(target=fake.url, concurrency=4, progress=False, think_s=0.3)
+    report = _run(cfg, workload)
+    assert report.errors == 0 and report.requests == len(workload)
+    results = {(r.session, r.turn): r for r in report.results}
+    for (session, turn), cur in results.items():
+        if turn == 0:
+            continue
+        prev = results[(session, turn - 1)]
+        wanted = think_times(session, turn + 1, 0.3)[turn]
+        # The next question comes only after the answer and the user's pause.
+        assert cur.started_s >= prev.started_s + prev.e2e_s + wanted - 0.01
+    # Four live sessions: while one thinks, others send.
+    spans = sorted((s.start, s.end) for s in fake.seen)
+    assert sum(1 for a, b in itertools.pairwise(spans) if b[0] < a[1]) > 0
+
+
+def test_should_stop_ends_the_run_between_requests(fake: FakeChatServer) -> None:
+    stop = {"now": False}
+
+    def on_result(_res: object) -> None:
+        stop["now"] = True  # after the first answer nothing new starts
+
+    cfg = LoadConfig(target=fake.url, concurrency=1, progress=False)
+    report = asyncio.run(
+        run_load(cfg, _workload(3), on_result=on_result, should_stop=lambda: stop["now"])
+    )
+    assert report.requests == 1

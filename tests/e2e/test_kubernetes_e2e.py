@@ -1,0 +1,373 @@
+"""The Kubernetes story on running pods: what an SRE does after ``helm install``.
+
+Everything here runs for real on the session dev cluster's real node: the
+operator as two peered pods (Helm), model-server + sidecar pods of the dscache
+image, the NGINX router pod, the prewarm Job, and Debian's Prometheus beside
+the cluster scraping the pods. ``dscache demo kubernetes --quick`` runs first
+(the warm canary promoted on real hit rates and TTFT, a bad revision rolled
+back by the gate, the blind rolling update); then the abort annotation and
+``kubectl rollout undo`` on live pods, an operator pod killed mid-ramp, and a
+hostPath cache that survives its pod and keeps the two tracks apart.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dscache.demo.kube import EXAMPLE, KubeDemoOptions, run_kubernetes_demo, write_png
+from dscache.devcluster import DevCluster, wait_until
+
+pytestmark = pytest.mark.cluster
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATOR_NS = "dscache-system"
+#: A weight change must reach the router "within a few seconds"; slack for a loaded CI machine.
+ROUTER_LATENCY_BOUND_S = 15.0
+
+
+@pytest.fixture(scope="module")
+def release(dev_cluster: DevCluster) -> Iterator[str]:
+    """The chart installed as a user would: the operator as two peered pods."""
+    assert dev_cluster.prometheus_url, "the session cluster runs Prometheus"
+    dev_cluster.helm(
+        "upgrade",
+        "--install",
+        "dscache",
+        str(ROOT / "charts" / "dscache"),
+        "--namespace",
+        OPERATOR_NS,
+        "--create-namespace",
+        "--set",
+        f"operator.prometheusUrl={dev_cluster.prometheus_url}",
+        "--set",
+        "operator.tickSeconds=2",
+        "--set",
+        "operator.peeringLifetimeSeconds=10",
+        "--wait",
+        "--timeout",
+        "300s",
+    )
+    yield OPERATOR_NS
+    # The operator modules run their own operator process: leave no replica acting.
+    dev_cluster.helm("uninstall", "dscache", "--namespace", OPERATOR_NS, "--wait", check=False)
+
+
+@pytest.fixture
+def namespace(dev_cluster: DevCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = f"e2e-{os.getpid() % 10000}-{request.node.name[5:30].replace('_', '-').strip('-')}"
+    dev_cluster.kubectl("create", "namespace", name)
+    yield name
+    dev_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def _resource(name: str, **spec: Any) -> dict[str, Any]:
+    """The CPU-sized example, one pod per track, a small cache, no prewarm; ``spec`` on top."""
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"] = {"name": name}
+    base = doc["spec"]
+    base["replicas"] = 1
+    base["cache"]["size"] = "256Mi"
+    base["prewarm"] = {"enabled": False}
+    for key, value in spec.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
+    return doc
+
+
+def _apply(c: DevCluster, ns: str, doc: dict[str, Any]) -> None:
+    c.kubectl("apply", "-n", ns, "-f", "-", stdin=json.dumps(doc))
+
+
+def _status(c: DevCluster, ns: str, name: str) -> dict[str, Any]:
+    st: dict[str, Any] = c.kubectl_json("get", "dscd", name, "-n", ns).get("status") or {}
+    return st
+
+
+def _wait_status(
+    c: DevCluster, ns: str, name: str, what: str, ok: Any, timeout: float = 600
+) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        st = _status(c, ns, name)
+        return st if ok(st) else None
+
+    try:
+        result: dict[str, Any] = wait_until(what, probe, timeout, 1.0)
+    except TimeoutError as exc:
+        pods = c.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout
+        raise AssertionError(f"{exc}\nstatus: {_status(c, ns, name)}\npods:\n{pods}") from exc
+    return result
+
+
+def _available(c: DevCluster, ns: str, name: str, timeout: float = 900) -> dict[str, Any]:
+    return _wait_status(c, ns, name, "Available", lambda s: s.get("phase") == "Available", timeout)
+
+
+def _patch(c: DevCluster, ns: str, name: str, patch: dict[str, Any]) -> None:
+    c.kubectl("patch", "dscd", name, "-n", ns, "--type", "merge", "-p", json.dumps(patch))
+
+
+def _router_status(c: DevCluster, ns: str, name: str) -> dict[str, Any] | None:
+    pods = c.kubectl_json(
+        "get", "pods", "-n", ns, "-l", f"app.kubernetes.io/instance={name},"
+        "app.kubernetes.io/component=router",
+    )["items"]  # fmt: skip
+    ips = [p["status"].get("podIP") for p in pods if p["status"].get("podIP")]
+    if not ips:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{ips[0]}:8080/dscache/router/status", timeout=5) as r:
+            body: dict[str, Any] = json.loads(r.read())
+            return body
+    except OSError:
+        return None
+
+
+def _chat(c: DevCluster, ns: str, name: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    svc = c.kubectl_json("get", "service", name, "-n", ns)["spec"]["clusterIP"]
+    body = json.dumps({"messages": messages, "max_tokens": 2, "temperature": 0}).encode()
+    req = urllib.request.Request(
+        f"http://{svc}/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json", "X-Session-ID": "e2e-hostpath"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:  # through the router Service
+        reply: dict[str, Any] = json.loads(r.read())
+        return reply
+
+
+# ----------------------------------------------------------------------------- the demo
+
+
+def test_demo_kubernetes_promotes_the_good_revision_and_rolls_back_the_bad_one(
+    dev_cluster: DevCluster, release: str, tmp_path: Path
+) -> None:
+    opts = KubeDemoOptions(
+        quick=True,
+        kubeconfig=dev_cluster.kubeconfig,
+        prometheus_url=dev_cluster.prometheus_url,
+        namespace="e2e-demo",
+        operator_namespace=release,
+    )
+    report = run_kubernetes_demo(opts, say=lambda line: log.info("demo: %s", line))
+    (tmp_path / "demo.json").write_text(json.dumps(report, indent=2))
+    assert report["promoted"] is True
+    assert report["bad_revision_rolled_back"] is True
+    bad = report["bad_revision"]["last_analysis"]
+    assert bad["result"] == "Fail" and bad["hitRate"] == pytest.approx(0.0, abs=1e-6)
+    for key in ("warm_canary", "blind_rolling"):
+        part = report[key]
+        for field in ("recomputed_tokens", "prompt_tokens", "ttft_p99_s", "errors"):
+            assert part[field] is not None, (key, field)
+        assert part["prompt_tokens"] > 0 and 0 <= part["recomputed_tokens"] <= part["prompt_tokens"]
+    # Nothing a client sent failed during the warm canary's whole rollout.
+    assert report["warm_canary"]["errors"] == 0
+    # Each step of the ramp was served, in order, once.
+    weights = [s["weight"] for s in report["warm_canary"]["per_step"]]
+    ramp = [w for w in weights if w]
+    assert ramp[: ramp.index(100) + 1] == [10.0, 25.0, 50.0, 100.0], weights
+    latency = report["router_weight_latency_s"]
+    assert latency is not None and latency < ROUTER_LATENCY_BOUND_S
+    write_png(report, tmp_path / "demo.png")
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
+    # Prometheus scraped the pods' real metrics, labelled by revision.
+    query = urllib.parse.quote(
+        'count by (dscache_io_revision) (dscache_server_prompt_tokens_total{namespace="e2e-demo"})'
+    )
+    with urllib.request.urlopen(f"{dev_cluster.prometheus_url}/api/v1/query?query={query}") as r:
+        revisions = {
+            s["metric"]["dscache_io_revision"] for s in json.loads(r.read())["data"]["result"]
+        }
+    assert len(revisions) >= 3  # revisions 1, 2 and the bad one
+
+
+# ----------------------------------------------------------------------------- steering
+
+
+def test_abort_and_rollout_undo_on_live_pods(
+    dev_cluster: DevCluster, release: str, namespace: str
+) -> None:
+    c, ns = dev_cluster, namespace
+    name = "steer"
+    # An hour per step: nothing advances unless a person says so.
+    _apply(c, ns, _resource(name, rollout={"interval": "1h", "steps": [10, 50, 100]}))
+    first = _available(c, ns, name)
+    stable_slot = first["stableSlot"]
+    _patch(c, ns, name, {"spec": {"model": {"revision": "2"}}})
+    st = _wait_status(c, ns, name, "weight 10", lambda s: s.get("weight") == 10)
+    canary_slot = st["canarySlot"]
+    wait_until(
+        "the router to serve 10% on the canary track",
+        lambda: (_router_status(c, ns, name) or {}).get("canary_weight") == 10.0,
+        ROUTER_LATENCY_BOUND_S,
+    )
+
+    c.kubectl("annotate", "dscd", name, "-n", ns, "dscache.io/abort=true")
+    st = _wait_status(c, ns, name, "aborted", lambda s: s.get("phase") == "RolledBack")
+    assert st["weight"] == 0 and st["stableSlot"] == stable_slot
+    wait_until(
+        "the router to drop the canary",
+        lambda: (_router_status(c, ns, name) or {}).get("canary") is None,
+        ROUTER_LATENCY_BOUND_S,
+    )
+    wait_until(
+        "the aborted track's pods to go",
+        lambda: (
+            not c.kubectl_json("get", "pods", "-n", ns, "-l", f"dscache.io/slot={canary_slot}")[
+                "items"
+            ]
+        ),
+        180,
+    )
+    annotations = c.kubectl_json("get", "dscd", name, "-n", ns)["metadata"].get("annotations", {})
+    assert "dscache.io/abort" not in annotations  # one-shot: acted on, then cleared
+
+    # A new revision, promoted in one go; then a person undoes its Deployment.
+    _patch(c, ns, name, {"spec": {"model": {"revision": "3"}}})
+    _wait_status(c, ns, name, "revision 3 at 10%", lambda s: s.get("weight") == 10)
+    c.kubectl("annotate", "dscd", name, "-n", ns, "dscache.io/promote=full")
+    st = _wait_status(
+        c, ns, name, "promoted", lambda s: s.get("phase") == "Available" and s.get("previousSlot")
+    )
+    new_slot, old_slot = st["stableSlot"], st["previousSlot"]
+    assert (new_slot, old_slot) == (canary_slot, stable_slot)
+    deployment = f"{name}-{new_slot}"
+    before = c.kubectl_json("get", "deployment", deployment, "-n", ns)
+    c.kubectl("rollout", "undo", f"deployment/{deployment}", "-n", ns)
+    st = _wait_status(
+        c, ns, name, "the undo honoured", lambda s: s.get("stableSlot") == old_slot, 120
+    )
+    assert st["lastAction"]["type"] == "undo" or st["phase"] == "RolledBack"
+    wait_until(
+        "the router to send every session to the warm previous track",
+        lambda: (_router_status(c, ns, name) or {}).get("stable") == old_slot,
+        ROUTER_LATENCY_BOUND_S,
+    )
+    # Not fought: the undone template stays as the person left it.
+    after = c.kubectl_json("get", "deployment", deployment, "-n", ns)
+    assert (
+        after["spec"]["template"]["metadata"]["annotations"]
+        != before["spec"]["template"]["metadata"]["annotations"]
+    )
+
+
+def _active_operator_pod(c: DevCluster) -> str | None:
+    """The operator pod that acts: the one whose /metrics counts reconciles."""
+    pods = c.kubectl_json("get", "pods", "-n", OPERATOR_NS, "-l", "app.kubernetes.io/name=dscache")
+    for pod in pods["items"]:
+        ip = pod["status"].get("podIP")
+        if not ip or pod["metadata"].get("deletionTimestamp"):
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{ip}:9090/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if (
+                line.startswith("dscache_operator_reconciles_total{")
+                and float(line.split()[-1]) > 0
+            ):
+                name: str = pod["metadata"]["name"]
+                return name
+    return None
+
+
+def test_an_operator_pod_killed_mid_ramp_resumes_without_repeating_a_step(
+    dev_cluster: DevCluster, release: str, namespace: str
+) -> None:
+    c, ns = dev_cluster, namespace
+    name = "ramp"
+    # Blind steps (no analysis): this is about the operator, not the gate.
+    rollout = {"interval": "20s", "steps": [10, 25, 50, 100], "analysis": {"enabled": False}}
+    _apply(c, ns, _resource(name, rollout=rollout))
+    _available(c, ns, name)
+    _patch(c, ns, name, {"spec": {"model": {"revision": "2"}}})
+    _wait_status(c, ns, name, "weight 25", lambda s: s.get("weight") == 25)
+    victim = wait_until("the acting operator pod", lambda: _active_operator_pod(c), 60)
+    c.kubectl("delete", "pod", victim, "-n", OPERATOR_NS, "--grace-period=0", "--force")
+    st = _available(c, ns, name, 600)
+    assert st["weight"] == 0 and st.get("previousSlot")
+    events = c.kubectl_json(
+        "get",
+        "events",
+        "-n",
+        ns,
+        "--field-selector",
+        f"involvedObject.name={name},reason=StepStarted",
+    )["items"]
+    weights = sorted(int(e["message"].split(" at ")[1].split("%")[0]) for e in events)
+    assert weights == [10, 25, 50, 100], [e["message"] for e in events]
+
+
+# ----------------------------------------------------------------------------- hostPath
+
+
+def test_a_host_path_cache_survives_its_pod_and_keeps_the_tracks_apart(
+    dev_cluster: DevCluster, release: str, namespace: str, tmp_path: Path
+) -> None:
+    c, ns = dev_cluster, namespace
+    name = "disk"
+    host_dir = Path(f"/var/lib/dscache-e2e-{os.getpid()}")
+    try:
+        volume = {"type": "hostPath", "hostPath": str(host_dir)}
+        doc = _resource(name, cache={"volume": volume}, rollout={"interval": "1h"})
+        _apply(c, ns, doc)
+        _available(c, ns, name)
+        # A prompt long enough to be cached (over minTokens).
+        text = " ".join(f"Quarterly revenue line {i} grew by {i % 7} percent." for i in range(80))
+        messages = [{"role": "system", "content": text}, {"role": "user", "content": "Summary?"}]
+        first = _chat(c, ns, name, messages)
+        assert first["usage"]["prompt_tokens"] > 256
+        blue = host_dir / ns / f"{name}-blue"
+        wait_until("blocks on the node's disk", lambda: any(blue.glob("segments/*")), 60)
+        assert blue.stat().st_uid == 10001  # the init container gave it to the pods' user
+
+        # The pod is deleted; its replacement on the same node finds the cache warm.
+        pod = c.kubectl_json("get", "pods", "-n", ns, "-l", "dscache.io/slot=blue")["items"][0]
+        c.kubectl("delete", "pod", pod["metadata"]["name"], "-n", ns, "--wait=true")
+        c.kubectl("rollout", "status", f"deployment/{name}-blue", "-n", ns, "--timeout=600s")
+        again = wait_until(
+            "a warm answer from the new pod",
+            lambda: _chat(c, ns, name, messages),
+            300,
+            5.0,
+        )
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 256, again["usage"]
+
+        # A rollout puts the second track on the same node, in a directory of its own.
+        _patch(c, ns, name, {"spec": {"model": {"revision": "2"}}})
+        _wait_status(c, ns, name, "the canary at 10%", lambda s: s.get("weight") == 10)
+        green = host_dir / ns / f"{name}-green"
+        wait_until("the green track's own store", (green / "index").exists, 120)
+        assert (blue / "index").exists() and blue != green
+        nodes = {
+            p["spec"]["nodeName"]
+            for p in c.kubectl_json(
+                "get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=model"
+            )["items"]
+        }
+        assert nodes == {"dev-real-0"}
+        c.kubectl("delete", "dscd", name, "-n", ns, "--timeout=300s")
+        wait_until(
+            "the model pods to go",
+            lambda: (
+                not c.kubectl_json(
+                    "get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=model"
+                )["items"]
+            ),
+            300,
+        )
+    finally:
+        shutil.rmtree(host_dir, ignore_errors=True)  # the test undoes what it put on the host
