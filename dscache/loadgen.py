@@ -369,8 +369,10 @@ async def run_load(
                 next_session += 1
                 pauses = think_times(turns[0].session, len(turns), cfg.think_s)
                 for req, pause in zip(turns, pauses, strict=True):
-                    if pause:
-                        await asyncio.sleep(pause)
+                    # A user thinking is not a request in flight: a stop ends the wait.
+                    until = time.perf_counter() + pause
+                    while may_start() and (left := until - time.perf_counter()) > 0:
+                        await asyncio.sleep(min(left, 0.5))
                     if not may_start():
                         return
                     started += 1

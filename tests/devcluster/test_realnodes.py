@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -135,9 +136,18 @@ def test_pods_run_behind_a_service(dev_cluster: DevCluster, namespace: str) -> N
     assert all(p["status"]["podIP"].startswith("10.246.0.") for p in pods)
 
     ip = dev_cluster.kubectl_json("get", "service", "web", "-n", ns)["spec"]["clusterIP"]
-    # From the host, through kube-proxy's rules.
-    with urllib.request.urlopen(f"http://{ip}/", timeout=10) as reply:
-        assert reply.status == 200 and b"Directory listing" in reply.read()
+
+    # From the host, through kube-proxy's rules. kube-proxy rejects (connection
+    # refused) until it has synced the Service's ready endpoints, a moment after
+    # the rollout is reported done.
+    def listing() -> bytes | None:
+        try:
+            with urllib.request.urlopen(f"http://{ip}/", timeout=10) as reply:
+                return reply.read() if reply.status == 200 else None
+        except (urllib.error.URLError, ConnectionError):
+            return None
+
+    assert b"Directory listing" in wait_until("the Service answers", listing, 60, 1.0)
 
     # From a pod: the Service, and the API server through the kubernetes Service.
     code = (

@@ -278,8 +278,9 @@ def test_good_figures_promote_through_every_step(
     weights = [w for p, w in seen if p == "Progressing"]
     assert weights == [10, 25, 50, 100], seen
     assert ("Prewarming", 0) in seen
-    assert "10% canary;" in confs[10] and "25% canary;" in confs[25] and "50% canary;" in confs[50]
-    assert "default canary;" in confs[100]
+    # New sessions split by weight onto the canary's track (green; blue is stable).
+    assert "10% green;" in confs[10] and "25% green;" in confs[25] and "50% green;" in confs[50]
+    assert "default green;" in confs[100]
     st = status(c, ns, name)
     assert (st["stableSlot"], st["previousSlot"], st["weight"]) == ("green", "blue", 0)
     assert st["lastAnalysis"]["result"] == "Pass" and st["hitRate"] == "0.950"

@@ -22,6 +22,17 @@ def _peers(c: DevCluster, name: str) -> dict[str, Any]:
     return out
 
 
+def _last_peering_state(log: str) -> str:
+    """``active`` or ``paused``: what the replica's last peering message said."""
+    state = "paused"
+    for line in log.splitlines():
+        if "Resuming operations after the pause" in line:
+            state = "active"
+        elif "Pausing operations in favour of" in line or "Pausing all operators" in line:
+            state = "paused"
+    return state
+
+
 def test_the_charts_operator_runs_in_cluster_with_one_active_replica(
     dev_cluster: DevCluster, chart: str, ns: str
 ) -> None:
@@ -55,9 +66,23 @@ def test_the_charts_operator_runs_in_cluster_with_one_active_replica(
         for d in deps["items"]:
             assert d["metadata"]["ownerReferences"][0]["uid"] == body["metadata"]["uid"]
 
-        logs = {n: c.kubectl("logs", n, "-n", chart).stdout for n in names}
-        # kopf starts a peered replica paused; exactly one resumed and acts.
-        active = [n for n, text in logs.items() if "Resuming operations after the pause" in text]
+        def logs_of_all() -> dict[str, str]:
+            return {n: c.kubectl("logs", n, "-n", chart).stdout for n in names}
+
+        def settled() -> dict[str, str] | None:
+            got = logs_of_all()
+            active = [n for n, text in got.items() if _last_peering_state(text) == "active"]
+            return got if len(active) == 1 else None
+
+        try:
+            logs = wait_until("one replica active", settled, 60, 2.0)
+        except TimeoutError:
+            logs = logs_of_all()
+        # kopf starts a peered replica paused and resumes it when it sees no live
+        # peer of higher priority. Two replicas started together can both resume
+        # before either has written its keep-alive; the younger pauses as soon as
+        # it reads the older's. What matters is where they settle: one acts.
+        active = [n for n, text in logs.items() if _last_peering_state(text) == "active"]
         assert len(active) == 1, {n: t[-2000:] for n, t in logs.items()}
         for text in logs.values():
             # The ServiceAccount token, in-cluster config and the chart's RBAC were enough.
