@@ -8,8 +8,9 @@ every second and rewrites Prometheus' ``file_sd`` file when the set changes
 
 Contract:
     * :func:`targets` is pure: one target group per container port named
-      ``http`` or ``metrics`` of each running, not terminating pod labelled
-      ``app.kubernetes.io/name: dscache`` with a pod IP, labelled with what
+      ``http`` or ``metrics`` of each running, not terminating model pod
+      (``app.kubernetes.io/name: dscache``, ``app.kubernetes.io/component:
+      model``: what the operator's ServiceMonitor selects) with a pod IP, labelled with what
       the operator's analysis selects on (``namespace``,
       ``dscache_io_revision``) plus ``dscache_io_slot``, ``pod`` and
       ``container``; sorted, so equal pod sets give equal files.
@@ -26,6 +27,7 @@ import os
 import signal
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +35,11 @@ from dscache.devcluster.api import ApiClient
 
 logger = logging.getLogger(__name__)
 
-SELECTOR = "app.kubernetes.io/name=dscache"
+# Model pods only: the router's port passes /metrics through to some model pod,
+# which would count that pod's series twice under the router's name.
+SELECTOR = "app.kubernetes.io/name=dscache,app.kubernetes.io/component=model"
 PORT_NAMES = ("http", "metrics")
+_SELECTED = dict(pair.split("=", 1) for pair in SELECTOR.split(","))
 
 
 def targets(pods: dict[str, Any]) -> list[dict[str, Any]]:
@@ -46,6 +51,8 @@ def targets(pods: dict[str, Any]) -> list[dict[str, Any]]:
         if not ip or status.get("phase") != "Running" or meta.get("deletionTimestamp"):
             continue
         pod_labels = meta.get("labels") or {}
+        if any(pod_labels.get(k) != v for k, v in _SELECTED.items()):
+            continue
         for container in spec.get("containers") or []:
             for port in container.get("ports") or []:
                 if port.get("name") not in PORT_NAMES:
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         host=host,
     )
     last = write_if_changed(args.out, [], None)
-    path = "/api/v1/pods?labelSelector=" + SELECTOR.replace("=", "%3D").replace("/", "%2F")
+    path = "/api/v1/pods?" + urllib.parse.urlencode({"labelSelector": SELECTOR})
     while True:
         reply = api.get(path)
         if reply.status == 200 and isinstance(reply.body, dict):

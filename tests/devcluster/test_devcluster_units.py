@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from dscache.devcluster import PINNED, Versions, build, locate
+from dscache.devcluster import PINNED, Versions, build, locate, podsd
 from dscache.devcluster.cluster import ClusterError, DevCluster
 from dscache.devcluster.nodes import GPU_RESOURCE, kwok_config, node_manifest, node_shapes
 from dscache.devcluster.pki import generate
@@ -129,3 +129,37 @@ def test_start_never_overwrites_a_foreign_kubeconfig(tmp_path: Path) -> None:
             tmp_path / "state", kubeconfig=theirs, binaries=locate(PINNED, tmp_path / "cache")
         )
     assert "prod" in theirs.read_text()
+
+
+def _pod(name: str, component: str, port: str, *, phase: str = "Running") -> dict[str, object]:
+    return {
+        "metadata": {
+            "name": name,
+            "namespace": "demo",
+            "labels": {
+                "app.kubernetes.io/name": "dscache",
+                "app.kubernetes.io/component": component,
+                "dscache.io/revision": "r1",
+                "dscache.io/slot": "blue",
+            },
+        },
+        "spec": {"containers": [{"name": "c", "ports": [{"name": port, "containerPort": 8000}]}]},
+        "status": {"phase": phase, "podIP": f"10.0.0.{len(name)}"},
+    }
+
+
+def test_prometheus_scrapes_running_model_pods_only() -> None:
+    # The router's port passes /metrics through to a model pod: scraping it
+    # would count that pod's series a second time under the router's name.
+    pods = {
+        "items": [
+            _pod("model-a", "model", "http"),
+            _pod("router-b", "router", "http"),
+            _pod("model-pending", "model", "http", phase="Pending"),
+            _pod("model-grpc", "model", "grpc"),
+        ]
+    }
+    (group,) = podsd.targets(pods)
+    assert group["labels"]["pod"] == "model-a"
+    assert group["labels"]["dscache_io_revision"] == "r1"
+    assert group["targets"] == ["10.0.0.7:8000"]

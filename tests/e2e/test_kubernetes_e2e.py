@@ -204,15 +204,17 @@ def test_demo_kubernetes_promotes_the_good_revision_and_rolls_back_the_bad_one(
     assert latency is not None and latency < ROUTER_LATENCY_BOUND_S
     write_png(report, tmp_path / "demo.png")
     assert (tmp_path / "demo.png").stat().st_size > 10_000
-    # Prometheus scraped the pods' real metrics, labelled by revision.
+    # Prometheus scraped the pods' real metrics, labelled by revision (over the
+    # whole run: the demo deleted its namespace, so the series have ended).
     query = urllib.parse.quote(
-        'count by (dscache_io_revision) (dscache_server_prompt_tokens_total{namespace="e2e-demo"})'
+        "count by (dscache_io_revision) (last_over_time("
+        'dscache_server_prompt_tokens_total{namespace="e2e-demo"}[2h]))'
     )
     with urllib.request.urlopen(f"{dev_cluster.prometheus_url}/api/v1/query?query={query}") as r:
-        revisions = {
-            s["metric"]["dscache_io_revision"] for s in json.loads(r.read())["data"]["result"]
-        }
-    assert len(revisions) >= 3  # revisions 1, 2 and the bad one
+        result = json.loads(r.read())["data"]["result"]
+    revisions = {s["metric"].get("dscache_io_revision") for s in result}
+    # Revisions 1, 2 and the bad one; every series carries its pod's revision.
+    assert None not in revisions and len(revisions) >= 3, result
 
 
 # ----------------------------------------------------------------------------- steering
