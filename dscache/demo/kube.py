@@ -25,6 +25,11 @@ Contract:
     * Figures come from what the client saw (``usage`` of each streamed
       response and the time to its first token): recomputed prompt tokens are
       prompt tokens minus cached tokens.
+    * Each part also gives the steady state of the same traffic (the warm-up
+      just before its change: ``steady_recomputed_share``) and what the
+      rollout cost beyond it (``excess_recomputed_tokens`` / ``_share``):
+      new sessions and un-cached answers are recomputed with or without a
+      rollout.
     * The JSON has ``warm_canary`` and ``blind_rolling`` (each with
       ``recomputed_tokens``, ``prompt_tokens``, ``ttft_p99_s``, ``errors``),
       ``promoted``, ``bad_revision_rolled_back`` and
@@ -347,6 +352,8 @@ class Phase:
     #: (perf_counter, label, value) observations: weight, phase, updated pods
     events: list[tuple[float, str, Any]] = field(default_factory=list)
     completed: float | None = None
+    #: the same traffic just before the change (the warm-up): the steady state
+    before: list[tuple[float, RequestResult]] = field(default_factory=list)
 
 
 class LoadThread:
@@ -391,6 +398,11 @@ class LoadThread:
     def since(self, t: float) -> list[tuple[float, RequestResult]]:
         with self._lock:
             return [(s, r) for s, r in self.results if s >= t]
+
+    def before(self, t: float) -> list[tuple[float, RequestResult]]:
+        """Requests started before ``t``."""
+        with self._lock:
+            return [(s, r) for s, r in self.results if s < t]
 
     def stop(self) -> None:
         self._stop.set()
@@ -633,6 +645,7 @@ def _scenarios(
     time.sleep(opts.settle)
     watcher.stop()
     canary.results = [x for x in load.since(canary.started) if x[0] < time.perf_counter()]
+    canary.before = load.before(canary.started)
     load.stop()
     out["promoted"] = promoted
     out["warm_canary"] = _phase_report(canary, "weight")
@@ -707,6 +720,7 @@ def _scenarios(
     time.sleep(opts.settle)
     watcher.stop()
     blind.results = load.since(blind.started)
+    blind.before = load.before(blind.started)
     load.stop()
     out["blind_rolling"] = _phase_report(blind, f"{slot}_updated")
     out["router_weight_latency_s"] = round(max(latencies), 2) if latencies else None
@@ -746,6 +760,16 @@ def _phase_report(phase: Phase, label: str) -> dict[str, Any]:
         max((s for s, _ in phase.results), default=phase.started) - phase.started, 1
     )
     f["per_step"] = per_step(phase, label)
+    # What the rollout itself cost: recomputation beyond the steady state's share.
+    steady = figures(phase.before)
+    f["steady_recomputed_share"] = steady["recomputed_share"]
+    f["steady_requests"] = steady["requests"]
+    if steady["recomputed_share"] is not None and f["recomputed_share"] is not None:
+        excess = f["recomputed_tokens"] - steady["recomputed_share"] * f["prompt_tokens"]
+        f["excess_recomputed_tokens"] = round(excess)
+        f["excess_recomputed_share"] = excess / f["prompt_tokens"] if f["prompt_tokens"] else None
+    else:
+        f["excess_recomputed_tokens"] = f["excess_recomputed_share"] = None
     return f
 
 
@@ -753,9 +777,15 @@ def _ratios(canary: dict[str, Any], blind: dict[str, Any]) -> dict[str, float | 
     def div(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a is not None and b else None
 
+    def excess(part: dict[str, Any]) -> float | None:
+        # Below the steady state is noise, not a negative cost.
+        x = part["excess_recomputed_share"]
+        return None if x is None else max(0.0, x)
+
     return {
         "recomputed_tokens": div(canary["recomputed_tokens"], blind["recomputed_tokens"]),
         "recomputed_share": div(canary["recomputed_share"], blind["recomputed_share"]),
+        "excess_recomputed_share": div(excess(canary), excess(blind)),
         "ttft_p99": div(canary["ttft_p99_s"], blind["ttft_p99_s"]),
     }
 
@@ -807,6 +837,8 @@ def format_table(report: dict[str, Any]) -> str:
             return f"{value:.2f} s"
         if kind == "ratio":
             return f"{value:.3f}"
+        if isinstance(value, float):
+            return f"{value:,.0f}"
         return f"{value:,}"
 
     def ratio(x: Any, y: Any) -> str:
@@ -818,6 +850,8 @@ def format_table(report: dict[str, Any]) -> str:
         ("prompt tokens", "prompt_tokens", "n"),
         ("recomputed prompt tokens", "recomputed_tokens", "n"),
         ("recomputed share", "recomputed_share", "ratio"),
+        ("recomputed share before the change", "steady_recomputed_share", "ratio"),
+        ("recomputed beyond that share", "excess_recomputed_share", "ratio"),
         ("token hit ratio", "token_hit_ratio", "ratio"),
         ("TTFT P50", "ttft_p50_s", "s"),
         ("TTFT P99", "ttft_p99_s", "s"),
@@ -829,6 +863,9 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     for title, key, kind in rows:
         r = ratio(a.get(key), b.get(key)) if key not in ("requests", "rollout_s") else ""
+        if key == "excess_recomputed_share":
+            x = report["ratios"].get(key)
+            r = "-" if x is None else f"{x:.2f}x"
         lines.append(f"| {title} | {cell(a.get(key), kind)} | {cell(b.get(key), kind)} | {r} |")
     lines.append("")
     lines.append("canary steps (requests started at each weight):")

@@ -1,0 +1,87 @@
+"""``dscache demo kubernetes``: the figures it reports from what the client saw.
+
+The run itself needs a cluster whose pods run (tests/e2e); these check the
+arithmetic of its report on requests made up here.
+"""
+
+from __future__ import annotations
+
+from dscache.demo.kube import Phase, _phase_report, _ratios, format_table
+from dscache.loadgen import RequestResult
+
+
+def _req(t: float, prompt: int, cached: int, ttft: float = 0.2, ok: bool = True) -> tuple:
+    res = RequestResult(
+        session="s",
+        turn=0,
+        session_id=None,
+        ok=ok,
+        status=200 if ok else 503,
+        started_s=t,
+        ttft_s=ttft if ok else None,
+        e2e_s=1.0,
+        prompt_tokens=prompt if ok else 0,
+        cached_tokens=cached if ok else 0,
+    )
+    return (t, res)
+
+
+def _phase(
+    name: str, before_cached: int, during_cached: int, errors: int = 0, label: str = "weight"
+) -> Phase:
+    phase = Phase(name, started=100.0, completed=160.0)
+    # The steady state: 10% of each 1,000-token prompt recomputed.
+    phase.before = [_req(50.0 + i, 1000, before_cached) for i in range(10)]
+    phase.results = [_req(100.0 + i, 1000, during_cached) for i in range(20)]
+    phase.results += [_req(130.0, 0, 0, ok=False) for _ in range(errors)]
+    phase.events = [(100.0, label, 0.0 if label == "weight" else (0, 2, 2))]
+    return phase
+
+
+def _report() -> dict:
+    canary = _phase_report(_phase("warm_canary", 900, 890), "weight")
+    blind = _phase_report(
+        _phase("blind_rolling", 900, 700, errors=2, label="blue_updated"), "blue_updated"
+    )
+    return {
+        "warm_canary": canary,
+        "blind_rolling": blind,
+        "ratios": _ratios(canary, blind),
+        "promoted": True,
+        "bad_revision_rolled_back": True,
+        "router_weight_latency_s": 1.0,
+        "router_weight_latency_samples_s": [1.0],
+    }
+
+
+def test_recomputed_tokens_are_prompt_minus_cached_and_errors_are_counted() -> None:
+    report = _report()
+    blind = report["blind_rolling"]
+    assert blind["prompt_tokens"] == 20_000 and blind["recomputed_tokens"] == 6_000
+    assert blind["errors"] == 2 and blind["requests"] == 22
+    assert blind["rollout_s"] == 60.0
+
+
+def test_the_rollouts_cost_is_measured_beyond_the_steady_state() -> None:
+    report = _report()
+    canary, blind = report["warm_canary"], report["blind_rolling"]
+    assert canary["steady_recomputed_share"] == blind["steady_recomputed_share"] == 0.1
+    # Blind: 30% recomputed where the same traffic recomputed 10%: 20% extra.
+    assert blind["excess_recomputed_tokens"] == 4_000
+    assert canary["excess_recomputed_tokens"] == 200
+    assert report["ratios"]["excess_recomputed_share"] == 0.05
+    assert report["ratios"]["recomputed_share"] == round(0.11 / 0.3, 3)
+
+
+def test_a_canary_below_its_steady_state_costs_nothing_not_less() -> None:
+    canary = _phase_report(_phase("warm_canary", 900, 950), "weight")
+    blind = _phase_report(_phase("blind_rolling", 900, 700), "weight")
+    assert canary["excess_recomputed_tokens"] < 0
+    assert _ratios(canary, blind)["excess_recomputed_share"] == 0.0
+
+
+def test_the_table_names_each_figure_and_the_targets() -> None:
+    text = format_table(_report())
+    assert "| recomputed share | 0.110 | 0.300 | 0.37x |" in text
+    assert "| recomputed beyond that share | 0.010 | 0.200 | 0.05x |" in text
+    assert "target recomputed_share canary/blind <= 0.3: 0.367 MISSED" in text
