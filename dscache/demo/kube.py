@@ -656,6 +656,7 @@ def _scenarios(
     bad = Phase("bad_revision", time.perf_counter())
     watcher = Watcher(api, ns, bad).start()
     say("bad revision (the cache admits nothing): the gate must roll it back")
+    min_tokens = api.dscd(ns)["spec"]["cache"].get("minTokens")
     cluster.kubectl(
         "patch",
         "dscd",
@@ -687,17 +688,15 @@ def _scenarios(
         say(f"warning: {exc}")
     watcher.stop()
     latencies += watcher.latencies
-    cluster.kubectl(
-        "patch",
-        "dscd",
-        NAME,
-        "-n",
-        ns,
-        "--type",
-        "json",
-        "-p",
-        json.dumps([{"op": "remove", "path": "/spec/cache/minTokens"}]),
+    # Back to the stable revision's exact spec (a removed field would take the
+    # schema's default: another revision, another rollout).
+    restore = (
+        {"op": "replace", "path": "/spec/cache/minTokens", "value": min_tokens}
+        if min_tokens is not None
+        else {"op": "remove", "path": "/spec/cache/minTokens"}
     )
+    cluster.kubectl("patch", "dscd", NAME, "-n", ns, "--type", "json", "-p", json.dumps([restore]))
+    _wait("the resource back to its stable revision", lambda: _available(api, ns), timeout)
     say(f"warm-up traffic for {opts.warmup_s:.0f} s")
     time.sleep(opts.warmup_s)
     load.stop()
@@ -705,6 +704,8 @@ def _scenarios(
     # 3. A plain rolling update of the stable track's Deployment, blind to its cache.
     load = LoadThread(target, slices[2], opts.concurrency, opts.think_s).start()
     time.sleep(opts.warmup_s)
+    if not _available(api, ns):
+        raise RuntimeError("the resource is rolling out again: the blind update would race it")
     slot = (api.dscd(ns).get("status") or {}).get("stableSlot")
     deployment = f"{NAME}-{slot}"
     blind = Phase("blind_rolling", time.perf_counter())

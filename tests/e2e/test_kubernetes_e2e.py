@@ -200,6 +200,9 @@ def test_demo_kubernetes_promotes_the_good_revision_and_rolls_back_the_bad_one(
     weights = [s["weight"] for s in report["warm_canary"]["per_step"]]
     ramp = [w for w in weights if w]
     assert ramp[: ramp.index(100) + 1] == [10.0, 25.0, 50.0, 100.0], weights
+    # The blind update ran alone: the operator rolled nothing out meanwhile.
+    blind_events = report["timeline"]["blind_rolling"]["events"]
+    assert {e["value"] for e in blind_events if e["what"] == "weight"} == {0.0}, blind_events
     latency = report["router_weight_latency_s"]
     assert latency is not None and latency < ROUTER_LATENCY_BOUND_S
     write_png(report, tmp_path / "demo.png")
