@@ -179,19 +179,19 @@ def test_containers_share_a_unix_socket_in_an_empty_dir(
     ns = namespace
     server = (
         "import os, socket\n"
-        "s = socket.socket(socket.AF_UNIX); s.bind('/run/shared/s.sock'); s.listen(1)\n"
+        "s = socket.socket(socket.AF_UNIX); s.bind('/run/sockets/s.sock'); s.listen(1)\n"
         "c, _ = s.accept(); c.sendall(b'hello from ' + str(os.getpid()).encode()); c.close()\n"
     )
     client = (
         "import socket, time\n"
         "for _ in range(100):\n"
         "    try:\n"
-        "        s = socket.socket(socket.AF_UNIX); s.connect('/run/shared/s.sock'); break\n"
+        "        s = socket.socket(socket.AF_UNIX); s.connect('/run/sockets/s.sock'); break\n"
         "    except OSError: time.sleep(0.2)\n"
         "print(s.recv(100).decode())\n"
     )
-    mount = [{"name": "shared", "mountPath": "/run/shared"}]
-    pod = _python_pod("pair", server, volumes=[{"name": "shared", "emptyDir": {}}])
+    mount = [{"name": "sockets", "mountPath": "/run/sockets"}]
+    pod = _python_pod("pair", server, volumes=[{"name": "sockets", "emptyDir": {}}])
     pod["spec"]["containers"][0]["volumeMounts"] = mount
     second = {**pod["spec"]["containers"][0], "name": "client", "command": ["python", "-c", client]}
     pod["spec"]["containers"].append(second)

@@ -23,7 +23,7 @@ from dscache_sidecar.replay import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-MOONCAKE = REPO.parent / "shared" / "traces" / "mooncake" / "mooncake_conversation_trace.jsonl"
+MOONCAKE = REPO / "tests" / "data" / "traces" / "mooncake" / "mooncake_conversation_trace.jsonl"
 
 
 def write_mooncake(path: Path, requests: list[tuple[int, list[int]]]) -> Path:
