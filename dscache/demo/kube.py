@@ -14,7 +14,9 @@ router's Service while:
    rolled out; the gate must roll it back at the first step;
 3. **blind rolling update**: the stable track's Deployment gets a new model
    revision directly (``kubectl patch``), and Kubernetes replaces its pods one by
-   one as a plain rolling update does, blind to what their caches hold.
+   one as a plain rolling update does, blind to what their caches hold. The
+   operator is scaled to 0 meanwhile (it owns the Deployment and would put its
+   template back), and back afterwards.
 
 Contract:
     * Warm canary and blind rolling update replay sessions of one workload
@@ -25,8 +27,8 @@ Contract:
     * Figures come from what the client saw (``usage`` of each streamed
       response and the time to its first token): recomputed prompt tokens are
       prompt tokens minus cached tokens.
-    * Each part also gives the steady state of the same traffic (the warm-up
-      just before its change: ``steady_recomputed_share``) and what the
+    * Each part also gives the steady state of the same traffic (the second
+      half of the warm-up just before its change: ``steady_recomputed_share``) and what the
       rollout cost beyond it (``excess_recomputed_tokens`` / ``_share``):
       new sessions and un-cached answers are recomputed with or without a
       rollout.
@@ -68,6 +70,8 @@ CHART = ROOT / "charts" / "dscache"
 NAME = "finance"
 #: ``spec.cache.minTokens`` of the bad revision: the schema's maximum, nothing is admitted.
 NO_CACHE_MIN_TOKENS = 1 << 20
+#: the operator's Deployment (the chart's release name)
+OPERATOR = "dscache"
 
 
 @dataclass(frozen=True)
@@ -352,7 +356,8 @@ class Phase:
     #: (perf_counter, label, value) observations: weight, phase, updated pods
     events: list[tuple[float, str, Any]] = field(default_factory=list)
     completed: float | None = None
-    #: the same traffic just before the change (the warm-up): the steady state
+    #: the same traffic just before the change (the warm-up's second half, once
+    #: the sessions that all started together are spread out): the steady state
     before: list[tuple[float, RequestResult]] = field(default_factory=list)
 
 
@@ -399,10 +404,10 @@ class LoadThread:
         with self._lock:
             return [(s, r) for s, r in self.results if s >= t]
 
-    def before(self, t: float) -> list[tuple[float, RequestResult]]:
-        """Requests started before ``t``."""
+    def before(self, t: float, seconds: float) -> list[tuple[float, RequestResult]]:
+        """Requests started in the ``seconds`` before ``t``."""
         with self._lock:
-            return [(s, r) for s, r in self.results if s < t]
+            return [(s, r) for s, r in self.results if t - seconds <= s < t]
 
     def stop(self) -> None:
         self._stop.set()
@@ -645,7 +650,7 @@ def _scenarios(
     time.sleep(opts.settle)
     watcher.stop()
     canary.results = [x for x in load.since(canary.started) if x[0] < time.perf_counter()]
-    canary.before = load.before(canary.started)
+    canary.before = load.before(canary.started, opts.warmup_s / 2)
     load.stop()
     out["promoted"] = promoted
     out["warm_canary"] = _phase_report(canary, "weight")
@@ -708,21 +713,30 @@ def _scenarios(
         raise RuntimeError("the resource is rolling out again: the blind update would race it")
     slot = (api.dscd(ns).get("status") or {}).get("stableSlot")
     deployment = f"{NAME}-{slot}"
-    blind = Phase("blind_rolling", time.perf_counter())
-    watcher = Watcher(api, ns, blind).start()
-    say(f"blind rolling update of deployment/{deployment} to model revision 3")
-    _patch_revision(cluster, ns, deployment, "3")
-    time.sleep(2)
-    cluster.kubectl(
-        "rollout", "status", f"deployment/{deployment}", "-n", ns, f"--timeout={timeout}s"
-    )
-    blind.completed = time.perf_counter()
-    say(f"rolling update done in {blind.completed - blind.started:.0f} s; {opts.settle:.0f} s more")
-    time.sleep(opts.settle)
-    watcher.stop()
-    blind.results = load.since(blind.started)
-    blind.before = load.before(blind.started)
-    load.stop()
+    # A plain Deployment has no operator: ours owns this one and would put its
+    # template back over the edit within the window, a second rolling update.
+    replicas = _scale_operator(cluster, opts.operator_namespace, 0)
+    try:
+        blind = Phase("blind_rolling", time.perf_counter())
+        watcher = Watcher(api, ns, blind).start()
+        say(f"blind rolling update of deployment/{deployment} to model revision 3")
+        _patch_revision(cluster, ns, deployment, "3")
+        time.sleep(2)
+        cluster.kubectl(
+            "rollout", "status", f"deployment/{deployment}", "-n", ns, f"--timeout={timeout}s"
+        )
+        blind.completed = time.perf_counter()
+        say(
+            f"rolling update done in {blind.completed - blind.started:.0f} s; "
+            f"{opts.settle:.0f} s more"
+        )
+        time.sleep(opts.settle)
+        watcher.stop()
+        blind.results = load.since(blind.started)
+        blind.before = load.before(blind.started, opts.warmup_s / 2)
+        load.stop()
+    finally:
+        _scale_operator(cluster, opts.operator_namespace, replicas)
     out["blind_rolling"] = _phase_report(blind, f"{slot}_updated")
     out["router_weight_latency_s"] = round(max(latencies), 2) if latencies else None
     out["router_weight_latency_samples_s"] = [round(x, 2) for x in latencies]
@@ -732,6 +746,27 @@ def _scenarios(
         "blind_rolling": _timeline(blind),
     }
     return out
+
+
+def _scale_operator(cluster: Cluster, namespace: str, replicas: int) -> int:
+    """Scales the operator's Deployment (release ``dscache``); returns the old count.
+
+    Scaling to 0 waits until no operator pod runs.
+    """
+    d = cluster.get("deployment", OPERATOR, "-n", namespace)
+    before = int(d["spec"].get("replicas", 1))
+    cluster.kubectl("scale", f"deployment/{OPERATOR}", "-n", namespace, f"--replicas={replicas}")
+    if replicas == 0:
+        _wait(
+            "the operator pods to stop",
+            lambda: (
+                not cluster.get("deployment", OPERATOR, "-n", namespace)
+                .get("status", {})
+                .get("replicas")
+            ),
+            120,
+        )
+    return before
 
 
 def _patch_revision(cluster: Cluster, ns: str, deployment: str, revision: str) -> None:
