@@ -6,7 +6,7 @@ arithmetic of its report on requests made up here.
 
 from __future__ import annotations
 
-from dscache.demo.kube import Phase, _phase_report, _ratios, format_table
+from dscache.demo.kube import Phase, _phase_report, _ratios, _restore_started, format_table
 from dscache.loadgen import RequestResult
 
 
@@ -85,3 +85,15 @@ def test_the_table_names_each_figure_and_the_targets() -> None:
     assert "| recomputed share | 0.110 | 0.300 | 0.37x |" in text
     assert "| recomputed beyond that share | 0.010 | 0.200 | 0.05x |" in text
     assert "target recomputed_share canary/blind <= 0.3: 0.367 MISSED" in text
+
+
+def test_the_blind_window_ends_where_the_operator_puts_its_template_back() -> None:
+    phase = Phase("blind_rolling", started=100.0, completed=130.0)
+    phase.events = [
+        (100.5, "green_updated", (1, 2, 3)),  # the blind update itself
+        (130.0, "green_updated", (2, 2, 2)),
+        (135.0, "green_updated", (1, 2, 3)),  # a second rollout: the template restored
+    ]
+    assert _restore_started(phase, "green_updated") == 135.0
+    phase.events = phase.events[:2]
+    assert _restore_started(phase, "green_updated") is None
