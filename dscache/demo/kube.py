@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from dscache.demo.procs import terminate_on_sigterm
+from dscache.demo.run import pyplot
 from dscache.loadgen import LoadConfig, RequestResult, percentile, run_load
 from dscache.workload import ChatRequest, WorkloadConfig, generate, prewarm_requests, sessions_of
 
@@ -621,17 +622,7 @@ def _scenarios(
     canary = Phase("warm_canary", time.perf_counter())
     watcher = Watcher(api, ns, canary).start()
     say("new revision 2: Deploying -> Prewarming -> 10/25/50/100%")
-    cluster.kubectl(
-        "patch",
-        "dscd",
-        NAME,
-        "-n",
-        ns,
-        "--type",
-        "merge",
-        "-p",
-        json.dumps({"spec": {"model": {"revision": "2"}}}),
-    )
+    _patch_dscd(cluster, ns, {"spec": {"model": {"revision": "2"}}})
     timeout = 600 + 8 * opts.step_interval_s
     promoted = True
     try:
@@ -660,17 +651,7 @@ def _scenarios(
     watcher = Watcher(api, ns, bad).start()
     say("bad revision (the cache admits nothing): the gate must roll it back")
     min_tokens = api.dscd(ns)["spec"]["cache"].get("minTokens")
-    cluster.kubectl(
-        "patch",
-        "dscd",
-        NAME,
-        "-n",
-        ns,
-        "--type",
-        "merge",
-        "-p",
-        json.dumps({"spec": {"cache": {"minTokens": NO_CACHE_MIN_TOKENS}}}),
-    )
+    _patch_dscd(cluster, ns, {"spec": {"cache": {"minTokens": NO_CACHE_MIN_TOKENS}}})
 
     def rolled_back() -> Any:
         st = api.dscd(ns).get("status") or {}
@@ -756,6 +737,11 @@ def _restore_started(phase: Phase, label: str) -> float | None:
         if lab == label and t > phase.completed and value[0] < value[2]:
             return t
     return None
+
+
+def _patch_dscd(cluster: Cluster, ns: str, patch: dict[str, Any]) -> None:
+    """A merge patch of the demo's resource, as a person would apply it."""
+    cluster.kubectl("patch", "dscd", NAME, "-n", ns, "--type", "merge", "-p", json.dumps(patch))
 
 
 def _patch_revision(cluster: Cluster, ns: str, deployment: str, revision: str) -> None:
@@ -930,14 +916,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def write_png(report: dict[str, Any], path: Path) -> None:
     """Weights and hit rates over time for both rollouts, as a PNG."""
-    try:
-        import matplotlib
-    except ModuleNotFoundError as exc:
-        raise RuntimeError(
-            f"the PNG needs the 'bench' extra: pip install 'dscache[bench]' ({exc})"
-        ) from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(14, 8), sharex="col")
     for col, (key, title) in enumerate(

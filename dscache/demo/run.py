@@ -375,8 +375,8 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_png(result: dict[str, Any], path: Path) -> None:
-    """Latency distributions (CDF of TTFT and end-to-end) and hit ratios, as a PNG."""
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or a clear error."""
     try:
         import matplotlib
     except ModuleNotFoundError as exc:
@@ -385,6 +385,13 @@ def write_png(result: dict[str, Any], path: Path) -> None:
         ) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_png(result: dict[str, Any], path: Path) -> None:
+    """Latency distributions (CDF of TTFT and end-to-end) and hit ratios, as a PNG."""
+    plt = pyplot()
 
     colors = {"cache_off": "#c0392b", "cache_on": "#27ae60", "cache_on_no_prompt_key": "#2980b9"}
     labels = {
