@@ -22,8 +22,9 @@ _COMPONENTS: tuple[tuple[str, str], ...] = (
     ("dscache_sidecar.cli", "sidecar"),
     ("dscache_server.cli", "server"),
     ("dscache_operator.cli", "operator"),
-    ("dscache.devcli", "dev"),
-    ("dscache.democli", "all"),
+    ("dscache_tools.benchcli", "bench"),
+    ("dscache_tools.devcli", "dev"),
+    ("dscache_tools.democli", "all"),
 )
 
 Handler = Callable[[argparse.Namespace], int]

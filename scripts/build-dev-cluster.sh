@@ -34,4 +34,4 @@ fi
 
 echo "[dev cluster build] $(go version); python $("$python" -c 'import sys; print(sys.version.split()[0])')"
 cd "$repo"
-PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" exec nice -n 19 "$python" -m dscache.devcluster "$@"
+PYTHONPATH="$repo/tools:$repo${PYTHONPATH:+:$PYTHONPATH}" exec nice -n 19 "$python" -m dscache_tools.devcluster "$@"

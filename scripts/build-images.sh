@@ -11,7 +11,7 @@
 #
 # Needs root (dockerd, debootstrap) and installs Debian's docker.io and
 # debootstrap when missing. Extra arguments go to
-# `python -m dscache.devcluster.images` (image names; --force).
+# `python -m dscache_tools.devcluster.images` (image names; --force).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,4 +39,4 @@ fi
 
 cd "$repo"
 # Standard library only: runs before (or without) the project's own install.
-PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m dscache.devcluster.images "$@"
+PYTHONPATH="$repo/tools:$repo${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m dscache_tools.devcluster.images "$@"

@@ -24,9 +24,8 @@ import shutil
 from collections.abc import Callable, Iterator
 
 import pytest
-
-from dscache.devcluster import DevCluster, ensure_built, is_built
-from dscache.devcluster.images import image_loader
+from dscache_tools.devcluster import DevCluster, ensure_built, is_built
+from dscache_tools.devcluster.images import image_loader
 
 logger = logging.getLogger(__name__)
 

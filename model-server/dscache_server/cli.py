@@ -1,4 +1,4 @@
-"""``dscache server``, ``dscache prewarm`` and ``dscache bench ttft``.
+"""``dscache server`` and ``dscache prewarm``.
 
 Light module: argument parsing only; each handler imports its implementation, so
 ``dscache --help`` never loads torch.
@@ -46,33 +46,6 @@ def register(
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
     p.set_defaults(handler=_run_prewarm)
 
-    b = bench.add_parser(
-        "ttft",
-        help="time to first token: full prefill vs cache hit via the sidecar vs in-memory KV",
-    )
-    b.add_argument("--model", default="tiny-gqa", help="preset or checkpoint dir (tiny-gqa)")
-    b.add_argument(
-        "--context", default="1024,4096,8192", help="comma-separated prompt lengths, tokens"
-    )
-    b.add_argument(
-        "--new-tokens", type=int, default=64, help="uncached suffix tokens on a hit (64)"
-    )
-    b.add_argument("--repeat", type=int, default=3, help="runs per figure, median (>= 3)")
-    b.add_argument(
-        "--hit-repeat",
-        type=int,
-        default=9,
-        help="hit / in-memory runs (cheap; median; default 9)",
-    )
-    b.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
-    b.add_argument("--block-tokens", type=int, default=256, help="tokens per block (256)")
-    b.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    b.add_argument(
-        "--data-dir", default=None, help="sidecar data dir (default: a temporary directory)"
-    )
-    b.add_argument("--capacity", default="2GiB", help="sidecar capacity (default 2GiB)")
-    b.set_defaults(handler=_run_bench_ttft)
-
 
 def _run_server(args: argparse.Namespace) -> int:
     from dscache_server.serve import run_from_args
@@ -82,11 +55,5 @@ def _run_server(args: argparse.Namespace) -> int:
 
 def _run_prewarm(args: argparse.Namespace) -> int:
     from dscache_server.prewarm import run_cli
-
-    return run_cli(args)
-
-
-def _run_bench_ttft(args: argparse.Namespace) -> int:
-    from dscache_server.bench import run_cli
 
     return run_cli(args)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dscache import metricnames as names
+
 _LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -50,7 +52,7 @@ class ServerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        p = "dscache_server_"
+        p = names.SERVER_PREFIX
         self.requests = Counter(
             p + "requests_total",
             "HTTP API requests by endpoint and status code.",
@@ -58,7 +60,7 @@ class ServerMetrics:
             registry=r,
         )
         self.ttft = Histogram(
-            p + "ttft_seconds",
+            names.TTFT_SECONDS,
             "Time from request arrival to the first generated token.",
             ["cache"],
             buckets=_LATENCY_BUCKETS,
@@ -78,24 +80,24 @@ class ServerMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            p + "prompt_tokens_total",
+            names.PROMPT_TOKENS,
             "Prompt tokens by source: reused from the cache or recomputed.",
-            ["source"],
+            [names.SOURCE_LABEL],
             registry=r,
         )
         self.generated_tokens = Counter(
             p + "generated_tokens_total", "Completion tokens generated.", registry=r
         )
         self.cache_hits = Counter(
-            p + "cache_hits_total",
+            names.CACHE_HITS,
             "Cache hits at token, block and session level.",
-            ["level"],
+            [names.LEVEL_LABEL],
             registry=r,
         )
         self.cache_misses = Counter(
-            p + "cache_misses_total",
+            names.CACHE_MISSES,
             "Cache misses at token, block and session level.",
-            ["level"],
+            [names.LEVEL_LABEL],
             registry=r,
         )
         self.fallbacks = Counter(

@@ -38,6 +38,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
+from dscache import metricnames as names
 from dscache_operator.rollout import Verdict
 from dscache_operator.spec import AnalysisSpec
 
@@ -68,12 +69,13 @@ class Figures:
 #: token lands in one of the two, also for prompts the cache never looked up
 #: (below minTokens, a failed sidecar), so a revision whose cache admits nothing
 #: shows a hit rate of 0, not an absence of data.
-PROMPT_TOKENS = "dscache_server_prompt_tokens_total"
+PROMPT_TOKENS = names.PROMPT_TOKENS_SERIES
 
 
 def token_hit_rate(selector: str, window: str, offset: str = "") -> str:
     """PromQL: the share of prompt tokens reused from the cache, over ``window``."""
-    reused = f'sum(rate({PROMPT_TOKENS}{{source="reused",{selector}}}[{window}]{offset}))'
+    reused_sel = f'{names.SOURCE_LABEL}="{names.SOURCE_REUSED}",{selector}'
+    reused = f"sum(rate({PROMPT_TOKENS}{{{reused_sel}}}[{window}]{offset}))"
     total = f"sum(rate({PROMPT_TOKENS}{{{selector}}}[{window}]{offset}))"
     return f"{reused} / {total}"
 
@@ -113,7 +115,7 @@ def queries(
     def p99(revision: str, offset: str = "") -> str:
         return (
             "histogram_quantile(0.99, sum by (le) "
-            f"(rate(dscache_server_ttft_seconds_bucket{{{sel(revision)}}}[{w}]{offset})))"
+            f"(rate({names.TTFT_BUCKET_SERIES}{{{sel(revision)}}}[{w}]{offset})))"
         )
 
     before = f" offset {_range(since_step_s)}"

@@ -38,9 +38,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dscache.router import PromptKey, RouterConfig, render_nginx_conf
 from dscache_operator import API_VERSION, KIND
 from dscache_operator.analysis import token_hit_rate
+from dscache_operator.nginx import PromptKey, RouterConfig, render_nginx_conf
 from dscache_operator.rollout import slot_replicas
 from dscache_operator.spec import (
     DeepSeekCacheDeploymentSpec,
@@ -505,7 +505,7 @@ def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
     """Deployment ``<name>-router``: NGINX itself (no shell), reloading when its ConfigMap changes.
 
     The rendered config carries a Lua timer that sends NGINX's master a SIGHUP
-    when the mounted file changes (see :mod:`dscache.router.nginx`); the pod
+    when the mounted file changes (see :mod:`dscache_operator.nginx`); the pod
     template never changes with the config, so a weight change restarts nothing.
     """
     r = spec.routing

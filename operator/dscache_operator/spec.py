@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from dscache.router import DEBIAN_LUA_MODULES
+from dscache_operator.nginx import DEBIAN_LUA_MODULES
 
 DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"

@@ -4,7 +4,7 @@ Contract:
 
 * A policy tracks *which* blocks are cached and in which order they should
   leave; it never does I/O and never decides *when* to evict. The caller (the
-  store, or :mod:`dscache_sidecar.replay`) calls :meth:`EvictionPolicy.victim`
+  store, or :mod:`dscache_tools.replay`) calls :meth:`EvictionPolicy.victim`
   until it has room, and tells the policy about every change of membership:
   ``admit`` when a new block enters, ``access`` on a hit, ``remove`` when a
   block leaves for any other reason (delete, corruption, a cascade).

@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from dscache.demo.procs import StartError
-from dscache.demo.run import REPORT_KEYS
-from dscache.demo.stack import child_env, find_nginx
+from dscache_tools.demo.procs import StartError
+from dscache_tools.demo.run import REPORT_KEYS
+from dscache_tools.demo.stack import child_env, find_nginx
 
 pytestmark = pytest.mark.slow
 

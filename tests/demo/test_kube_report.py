@@ -6,8 +6,8 @@ arithmetic of its report on requests made up here.
 
 from __future__ import annotations
 
-from dscache.demo.kube import Phase, _phase_report, _ratios, _restore_started, format_table
-from dscache.loadgen import RequestResult
+from dscache_tools.demo.kube import Phase, _phase_report, _ratios, _restore_started, format_table
+from dscache_tools.loadgen import RequestResult
 
 
 def _req(t: float, prompt: int, cached: int, ttft: float = 0.2, ok: bool = True) -> tuple:

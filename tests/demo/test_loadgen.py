@@ -7,10 +7,9 @@ import itertools
 from collections.abc import Iterator
 
 import pytest
+from dscache_tools.loadgen import LoadConfig, parse_counters, percentile, run_load, think_times
+from dscache_tools.workload import ChatRequest, WorkloadConfig, generate
 from fakes.openai_sse import FakeChatServer
-
-from dscache.loadgen import LoadConfig, parse_counters, percentile, run_load, think_times
-from dscache.workload import ChatRequest, WorkloadConfig, generate
 
 
 @pytest.fixture

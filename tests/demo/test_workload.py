@@ -9,9 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from dscache import democli
-from dscache.workload import (
+from dscache_tools.workload import (
     COMPANIES,
     ChatRequest,
     WorkloadConfig,
@@ -25,6 +23,8 @@ from dscache.workload import (
     summary,
     write_jsonl,
 )
+
+from dscache_tools import democli
 
 
 @pytest.fixture(scope="module")

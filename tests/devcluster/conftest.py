@@ -7,8 +7,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
-
-from dscache.devcluster import DevCluster
+from dscache_tools.devcluster import DevCluster
 
 _counter = itertools.count()
 

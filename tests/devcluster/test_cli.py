@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from dscache.devcluster import ClusterError, DevCluster, wait_until
-from dscache.devcluster.cluster import process_running
+from dscache_tools.devcluster import ClusterError, DevCluster, wait_until
+from dscache_tools.devcluster.cluster import process_running
 
 pytestmark = pytest.mark.cluster
 
@@ -113,7 +112,7 @@ def test_processes_die_with_a_killed_parent(dev_cluster: DevCluster, tmp_path: P
         f"""
         import json, sys, time
         from pathlib import Path
-        from dscache.devcluster import DevCluster
+        from dscache_tools.devcluster import DevCluster
         cluster = DevCluster.start(Path({str(state)!r}), node_count=1, tie_to_parent=True)
         print(json.dumps([[p.pid, p.exe] for p in cluster.processes]), flush=True)
         time.sleep(600)

@@ -13,8 +13,7 @@ import subprocess
 from typing import Any
 
 import pytest
-
-from dscache.devcluster import DevCluster, wait_until
+from dscache_tools.devcluster import DevCluster, wait_until
 
 pytestmark = pytest.mark.cluster
 

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
-
-from dscache.devcluster import PINNED, Versions, build, locate, podsd
-from dscache.devcluster.cluster import ClusterError, DevCluster
-from dscache.devcluster.nodes import GPU_RESOURCE, kwok_config, node_manifest, node_shapes
-from dscache.devcluster.pki import generate
+from dscache_tools.devcluster import PINNED, Versions, build, locate, podsd
+from dscache_tools.devcluster.cluster import ClusterError, DevCluster
+from dscache_tools.devcluster.nodes import GPU_RESOURCE, kwok_config, node_manifest, node_shapes
+from dscache_tools.devcluster.pki import generate
 
 KUBERNETES_GOMOD = """
 module k8s.io/kubernetes

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from dscache.devcluster import DevCluster, wait_until
-from dscache.devcluster.nodes import SIMULATED_PLACEMENT
+from dscache_tools.devcluster import DevCluster, wait_until
+from dscache_tools.devcluster.nodes import SIMULATED_PLACEMENT
 
 pytestmark = pytest.mark.cluster
 

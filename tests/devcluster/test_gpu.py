@@ -1,7 +1,7 @@
 """GPU scheduling on the dev cluster: ``nvidia.com/gpu`` is a real extended resource.
 
 With three nodes, dev-node-0 and dev-node-1 advertise 8 GPUs each and
-dev-node-2 none (see :mod:`dscache.devcluster.nodes`).
+dev-node-2 none (see :mod:`dscache_tools.devcluster.nodes`).
 """
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ import json
 from typing import Any
 
 import pytest
-
-from dscache.devcluster import DevCluster, wait_until
-from dscache.devcluster.nodes import GPU_RESOURCE, GPUS_PER_NODE, SIMULATED_PLACEMENT
+from dscache_tools.devcluster import DevCluster, wait_until
+from dscache_tools.devcluster.nodes import GPU_RESOURCE, GPUS_PER_NODE, SIMULATED_PLACEMENT
 
 pytestmark = pytest.mark.cluster
 

@@ -8,8 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from dscache.devcluster import PINNED, DevCluster, wait_until
+from dscache_tools.devcluster import PINNED, DevCluster, wait_until
 
 pytestmark = pytest.mark.cluster
 

@@ -17,11 +17,10 @@ import urllib.request
 from typing import Any
 
 import pytest
-
-from dscache.devcluster import DevCluster, wait_until
-from dscache.devcluster.host import BRIDGE_PREFIX, CHAIN
-from dscache.devcluster.nodes import NODE_KIND_LABEL, SIMULATED_TAINT
-from dscache.devcluster.realnodes import POD_CIDR
+from dscache_tools.devcluster import DevCluster, wait_until
+from dscache_tools.devcluster.host import BRIDGE_PREFIX, CHAIN
+from dscache_tools.devcluster.nodes import NODE_KIND_LABEL, SIMULATED_TAINT
+from dscache_tools.devcluster.realnodes import POD_CIDR
 
 pytestmark = pytest.mark.cluster
 

@@ -12,9 +12,8 @@ import json
 from typing import Any
 
 import pytest
-
-from dscache.devcluster import DevCluster, wait_until
-from dscache.devcluster.nodes import SIMULATED_PLACEMENT
+from dscache_tools.devcluster import DevCluster, wait_until
+from dscache_tools.devcluster.nodes import SIMULATED_PLACEMENT
 
 pytestmark = pytest.mark.cluster
 
@@ -135,7 +134,7 @@ def test_deployment_rollout_and_undo(dev_cluster: DevCluster, namespace: str) ->
 
 def test_versions_are_stamped(dev_cluster: DevCluster) -> None:
     """kubectl, the API server and helm report the pinned release, not v0.0.0."""
-    from dscache.devcluster import PINNED
+    from dscache_tools.devcluster import PINNED
 
     version = dev_cluster.kubectl_json("version")
     assert version["serverVersion"]["gitVersion"] == PINNED.kubernetes

@@ -25,9 +25,8 @@ from typing import Any
 
 import pytest
 import yaml
-
-from dscache.demo.kube import EXAMPLE, KubeDemoOptions, run_kubernetes_demo, write_png
-from dscache.devcluster import DevCluster, wait_until
+from dscache_tools.demo.kube import EXAMPLE, KubeDemoOptions, run_kubernetes_demo, write_png
+from dscache_tools.devcluster import DevCluster, wait_until
 
 # Each test starts model pods on a 2-core machine: minutes, not the suite's default 10.
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]

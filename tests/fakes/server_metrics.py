@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from dscache import metricnames as names
+
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKENS_PER_S = 1000.0
 REQUESTS_PER_S = 20.0
@@ -96,23 +98,18 @@ class FakeServerMetrics:
     def render(self) -> str:
         with self._lock:
             self._advance(time.monotonic())
-            lines = [
-                "# TYPE dscache_server_prompt_tokens_total counter",
-                "# TYPE dscache_server_ttft_seconds histogram",
-            ]
+            tokens, ttft = names.PROMPT_TOKENS_SERIES, names.TTFT_SECONDS
+            lines = [f"# TYPE {tokens} counter", f"# TYPE {ttft} histogram"]
             for (ns, rev), s in sorted(self._series.items()):
                 lbl = f'namespace="{ns}",dscache_io_revision="{rev}"'
-                lines.append(
-                    f'dscache_server_prompt_tokens_total{{source="reused",{lbl}}} {s.hits}'
-                )
-                lines.append(
-                    f'dscache_server_prompt_tokens_total{{source="recomputed",{lbl}}} {s.misses}'
-                )
+                src = names.SOURCE_LABEL
+                lines.append(f'{tokens}{{{src}="{names.SOURCE_REUSED}",{lbl}}} {s.hits}')
+                lines.append(f'{tokens}{{{src}="{names.SOURCE_RECOMPUTED}",{lbl}}} {s.misses}')
                 for le, count in zip(BUCKETS, s.buckets, strict=True):
-                    lines.append(f'dscache_server_ttft_seconds_bucket{{le="{le}",{lbl}}} {count}')
-                lines.append(f'dscache_server_ttft_seconds_bucket{{le="+Inf",{lbl}}} {s.requests}')
-                lines.append(f"dscache_server_ttft_seconds_sum{{{lbl}}} {s.ttft_sum}")
-                lines.append(f"dscache_server_ttft_seconds_count{{{lbl}}} {s.requests}")
+                    lines.append(f'{ttft}_bucket{{le="{le}",{lbl}}} {count}')
+                lines.append(f'{ttft}_bucket{{le="+Inf",{lbl}}} {s.requests}')
+                lines.append(f"{ttft}_sum{{{lbl}}} {s.ttft_sum}")
+                lines.append(f"{ttft}_count{{{lbl}}} {s.requests}")
             return "\n".join(lines) + "\n"
 
     def close(self) -> None:

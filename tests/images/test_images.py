@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import tarfile
 import time
 import tomllib
@@ -28,11 +27,12 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
+from dscache_tools.devcluster import images
+from dscache_tools.devcluster.images import IMAGES, ImageArchive, PrivateDocker
+from dscache_tools.net import free_port
 
 from dscache import __version__
-from dscache.devcluster import images
-from dscache.devcluster.images import IMAGES, ImageArchive, PrivateDocker
-from dscache.router import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -380,7 +380,7 @@ def test_sidecar_and_server_images_share_the_cache_like_a_pod(
     cache = tmp_path / "cache"
     cache.mkdir()
     os.chown(cache, 10001, 10001)  # what the operator's cache-owner init container does
-    metrics_port, server_port = _free_port(), _free_port()
+    metrics_port, server_port = free_port(), free_port()
     pod = ["run", "--detach", "--read-only", "--tmpfs", "/tmp", "--network", "host"]
     pod += ["--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
     pod += ["--volume", f"{cache}:/cache"]
@@ -422,18 +422,11 @@ def test_sidecar_and_server_images_share_the_cache_like_a_pod(
             docker.run(["rm", "--force", name], check=False)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.mark.images
 def test_router_serves_a_rendered_config_as_10001_on_a_read_only_root(
     docker: PrivateDocker, run_image: RunImage, tmp_path: Path
 ) -> None:
-    port = _free_port()
+    port = free_port()
     conf_dir = tmp_path / "router"
     conf_dir.mkdir(mode=0o755)
     conf = RouterConfig(

@@ -18,10 +18,9 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from dscache_tools.devcluster import DevCluster
 from fakes.server_metrics import FakeServerMetrics
 from operator_harness import ROOT, OperatorProcess, PrometheusProcess
-
-from dscache.devcluster import DevCluster
 
 CHART_NS = "dscache-system"
 _counter = itertools.count()

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,12 @@ from typing import Any
 
 import pytest
 import yaml
+from dscache_tools.devcluster import DevCluster, wait_until
+from dscache_tools.devcluster.nodes import NODE_KIND_LABEL, SIMULATED_TAINT
+from dscache_tools.net import free_port
 from fakes.server_metrics import FakeServerMetrics, Figures
 
-from dscache.devcluster import DevCluster, wait_until
-from dscache.devcluster.nodes import NODE_KIND_LABEL, SIMULATED_TAINT
-
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _need(binary: str, package: str) -> str:
@@ -52,7 +45,7 @@ class PrometheusProcess:
 
     def __init__(self, workdir: Path, metrics: FakeServerMetrics) -> None:
         self.metrics = metrics
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
         config.write_text(
@@ -126,7 +119,7 @@ class OperatorProcess:
         self.prometheus_url = prometheus_url
         self.name = name
         self.peering = peering
-        self.metrics_port = _free_port() if metrics else 0
+        self.metrics_port = free_port() if metrics else 0
         self.extra_env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0

@@ -10,11 +10,10 @@ from typing import Any
 import pytest
 from dscache_operator.analysis import Figures, PrometheusClient, analyse, judge, queries
 from dscache_operator.spec import AnalysisSpec
+from dscache_tools.devcluster import wait_until
 from fakes.server_metrics import FakeServerMetrics
 from fakes.server_metrics import Figures as Served
 from operator_harness import PrometheusProcess
-
-from dscache.devcluster import wait_until
 
 SPEC = AnalysisSpec()
 

@@ -14,8 +14,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-
-from dscache.devcluster import ensure_built
+from dscache_tools.devcluster import ensure_built
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "dscache"

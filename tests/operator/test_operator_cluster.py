@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from dscache_tools.devcluster import DevCluster, ToolError, wait_until
 from fakes.server_metrics import FakeServerMetrics
 from operator_harness import (
     BAD,
@@ -36,8 +37,6 @@ from operator_harness import (
     status,
     wait_for,
 )
-
-from dscache.devcluster import DevCluster, ToolError, wait_until
 
 pytestmark = pytest.mark.cluster
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,6 +24,7 @@ from dscache_operator.desired import (
     router_configmap,
     router_deployment,
 )
+from dscache_operator.nginx import DEBIAN_LUA_MODULES, render_nginx_conf
 from dscache_operator.rollout import Observed, TrackObservation, next_step
 from dscache_operator.spec import (
     DeepSeekCacheDeploymentSpec,
@@ -33,8 +33,7 @@ from dscache_operator.spec import (
     parse_spec,
     revision_of,
 )
-
-from dscache.router import DEBIAN_LUA_MODULES, render_nginx_conf
+from dscache_tools.net import free_port
 
 OWNER = Owner("chat", "prod", "0c5f0e38-8a7a-4f5b-9d63-2c1d3d1c2a11")
 T0 = datetime(2026, 11, 30, 12, tzinfo=UTC)
@@ -392,12 +391,6 @@ def test_prometheus_rule_without_a_floor_alerts_on_a_drop(
     assert rule["expr"].endswith("< 0.7") and "offset" not in rule["expr"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_the_operators_router_config_passes_nginx_t(
     spec: DeepSeekCacheDeploymentSpec, tmp_path: Path
 ) -> None:
@@ -410,7 +403,7 @@ def test_the_operators_router_config_passes_nginx_t(
     assert "10.0.0.1:8000" in text and "access_by_lua_block" in text
     # As the router image runs it: Debian's NGINX loading the ndk and Lua modules.
     local = text.replace("/tmp", str(tmp_path)).replace(
-        "listen 8080;", f"listen 127.0.0.1:{_free_port()};"
+        "listen 8080;", f"listen 127.0.0.1:{free_port()};"
     )
     conf = tmp_path / "nginx.conf"
     conf.write_text(local)

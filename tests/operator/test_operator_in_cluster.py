@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from dscache_tools.devcluster import DevCluster, wait_until
 from operator_harness import apply_example
-
-from dscache.devcluster import DevCluster, wait_until
 
 pytestmark = pytest.mark.cluster
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
+from dscache_tools.devcluster import DevCluster, wait_until
 from fakes.server_metrics import FakeServerMetrics
 from operator_harness import (
     OperatorProcess,
@@ -31,8 +32,6 @@ from operator_harness import (
     status,
     wait_for,
 )
-
-from dscache.devcluster import DevCluster, wait_until
 
 pytestmark = pytest.mark.cluster
 

@@ -19,6 +19,7 @@ from dscache_operator.crd import (
     target_dirs,
     targets,
 )
+from dscache_operator.nginx import DEBIAN_LUA_MODULES
 from dscache_operator.spec import (
     DeepSeekCacheDeploymentSpec,
     InvalidSpecError,
@@ -27,8 +28,6 @@ from dscache_operator.spec import (
     parse_spec,
     revision_of,
 )
-
-from dscache.router import DEBIAN_LUA_MODULES
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"model": {"preset": "tiny-gqa"}}

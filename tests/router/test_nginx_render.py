@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -22,9 +21,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from dscache_operator.nginx import DEBIAN_LUA_MODULES, PromptKey, RouterConfig, render_nginx_conf
+from dscache_tools.net import free_port
 from pydantic import ValidationError
-
-from dscache.router import DEBIAN_LUA_MODULES, PromptKey, RouterConfig, render_nginx_conf
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
 HAS_LUA = all(Path(m).exists() for m in DEBIAN_LUA_MODULES)
@@ -79,7 +78,7 @@ def test_config_watch_is_an_option_and_its_id_names_the_config() -> None:
     watched = base.model_copy(update={"watch_config": True, "config_path": "/etc/r/nginx.conf"})
     text = render_nginx_conf(watched)
     header, id_line = text.splitlines()[:2]
-    assert header.startswith("# Rendered by dscache.router.nginx")
+    assert header.startswith("# Rendered by dscache_operator.nginx")
     config_id = id_line.removeprefix("# dscache-config-id: ")
     assert len(config_id) == 16 and int(config_id, 16) >= 0
     # The running config knows its own id and where to look; worker 0 alone watches.
@@ -172,19 +171,13 @@ class _Upstream:
         self.server.server_close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class _Nginx:
     """Real NGINX on a loopback port, reconfigured by restarting it on a new config."""
 
     def __init__(self, workdir: Path) -> None:
         assert NGINX is not None
         self.workdir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def config(self, **kwargs: object) -> RouterConfig:

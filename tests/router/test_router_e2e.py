@@ -17,11 +17,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from dscache.demo.procs import StartError
-from dscache.demo.stack import LocalStack, Server, StackOptions, find_nginx
-from dscache.loadgen import LoadConfig, LoadReport, RequestResult, parse_counters, run_load
-from dscache.workload import ChatRequest, WorkloadConfig, generate
+from dscache_tools.demo.procs import StartError
+from dscache_tools.demo.stack import LocalStack, Server, StackOptions, find_nginx
+from dscache_tools.loadgen import LoadConfig, LoadReport, RequestResult, parse_counters, run_load
+from dscache_tools.workload import ChatRequest, WorkloadConfig, generate
 
 pytestmark = pytest.mark.slow
 

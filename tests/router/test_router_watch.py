@@ -15,7 +15,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -26,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from dscache.router import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
+from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
+from dscache_tools.net import free_port
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
 HAS_LUA = all(Path(m).exists() for m in DEBIAN_LUA_MODULES)
@@ -50,12 +49,6 @@ class _Pod(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.address = f"127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _ConfigMapVolume:
@@ -102,7 +95,7 @@ class _Router:
         if self.owner is not None:
             os.chown(workdir, NOBODY, NOBODY)
         self.volume = _ConfigMapVolume(workdir / "config", self.owner)
-        self.port = _free_port()
+        self.port = free_port()
         self.stable, self.canary = stable, canary
         self.log = workdir / "stderr.log"
         self.proc: subprocess.Popen[bytes] | None = None

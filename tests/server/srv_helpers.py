@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from dscache_server.metrics import ServerMetrics
 from dscache_server.runtime import Runtime, build_runtime
 from dscache_server.tokenizer import DeepSeekTokenizer
 from dscache_sidecar.client import SidecarClient
+from dscache_tools.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_TOKENS = 32
@@ -126,12 +126,6 @@ def make_runtime(sidecar: SidecarDaemon | None, tokenizer: DeepSeekTokenizer, **
     settings = server_settings(sidecar, **kw)
     engine = engine_for(settings.model, settings.block_tokens)
     return build_runtime(settings, ServerMetrics(), engine=engine, tokenizer=tokenizer)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LiveServer:

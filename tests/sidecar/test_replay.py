@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from dscache_sidecar.eviction import DEFAULT_POLICY, POLICIES, make_policy
-from dscache_sidecar.replay import (
+from dscache_tools.replay import (
     Request,
     Trace,
     build_trace,

@@ -4,7 +4,7 @@ Contract:
     * ``ensure_images()`` returns, for each of ``server``, ``core``, ``router``
       and ``pause`` (:data:`IMAGES`), an :class:`ImageArchive`: a ``docker
       save`` archive under ``<cache>/images/archives/`` (``<cache>`` is
-      :func:`dscache.devcluster.versions.cache_root`, so
+      :func:`dscache_tools.devcluster.versions.cache_root`, so
       ``DSCACHE_DEVCLUSTER_CACHE`` moves it), building what is missing or stale.
     * Staleness is a content hash of an image's build inputs: every file under
       ``images/`` and, for the Python images, ``pyproject.toml``,
@@ -74,7 +74,7 @@ from pathlib import Path
 from types import TracebackType
 
 from dscache import __version__
-from dscache.devcluster.versions import cache_root
+from dscache_tools.devcluster.versions import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,15 @@ _ROOTFS_LABEL = "io.dscache.rootfs-sha256"
 #: Files and folders left out of the build context (.dockerignore) and of the hash.
 _EXCLUDED_DIRS = frozenset({"__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache"})
 _EXCLUDED_SUFFIXES = (".pyc", ".pyo")
-_PYTHON_INPUTS = ("pyproject.toml", "README.md", "dscache", "sidecar", "model-server", "operator")
+_PYTHON_INPUTS = (
+    "pyproject.toml",
+    "README.md",
+    "dscache",
+    "sidecar",
+    "model-server",
+    "operator",
+    "tools",
+)
 #: Below this much free space a build warns: a cold build of all four takes about 17 GiB.
 _LOW_DISK_BYTES = 12 * 2**30
 #: Longest unix socket path (sun_path is 108 bytes with the terminating NUL).
@@ -320,7 +328,7 @@ def ensure_images(
     Args:
         progress: Receives one line per step; defaults to the module logger.
         names: Which images (keys of :data:`IMAGES`); default all.
-        root: Cache root; defaults to :func:`dscache.devcluster.versions.cache_root`.
+        root: Cache root; defaults to :func:`dscache_tools.devcluster.versions.cache_root`.
         repo: Source checkout with ``images/Dockerfile``; defaults to this one.
         force: Run ``docker build`` even when the stamps match (Docker's
             layer cache still applies; an unchanged image keeps its archive).
@@ -861,7 +869,7 @@ class PrivateDocker:
         config.write_text(
             "\n".join(
                 [
-                    "# containerd of dscache's image builder (dscache.devcluster.images)",
+                    "# containerd of dscache's image builder (dscache_tools.devcluster.images)",
                     "version = 2",
                     f'root = "{ctr_dir / "root"}"',
                     f'state = "{self.runtime / "containerd" / "state"}"',
@@ -1340,9 +1348,9 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m dscache.devcluster.images``: build or reuse the images, print a table."""
+    """``python -m dscache_tools.devcluster.images``: build or reuse the images, print a table."""
     parser = argparse.ArgumentParser(
-        prog="python -m dscache.devcluster.images",
+        prog="python -m dscache_tools.devcluster.images",
         description="Build dscache's container images (no registry needed) into "
         f"{images_dir()}/archives.",
     )

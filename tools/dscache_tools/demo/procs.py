@@ -20,7 +20,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,13 +34,6 @@ log = logging.getLogger(__name__)
 
 class StartError(RuntimeError):
     """A child did not become ready; the message names its log file."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child

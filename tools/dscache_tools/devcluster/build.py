@@ -4,7 +4,7 @@ Contract:
     * ``ensure_built()`` returns paths to kube-apiserver, kube-controller-manager,
       kube-scheduler, kubectl, kubelet, kube-proxy, etcd, kwok and helm at the
       versions pinned in
-      :mod:`dscache.devcluster.versions`, building whatever is missing.
+      :mod:`dscache_tools.devcluster.versions`, building whatever is missing.
     * Each part is built in a small generated wrapper module under
       ``<cache>/<part>/<version>/src`` that requires the upstream module. For
       Kubernetes the wrapper ``replace``s every staging module that
@@ -42,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscache.devcluster.versions import PINNED, Versions, cache_root
+from dscache_tools.devcluster.versions import PINNED, Versions, cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ def ensure_built(
 
     Args:
         versions: Component versions to build.
-        root: Cache root; defaults to :func:`dscache.devcluster.versions.cache_root`.
+        root: Cache root; defaults to :func:`dscache_tools.devcluster.versions.cache_root`.
         progress: Receives one line per step; defaults to the module logger.
 
     Raises:
@@ -499,7 +499,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def main() -> int:
-    """``python -m dscache.devcluster``: build or reuse everything, list the binaries.
+    """``python -m dscache_tools.devcluster``: build or reuse everything, list the binaries.
 
     Needs only the standard library and Go, so CI can run it before the
     project's Python dependencies are installed.

@@ -172,7 +172,7 @@ def _duration(text: str) -> float:
 def _run_workload(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from dscache.workload import (
+    from dscache_tools.workload import (
         COMPANIES,
         WorkloadConfig,
         generate,
@@ -223,8 +223,8 @@ def _run_workload(args: argparse.Namespace) -> int:
 def _run_load(args: argparse.Namespace) -> int:
     import asyncio
 
-    from dscache.loadgen import LoadConfig, format_report, run_load, write_json
-    from dscache.workload import read_jsonl
+    from dscache_tools.loadgen import LoadConfig, format_report, run_load, write_json
+    from dscache_tools.workload import read_jsonl
 
     cfg = LoadConfig(
         target=args.target,
@@ -246,7 +246,7 @@ def _run_load(args: argparse.Namespace) -> int:
 
 
 def _run_kube_demo(args: argparse.Namespace) -> int:
-    from dscache.demo.kube import KubeDemoOptions, main
+    from dscache_tools.demo.kube import KubeDemoOptions, main
 
     opts = KubeDemoOptions(
         quick=args.quick,
@@ -269,7 +269,7 @@ def _run_kube_demo(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from dscache.demo.run import DemoOptions, main
+    from dscache_tools.demo.run import DemoOptions, main
 
     opts = DemoOptions(
         quick=args.quick,

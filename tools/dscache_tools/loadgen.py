@@ -34,7 +34,8 @@ from http.cookiejar import CookieJar, DefaultCookiePolicy
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dscache.workload import ChatRequest, sessions_of
+from dscache import metricnames as names
+from dscache_tools.workload import ChatRequest, sessions_of
 
 if TYPE_CHECKING:
     import httpx
@@ -43,14 +44,13 @@ log = logging.getLogger(__name__)
 
 #: Counters read from each model server's /metrics: (family, label, value).
 _SERVER_COUNTERS: tuple[tuple[str, str, str], ...] = (
-    ("dscache_server_prompt_tokens", "source", "reused"),
-    ("dscache_server_prompt_tokens", "source", "recomputed"),
-    ("dscache_server_cache_hits", "level", "token"),
-    ("dscache_server_cache_misses", "level", "token"),
-    ("dscache_server_cache_hits", "level", "block"),
-    ("dscache_server_cache_misses", "level", "block"),
-    ("dscache_server_cache_hits", "level", "session"),
-    ("dscache_server_cache_misses", "level", "session"),
+    (names.PROMPT_TOKENS, names.SOURCE_LABEL, names.SOURCE_REUSED),
+    (names.PROMPT_TOKENS, names.SOURCE_LABEL, names.SOURCE_RECOMPUTED),
+    *(
+        (family, names.LEVEL_LABEL, level)
+        for level in names.HIT_LEVELS
+        for family in (names.CACHE_HITS, names.CACHE_MISSES)
+    ),
 )
 
 
@@ -211,16 +211,15 @@ def _counter(c: Mapping[str, float], family: str, label: str, value: str) -> flo
 
 def cache_figures(delta: Mapping[str, float]) -> dict[str, float | None]:
     """Hit ratios at three levels and the recomputed share, from counter deltas."""
-    p = "dscache_server_"
-    reused = _counter(delta, p + "prompt_tokens", "source", "reused")
-    recomputed = _counter(delta, p + "prompt_tokens", "source", "recomputed")
+    reused = _counter(delta, names.PROMPT_TOKENS, names.SOURCE_LABEL, names.SOURCE_REUSED)
+    recomputed = _counter(delta, names.PROMPT_TOKENS, names.SOURCE_LABEL, names.SOURCE_RECOMPUTED)
     out: dict[str, float | None] = {
         "token_hit_ratio": _ratio(reused, reused + recomputed),
         "recomputed_share": _ratio(recomputed, reused + recomputed),
     }
     for level in ("block", "session"):
-        hits = _counter(delta, p + "cache_hits", "level", level)
-        misses = _counter(delta, p + "cache_misses", "level", level)
+        hits = _counter(delta, names.CACHE_HITS, names.LEVEL_LABEL, level)
+        misses = _counter(delta, names.CACHE_MISSES, names.LEVEL_LABEL, level)
         out[f"{level}_hit_ratio"] = _ratio(hits, hits + misses)
     return out
 

@@ -18,9 +18,9 @@ Contract:
     * The pytest fixture in ``tests/conftest.py`` and the CLI share this code.
 """
 
-from dscache.devcluster.build import Binaries, BuildError, ensure_built, is_built, locate
-from dscache.devcluster.cluster import ClusterError, DevCluster, ToolError, wait_until
-from dscache.devcluster.versions import PINNED, Versions, cache_root, default_state_dir
+from dscache_tools.devcluster.build import Binaries, BuildError, ensure_built, is_built, locate
+from dscache_tools.devcluster.cluster import ClusterError, DevCluster, ToolError, wait_until
+from dscache_tools.devcluster.versions import PINNED, Versions, cache_root, default_state_dir
 
 __all__ = [
     "PINNED",

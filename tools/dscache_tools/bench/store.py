@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from dscache.keys import KeyChain, KVLayout, LayoutKind, ModelFingerprint, tenant_salt
 from dscache_sidecar.client import BlockData, LoadedBlocks, SidecarClient
 from dscache_sidecar.config import SidecarSettings
 from dscache_sidecar.daemon import create_server
 from dscache_sidecar.metrics import SidecarMetrics
+
+from dscache.keys import KeyChain, KVLayout, LayoutKind, ModelFingerprint, tenant_salt
 
 LAYOUT = KVLayout(
     LayoutKind.GQA, num_layers=12, dtype="float32", num_kv_heads=4, head_dim=64, v_head_dim=64

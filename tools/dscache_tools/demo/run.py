@@ -1,6 +1,6 @@
 """``dscache demo``: the finance workload with the cache off, then on, side by side.
 
-What runs (all real processes on loopback, see :mod:`dscache.demo.stack`):
+What runs (all real processes on loopback, see :mod:`dscache_tools.demo.stack`):
 
 1. *cache off*: two model servers without a sidecar behind NGINX; the workload
    sample is replayed at a fixed concurrency.
@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dscache.demo.procs import terminate_on_sigterm
-from dscache.demo.stack import LocalStack, Server, StackOptions
-from dscache.loadgen import LoadConfig, LoadReport, run_load
-from dscache.workload import (
+from dscache_tools.demo.procs import terminate_on_sigterm
+from dscache_tools.demo.stack import LocalStack, Server, StackOptions
+from dscache_tools.loadgen import LoadConfig, LoadReport, run_load
+from dscache_tools.workload import (
     ChatRequest,
     WorkloadConfig,
     generate,

@@ -58,10 +58,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dscache.demo.procs import terminate_on_sigterm
-from dscache.demo.run import pyplot
-from dscache.loadgen import LoadConfig, RequestResult, percentile, run_load
-from dscache.workload import ChatRequest, WorkloadConfig, generate, prewarm_requests, sessions_of
+from dscache_tools.demo.procs import terminate_on_sigterm
+from dscache_tools.demo.run import pyplot
+from dscache_tools.loadgen import LoadConfig, RequestResult, percentile, run_load
+from dscache_tools.workload import (
+    ChatRequest,
+    WorkloadConfig,
+    generate,
+    prewarm_requests,
+    sessions_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +230,7 @@ class Api:
 @contextlib.contextmanager
 def cluster_for(opts: KubeDemoOptions, say: Callable[[str], None]) -> Iterator[Cluster]:
     """The cluster to run on: ``opts.kubeconfig``'s, a running dev cluster's, or a new one."""
-    from dscache.devcluster import DevCluster, default_state_dir, ensure_built, locate
+    from dscache_tools.devcluster import DevCluster, default_state_dir, ensure_built, locate
 
     bins = locate()
     if opts.kubeconfig is not None:
@@ -252,7 +258,7 @@ def cluster_for(opts: KubeDemoOptions, say: Callable[[str], None]) -> Iterator[C
             opts.prometheus_url or running.prometheus_url or "",
         )
         return
-    from dscache.devcluster.images import image_loader
+    from dscache_tools.devcluster.images import image_loader
 
     binaries = ensure_built(progress=say)
     loader = image_loader(progress=say)

@@ -1,7 +1,7 @@
 """The whole data path on one machine: sidecars, model servers, NGINX, Prometheus.
 
 Every piece is the real program (``dscache sidecar``, ``dscache server``, Debian's
-NGINX with the Lua module running the config of :mod:`dscache.router.nginx`,
+NGINX with the Lua module running the config of :mod:`dscache_operator.nginx`,
 optionally Debian's Prometheus), started as a child process on loopback with a
 free port and its files under one work dir. The demo and the end-to-end tests
 build their stacks from these calls.
@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscache.demo.procs import Child, ProcessGroup, StartError, free_port, http_ok, wait_until
+from dscache_tools.demo.procs import Child, ProcessGroup, StartError, http_ok, wait_until
+from dscache_tools.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ def child_env() -> dict[str, str]:
 
 def find_nginx() -> str:
     """Path of the ``nginx`` binary; a clear error naming the packages if absent."""
-    from dscache.router import DEBIAN_LUA_MODULES
+    from dscache_operator.nginx import DEBIAN_LUA_MODULES
 
     path = shutil.which("nginx") or (
         "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
@@ -277,7 +278,12 @@ class LocalStack:
     # -- router ---------------------------------------------------------------------
 
     def _render(self, router: Router) -> None:
-        from dscache.router import DEBIAN_LUA_MODULES, PromptKey, RouterConfig, render_nginx_conf
+        from dscache_operator.nginx import (
+            DEBIAN_LUA_MODULES,
+            PromptKey,
+            RouterConfig,
+            render_nginx_conf,
+        )
 
         cfg = RouterConfig(
             listen=f"127.0.0.1:{router.port}",

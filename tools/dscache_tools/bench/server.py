@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from dscache.keys import KeyChain, tenant_salt
 from dscache_server.cache import CostModel, PrefixCache, SidecarBlockStore
 from dscache_server.engine import TransformersEngine, load_engine
 from dscache_server.metrics import ServerMetrics
+
+from dscache.keys import KeyChain, tenant_salt
 
 log = logging.getLogger(__name__)
 

@@ -408,7 +408,7 @@ def _render_lines(config: RouterConfig) -> list[str]:
     cookie_var = "$cookie_" + c.cookie_name
     header_var = _nginx_var(c.session_header)
     tmp = c.temp_dir.rstrip("/") or "/"
-    lines = ["# Rendered by dscache.router.nginx from a RouterConfig; edits are overwritten."]
+    lines = ["# Rendered by dscache_operator.nginx from a RouterConfig; edits are overwritten."]
     lines += [f"load_module {m};" for m in c.load_modules]
     lines += [
         f"worker_processes {c.worker_processes};",

@@ -33,7 +33,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscache.devcluster import nodes
+from dscache_tools.devcluster import nodes
 
 #: Pod network of real nodes (KWOK's fake pod IPs use 10.244.0.0/16).
 POD_CIDR = "10.246.0.0/16"
@@ -310,7 +310,7 @@ def _netns_paths(info_json: str) -> list[str]:
 
 def real_nodes_default() -> tuple[int, str | None]:
     """1 when this host can run a real node, else 0 and the reason."""
-    from dscache.devcluster import host
+    from dscache_tools.devcluster import host
 
     try:
         host.preflight(REQUIRED)

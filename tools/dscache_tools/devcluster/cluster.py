@@ -38,7 +38,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -48,12 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dscache.devcluster import build, host, nodes, prometheus, realnodes
-from dscache.devcluster.api import ApiClient
-from dscache.devcluster.versions import PINNED, cache_root
+from dscache_tools.devcluster import build, host, nodes, prometheus, realnodes
+from dscache_tools.devcluster.api import ApiClient
+from dscache_tools.devcluster.versions import PINNED, cache_root
+from dscache_tools.net import free_port
 
 if TYPE_CHECKING:
-    from dscache.devcluster.pki import Pki
+    from dscache_tools.devcluster.pki import Pki
 
 logger = logging.getLogger(__name__)
 
@@ -99,15 +99,6 @@ class ProcessRecord:
     pid: int
     exe: str
     log: str
-
-
-def _free_port() -> int:
-    # Port 0 lets the kernel pick; the tiny window until the component binds is
-    # acceptable for a dev cluster (a clash shows up as a failed start).
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _set_pdeathsig() -> None:
@@ -385,7 +376,7 @@ class DevCluster:
         """
         # cryptography is needed to start a cluster, not to build or find one.
         try:
-            from dscache.devcluster import pki
+            from dscache_tools.devcluster import pki
         except ModuleNotFoundError as exc:
             raise ClusterError(
                 f"starting a dev cluster needs the 'dev' extra: pip install 'dscache[dev]' ({exc})"
@@ -455,7 +446,7 @@ class DevCluster:
                 state_dir / "pki", service_ip="10.96.0.1", extra_ips=(address,) if plans else ()
             )
             ports = {
-                name: _free_port()
+                name: free_port()
                 for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler")
             }
             cluster.server = f"https://{address}:{ports['apiserver']}"
@@ -602,7 +593,7 @@ class DevCluster:
         Returns:
             Seconds spent importing images (not counted against the timeout).
         """
-        from dscache.devcluster import pki
+        from dscache_tools.devcluster import pki
 
         import_s = 0.0
         for plan in plans:
@@ -651,8 +642,8 @@ class DevCluster:
                     plan,
                     ca_cert=material.ca_cert,
                     serving=(creds.serving_cert, creds.serving_key),
-                    port=_free_port(),
-                    healthz_port=_free_port(),
+                    port=free_port(),
+                    healthz_port=free_port(),
                 )
             )
             labels = f"{nodes.DEV_NODE_LABEL}=true,{realnodes.NODE_KIND_LABEL}=real"
@@ -683,8 +674,8 @@ class DevCluster:
             realnodes.kube_proxy_config(
                 plans[0],
                 kubeconfig=proxy_kubeconfig,
-                healthz_port=_free_port(),
-                metrics_port=_free_port(),
+                healthz_port=free_port(),
+                metrics_port=free_port(),
             )
         )
         self._launch(
@@ -701,7 +692,7 @@ class DevCluster:
             [
                 sys.executable,
                 "-m",
-                "dscache.devcluster.podsd",
+                "dscache_tools.devcluster.podsd",
                 f"--server={self.server}",
                 f"--pki={self.state_dir / 'pki'}",
                 f"--out={targets}",
@@ -710,7 +701,7 @@ class DevCluster:
         )
         self._wait("podsd", targets.exists, time.monotonic() + 30)
         (self.state_dir / "prometheus.yml").write_text(prometheus.config(targets))
-        listen = f"{address}:{_free_port()}"
+        listen = f"{address}:{free_port()}"
         self._launch(
             "prometheus", prometheus.command(binary, self.state_dir, listen), tie_to_parent
         )

@@ -2,7 +2,7 @@
 
 Debian's ``prometheus`` is built without Kubernetes service discovery, so the
 dev cluster runs this small loop beside it (``python -m
-dscache.devcluster.podsd``): it lists the dscache pods through the API server
+dscache_tools.devcluster.podsd``): it lists the dscache pods through the API server
 every second and rewrites Prometheus' ``file_sd`` file when the set changes
 (Prometheus notices the rename at once).
 
@@ -31,7 +31,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from dscache.devcluster.api import ApiClient
+from dscache_tools.devcluster.api import ApiClient
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def write_if_changed(path: Path, groups: list[dict[str, Any]], last: str | None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dscache.devcluster.podsd --server URL --pki DIR --out FILE``."""
+    """``python -m dscache_tools.devcluster.podsd --server URL --pki DIR --out FILE``."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--server", required=True, help="API server URL, https://HOST:PORT")
     p.add_argument("--pki", required=True, type=Path, help="the cluster's pki/ directory")

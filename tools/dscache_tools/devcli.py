@@ -1,7 +1,7 @@
 """``dscache dev cluster {build,up,down,env}``: the dev Kubernetes control plane.
 
 Light module: argument parsing only; each handler imports
-:mod:`dscache.devcluster` when it runs.
+:mod:`dscache_tools.devcluster` when it runs.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _help(parser: argparse.ArgumentParser) -> int:
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
-    from dscache.devcluster import default_state_dir
+    from dscache_tools.devcluster import default_state_dir
 
     chosen: Path | None = args.state_dir
     return chosen.expanduser().resolve() if chosen else default_state_dir()
@@ -99,7 +99,7 @@ def _progress(line: str) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from dscache.devcluster import BuildError, ensure_built
+    from dscache_tools.devcluster import BuildError, ensure_built
 
     started = time.monotonic()
     try:
@@ -114,9 +114,9 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from dscache.devcluster import BuildError, ClusterError, DevCluster, ensure_built
-    from dscache.devcluster.images import ImageError, image_loader
-    from dscache.devcluster.realnodes import real_nodes_default
+    from dscache_tools.devcluster import BuildError, ClusterError, DevCluster, ensure_built
+    from dscache_tools.devcluster.images import ImageError, image_loader
+    from dscache_tools.devcluster.realnodes import real_nodes_default
 
     try:
         real = args.real_nodes
@@ -165,7 +165,7 @@ def _prometheus_binary(wanted: bool | None) -> str | None:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from dscache.devcluster import DevCluster
+    from dscache_tools.devcluster import DevCluster
 
     state_dir = _state_dir(args)
     cluster = DevCluster.load(state_dir)
@@ -178,7 +178,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
-    from dscache.devcluster import DevCluster
+    from dscache_tools.devcluster import DevCluster
 
     state_dir = _state_dir(args)
     cluster = DevCluster.load(state_dir)

@@ -1,0 +1,95 @@
+"""``dscache replay``, ``dscache bench store`` and ``dscache bench ttft``.
+
+Light module: argument parsing only; each handler imports its implementation,
+so ``dscache --help`` never loads torch or matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    bench: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    """Adds the trace replay and the component benchmarks."""
+    r = sub.add_parser(
+        "replay",
+        help="replay a request trace against eviction policies (hit ratios, Belady bound)",
+    )
+    r.add_argument("--trace", required=True, help="Mooncake JSONL trace or a dscache request log")
+    r.add_argument(
+        "--capacity-blocks",
+        default="16384",
+        help="comma-separated cache capacities in blocks (default 16384)",
+    )
+    r.add_argument(
+        "--policy",
+        default=None,
+        help="comma-separated policies, or 'all' (default: the store's default policy and lru)",
+    )
+    r.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    r.add_argument("--png", dest="png_out", default=None, help="write a hit-ratio chart here")
+    r.add_argument(
+        "--no-belady",
+        action="store_true",
+        help="skip the offline-optimal bound (slow on big traces)",
+    )
+    r.set_defaults(handler=_run_replay)
+
+    bs = bench.add_parser(
+        "store", help="KV store write/read paths vs torch.save/load, memcpy, write()"
+    )
+    bs.add_argument("--tokens", type=int, default=4096, help="KV length in tokens (default 4096)")
+    bs.add_argument(
+        "--repeat", type=int, default=7, help="repetitions per figure (median; default 7)"
+    )
+    bs.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    bs.add_argument("--data-dir", default=None, help="where to put the store (default: a temp dir)")
+    bs.set_defaults(handler=_run_bench_store)
+
+    b = bench.add_parser(
+        "ttft",
+        help="time to first token: full prefill vs cache hit via the sidecar vs in-memory KV",
+    )
+    b.add_argument("--model", default="tiny-gqa", help="preset or checkpoint dir (tiny-gqa)")
+    b.add_argument(
+        "--context", default="1024,4096,8192", help="comma-separated prompt lengths, tokens"
+    )
+    b.add_argument(
+        "--new-tokens", type=int, default=64, help="uncached suffix tokens on a hit (64)"
+    )
+    b.add_argument("--repeat", type=int, default=3, help="runs per figure, median (>= 3)")
+    b.add_argument(
+        "--hit-repeat",
+        type=int,
+        default=9,
+        help="hit / in-memory runs (cheap; median; default 9)",
+    )
+    b.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    b.add_argument("--block-tokens", type=int, default=256, help="tokens per block (256)")
+    b.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    b.add_argument(
+        "--data-dir", default=None, help="sidecar data dir (default: a temporary directory)"
+    )
+    b.add_argument("--capacity", default="2GiB", help="sidecar capacity (default 2GiB)")
+    b.set_defaults(handler=_run_bench_ttft)
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from dscache_tools.replay import run_cli
+
+    return run_cli(args)
+
+
+def _run_bench_store(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.store import run_cli
+
+    return run_cli(args)
+
+
+def _run_bench_ttft(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.server import run_cli
+
+    return run_cli(args)
