@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 from collections.abc import Callable, Iterator
 
@@ -60,7 +61,9 @@ def dev_cluster(
     cluster = DevCluster.start(
         tmp_path_factory.mktemp("devcluster"),
         node_count=3,
-        real_nodes=1,
+        # DSCACHE_TEST_REAL_NODES=0: KWOK nodes only, so a second session can run
+        # beside one that holds the host's real node (tests that run pods then fail).
+        real_nodes=int(os.environ.get("DSCACHE_TEST_REAL_NODES", "1")),
         load_images=loader,
         prometheus_binary=prometheus,
         binaries=binaries,
