@@ -50,6 +50,8 @@ def _spec_keys(canonical: bytes, salt: bytes, tokens: list[int], bt: int) -> lis
 
 
 def test_committed_vectors_match_the_implementation_and_the_spec() -> None:
+    # The vectors were written by another process on another machine: matching them is
+    # what "keys are stable across processes, hash seeds and hosts" means for a user.
     data = json.loads(VECTORS.read_text())
     assert data["contract"] == 1
     assert len(data["cases"]) >= 3
@@ -136,28 +138,6 @@ def test_tenants_never_share_keys_and_labels_hide_the_name() -> None:
     assert not set(a) & set(b) and not set(a) & set(c)
     label = tenant_label(tenant_salt("bank-a"))
     assert len(label) == 32 and "bank" not in label
-
-
-def test_keys_are_stable_across_processes() -> None:
-    import subprocess
-    import sys
-
-    code = (
-        "from dscache.keys import *;"
-        "fp=ModelFingerprint('m','r',KVLayout(LayoutKind.GQA,2,'float32',num_kv_heads=1,head_dim=2,v_head_dim=2),block_tokens=2);"
-        "print(KeyChain(fp,tenant_salt('t')).keys([1,2,3,4])[-1].hex())"
-    )
-    outs = {
-        subprocess.run(
-            [sys.executable, "-c", code],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={"PYTHONHASHSEED": str(seed), "PATH": "/usr/bin"},
-        ).stdout
-        for seed in (1, 2)
-    }
-    assert len(outs) == 1
 
 
 def test_numpy_and_list_inputs_agree_and_bad_ids_are_rejected() -> None:
