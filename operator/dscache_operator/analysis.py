@@ -39,7 +39,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from dscache import metricnames as names
-from dscache_operator.rollout import Verdict
+from dscache_operator.rollout_types import Verdict
 from dscache_operator.spec import AnalysisSpec
 
 log = logging.getLogger(__name__)

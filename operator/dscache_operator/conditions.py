@@ -1,4 +1,4 @@
-"""metav1.Condition bookkeeping and timestamps (pure).
+"""metav1.Condition bookkeeping, and the conditions a rollout decision sets (pure).
 
 Invariant: a condition's ``lastTransitionTime`` changes only when its
 ``status`` changes; a new reason or message alone keeps the old time.
@@ -7,22 +7,13 @@ Invariant: a condition's ``lastTransitionTime`` changes only when its
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Literal
 
-from dscache_operator.spec import Condition
+from dscache_operator.rollout_types import Observed
+from dscache_operator.status import Condition, DeepSeekCacheDeploymentStatus
 
 CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded", "RolledBack")
-
-
-def rfc3339(t: datetime) -> str:
-    """``2026-11-30T12:00:00Z`` (UTC, whole seconds, as Kubernetes writes times)."""
-    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(value: str) -> datetime:
-    """Inverse of :func:`rfc3339` (also accepts fractional seconds and offsets)."""
-    return datetime.fromisoformat(value.replace("Z", "+00:00")).astimezone(UTC)
 
 
 def set_condition(
@@ -37,38 +28,93 @@ def set_condition(
 ) -> list[Condition]:
     """``conditions`` with ``type_`` set; other types untouched, order kept."""
     value: Literal["True", "False"] = "True" if status else "False"
-    out: list[Condition] = []
-    found = False
-    for c in conditions:
-        if c.type != type_:
-            out.append(c)
-            continue
-        found = True
-        when = c.last_transition_time if c.status == value else rfc3339(now)
-        out.append(
-            Condition(
-                type=type_,
-                status=value,
-                reason=reason,
-                message=message,
-                last_transition_time=when,
-                observed_generation=generation,
-            )
-        )
-    if not found:
-        out.append(
-            Condition(
-                type=type_,
-                status=value,
-                reason=reason,
-                message=message,
-                last_transition_time=rfc3339(now),
-                observed_generation=generation,
-            )
-        )
-    return out
+    old = get_condition(conditions, type_)
+    new = Condition(
+        type=type_,
+        status=value,
+        reason=reason,
+        message=message,
+        last_transition_time=old.last_transition_time if old and old.status == value else now,
+        observed_generation=generation,
+    )
+    if old is None:
+        return [*conditions, new]
+    return [new if c.type == type_ else c for c in conditions]
 
 
 def get_condition(conditions: Sequence[Condition], type_: str) -> Condition | None:
     """The condition of ``type_``, if set."""
     return next((c for c in conditions if c.type == type_), None)
+
+
+def rollout_conditions(
+    st: DeepSeekCacheDeploymentStatus,
+    observed: Observed,
+    now: datetime,
+    *,
+    hold: tuple[str, str] | None,
+    rolled_back: tuple[str, str] | None,
+    new_rollout: bool,
+) -> list[Condition]:
+    """The five condition types for the status the rollout machine just decided.
+
+    Args:
+        st: the new status (phase, tracks and step already set).
+        observed: what the machine saw (track readiness, steps, generation).
+        now: the decision's time (a transition's ``lastTransitionTime``).
+        hold: ``(reason, message)`` when the rollout is held (pause, no data).
+        rolled_back: ``(reason, message)`` when this decision rolled back.
+        new_rollout: this decision started a rollout.
+    """
+    stable_ready = observed.track(st.stable_slot).ready
+    degraded = st.phase == "Degraded"
+    wanted: list[tuple[str, bool, str, str]] = [
+        (
+            "Available",
+            stable_ready,
+            "StableReady" if stable_ready else "StableNotReady",
+            f"track {st.stable_slot} ({st.stable_revision})",
+        ),
+        ("Progressing", *_progressing(st, observed, hold)),
+        (
+            "Degraded",
+            degraded,
+            "StableNotReady" if degraded else "AsExpected",
+            "the stable track has unready pods" if degraded else "",
+        ),
+    ]
+    if rolled_back is not None:
+        wanted.append(("RolledBack", True, *rolled_back))
+    elif new_rollout:
+        wanted.append(("RolledBack", False, "NewRollout", f"rolling out {st.canary_revision}"))
+    elif get_condition(st.conditions, "RolledBack") is None:
+        wanted.append(("RolledBack", False, "NoRollback", ""))
+    wanted.append(
+        (
+            "Ready",
+            stable_ready,
+            "Available" if stable_ready else "NotAvailable",
+            f"phase {st.phase}",
+        )
+    )
+    conds = list(st.conditions)
+    for type_, value, reason, message in wanted:
+        conds = set_condition(
+            conds, type_, value, reason, message, now=now, generation=observed.generation
+        )
+    return conds
+
+
+def _progressing(
+    st: DeepSeekCacheDeploymentStatus, observed: Observed, hold: tuple[str, str] | None
+) -> tuple[bool, str, str]:
+    if hold is not None:
+        return (False, *hold)
+    if st.canary_slot is None or st.canary_revision is None:
+        return False, "NoRollout", "no rollout in progress"
+    step = (
+        f"step {st.step_index + 1}/{len(observed.steps)} at {st.weight}%"
+        if st.step_index is not None
+        else st.phase
+    )
+    return True, st.phase, f"revision {st.canary_revision}: {step}"

@@ -22,7 +22,8 @@ from typing import Any
 import yaml
 
 from dscache_operator import GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
-from dscache_operator.spec import DeepSeekCacheDeploymentSpec, DeepSeekCacheDeploymentStatus
+from dscache_operator.spec import DeepSeekCacheDeploymentSpec
+from dscache_operator.status import DeepSeekCacheDeploymentStatus
 
 CRD_FILE = "deepseekcachedeployments.dscache.io.yaml"
 PEERING_GROUP = "kopf.dev"
@@ -190,7 +191,7 @@ def build_crd() -> dict[str, Any]:
 
 def render_crd_yaml() -> str:
     """The CRD as YAML text, exactly as committed."""
-    return _HEADER.format(source="spec.py") + yaml.safe_dump(
+    return _HEADER.format(source="spec.py and status.py") + yaml.safe_dump(
         build_crd(), sort_keys=False, width=100
     )
 

@@ -44,12 +44,12 @@ from dscache_operator.nginx import PromptKey, RouterConfig, render_nginx_conf
 from dscache_operator.rollout import slot_replicas
 from dscache_operator.spec import (
     DeepSeekCacheDeploymentSpec,
-    DeepSeekCacheDeploymentStatus,
     ResourcesSpec,
     RevisionSource,
     SchedulingSpec,
     parse_duration,
 )
+from dscache_operator.status import DeepSeekCacheDeploymentStatus
 
 Obj = dict[str, Any]
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from dscache_operator import KIND
 from dscache_operator.analysis import PrometheusClient, analyse
-from dscache_operator.conditions import parse_time, set_condition
+from dscache_operator.conditions import set_condition
 from dscache_operator.desired import (
     ROUTER_CONFIG_HASH,
     SLOT,
@@ -50,25 +50,27 @@ from dscache_operator.desired import (
 )
 from dscache_operator.kube import ApiError, Kube
 from dscache_operator.metrics import OperatorMetrics
-from dscache_operator.rollout import (
+from dscache_operator.rollout import analysis_due, next_step
+from dscache_operator.rollout_types import (
     Annotations,
     Decision,
     Observed,
     PrewarmState,
     TrackObservation,
-    analysis_due,
-    next_step,
+    Verdict,
 )
 from dscache_operator.settings import OperatorSettings
 from dscache_operator.spec import (
-    SLOTS,
     DeepSeekCacheDeploymentSpec,
-    DeepSeekCacheDeploymentStatus,
     RevisionSource,
-    dump_status,
     parse_spec,
-    parse_status,
     revision_of,
+)
+from dscache_operator.status import (
+    SLOTS,
+    DeepSeekCacheDeploymentStatus,
+    dump_status,
+    parse_status,
 )
 
 log = logging.getLogger(__name__)
@@ -322,10 +324,10 @@ class Reconciler:
         spec: DeepSeekCacheDeploymentSpec,
         status: DeepSeekCacheDeploymentStatus,
         now: datetime,
-    ) -> Any:
+    ) -> Verdict:
         url = spec.rollout.analysis.prometheus_url or self.settings.prometheus_url
         client = PrometheusClient(url, self.settings.prometheus_timeout_seconds) if url else None
-        started = parse_time(status.step_started_at) if status.step_started_at else now
+        started = status.step_started_at or now
         verdict = analyse(
             client,
             spec.rollout.analysis,

@@ -1,9 +1,10 @@
-"""The ``DeepSeekCacheDeployment`` spec and status as typed, validated objects.
+"""The ``DeepSeekCacheDeployment`` spec as typed, validated objects.
 
 This module is the single source of the resource's shape: the CRD's OpenAPI
 schema (defaults, bounds, enums, CEL rules, ``kubectl explain`` text) is
-generated from these models by :mod:`dscache_operator.crd`, and the operator
-parses each resource into them exactly once per reconcile. Field names are
+generated from these models by :mod:`dscache_operator.crd` (the status's from
+:mod:`dscache_operator.status`), and the operator parses each resource into
+them exactly once per reconcile. Field names are
 snake_case in Python and camelCase on the wire (``model_dump(by_alias=True)``).
 
 Invariants:
@@ -555,131 +556,3 @@ def parse_spec(raw: dict[str, Any] | Any) -> DeepSeekCacheDeploymentSpec:
         raise InvalidSpecError(problems) from exc
     _semantic_checks(spec)
     return spec
-
-
-# ----------------------------------------------------------------------------- status
-
-Slot = Literal["blue", "green"]
-SLOTS: tuple[Slot, Slot] = ("blue", "green")
-Phase = Literal[
-    "Pending",
-    "Available",
-    "Deploying",
-    "Prewarming",
-    "Progressing",
-    "Paused",
-    "RolledBack",
-    "Degraded",
-    "Failed",
-]
-
-
-class Condition(_Model):
-    """A metav1.Condition."""
-
-    type: Annotated[str, Field(max_length=316)] = Field(description="Condition type.")
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
-    reason: Annotated[str, Field(max_length=1024)] = Field(description="CamelCase reason.")
-    message: Annotated[str, Field(max_length=32768)] = Field(default="", description="Details.")
-    last_transition_time: str = Field(
-        description="When status last changed (RFC 3339).",
-        json_schema_extra={"format": "date-time"},
-    )
-    observed_generation: int | None = Field(
-        default=None, description="metadata.generation this condition was set for."
-    )
-
-
-class AnalysisResult(_Model):
-    """One analysis of a rollout step."""
-
-    at: str = Field(description="When (RFC 3339).", json_schema_extra={"format": "date-time"})
-    weight: int = Field(description="Canary weight analysed, percent.")
-    result: Literal["Pass", "Fail", "NoData", "Skipped"] = Field(description="Verdict.")
-    hit_rate: float | None = Field(default=None, description="Canary token hit rate.")
-    stable_hit_rate: float | None = Field(
-        default=None, description="Stable token hit rate the canary was compared with."
-    )
-    ttft_p99_seconds: float | None = Field(default=None, description="Canary P99 TTFT.")
-    stable_ttft_p99_seconds: float | None = Field(default=None, description="Stable P99 TTFT.")
-    message: str = Field(default="", description="Why.")
-
-
-class SlotStatus(_Model):
-    """One model track (a Deployment named <name>-<slot>) and the revision it runs."""
-
-    revision: str = Field(description="Revision hash of this track's template.")
-    source: dict[str, Any] = Field(
-        description="The spec fields this track's template was built from.",
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
-    )
-    frozen: bool = Field(
-        default=False,
-        description="A rollout undo changed this Deployment; the operator leaves its template "
-        "alone until the track gets a new revision.",
-    )
-
-
-class LastAction(_Model):
-    """The last annotation or event the operator acted on."""
-
-    type: str = Field(description="promote, pause, abort, undo, ...")
-    value: str = Field(default="", description="Annotation value, if any.")
-    at: str = Field(description="When (RFC 3339).", json_schema_extra={"format": "date-time"})
-    message: str = Field(default="", description="What was done.")
-
-
-class DeepSeekCacheDeploymentStatus(_Model):
-    """Observed state of a DeepSeekCacheDeployment, written only by the operator."""
-
-    observed_generation: int | None = Field(default=None, description="Last generation seen.")
-    phase: Phase = Field(default="Pending", description="Summary of the state.")
-    stable_slot: Slot | None = Field(default=None, description="Track serving stable traffic.")
-    stable_revision: str | None = Field(default=None, description="Revision of the stable track.")
-    canary_slot: Slot | None = Field(default=None, description="Track of the rollout.")
-    canary_revision: str | None = Field(default=None, description="Revision being rolled out.")
-    weight: int = Field(default=0, ge=0, le=100, description="Percent of sessions on the canary.")
-    step_index: int | None = Field(default=None, description="Index into rollout steps.")
-    step_started_at: str | None = Field(
-        default=None,
-        description="When the current step began.",
-        json_schema_extra={"format": "date-time"},
-    )
-    previous_slot: Slot | None = Field(
-        default=None, description="Old stable track kept warm until retireAt."
-    )
-    retire_at: str | None = Field(
-        default=None,
-        description="When the previous track is scaled down.",
-        json_schema_extra={"format": "date-time"},
-    )
-    rolled_back_revision: str | None = Field(
-        default=None, description="Revision rolled back; not retried until the spec changes."
-    )
-    hit_rate: str | None = Field(default=None, description="Last analysed canary hit rate.")
-    last_analysis: AnalysisResult | None = Field(default=None, description="Last analysis.")
-    last_action: LastAction | None = Field(default=None, description="Last action taken.")
-    slots: dict[str, SlotStatus] = Field(
-        default_factory=dict, description="Tracks by slot name (blue, green)."
-    )
-    conditions: list[Condition] = Field(
-        default_factory=list,
-        description="Available, Progressing, Degraded, RolledBack, Ready.",
-        json_schema_extra={
-            "x-kubernetes-list-type": "map",
-            "x-kubernetes-list-map-keys": ["type"],
-        },
-    )
-
-
-def parse_status(raw: dict[str, Any] | Any) -> DeepSeekCacheDeploymentStatus:
-    """The operator's own status fields; foreign keys (kopf's) are ignored."""
-    own = DeepSeekCacheDeploymentStatus.model_fields
-    aliases = {f.alias or n for n, f in own.items()}
-    data = {k: v for k, v in dict(raw or {}).items() if k in aliases}
-    return DeepSeekCacheDeploymentStatus.model_validate(data)
-
-
-def dump_status(status: DeepSeekCacheDeploymentStatus) -> dict[str, Any]:
-    """Wire form of ``status``; ``None`` fields are written as nulls (a merge patch clears them)."""
-    return status.model_dump(mode="json", by_alias=True)

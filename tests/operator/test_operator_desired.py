@@ -25,14 +25,15 @@ from dscache_operator.desired import (
     router_deployment,
 )
 from dscache_operator.nginx import DEBIAN_LUA_MODULES, render_nginx_conf
-from dscache_operator.rollout import Observed, TrackObservation, next_step
+from dscache_operator.rollout import next_step
+from dscache_operator.rollout_types import Observed, TrackObservation
 from dscache_operator.spec import (
     DeepSeekCacheDeploymentSpec,
-    DeepSeekCacheDeploymentStatus,
     InvalidSpecError,
     parse_spec,
     revision_of,
 )
+from dscache_operator.status import DeepSeekCacheDeploymentStatus
 from dscache_tools.net import free_port
 
 OWNER = Owner("chat", "prod", "0c5f0e38-8a7a-4f5b-9d63-2c1d3d1c2a11")

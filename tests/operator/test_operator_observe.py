@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from dscache_operator.desired import TEMPLATE_HASH
 from dscache_operator.reconcile import observe_job, observe_track, ready_pod_ips
-from dscache_operator.rollout import TrackObservation
+from dscache_operator.rollout_types import TrackObservation
 
 
 def deployment(

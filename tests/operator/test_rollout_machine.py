@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 from dscache_operator.conditions import get_condition
-from dscache_operator.rollout import (
+from dscache_operator.rollout import analysis_due, next_step, slot_replicas
+from dscache_operator.rollout_types import (
     ANNOTATION_ABORT,
     ANNOTATION_PROMOTE,
     Annotations,
@@ -22,11 +23,8 @@ from dscache_operator.rollout import (
     Observed,
     TrackObservation,
     Verdict,
-    analysis_due,
-    next_step,
-    slot_replicas,
 )
-from dscache_operator.spec import DeepSeekCacheDeploymentStatus, dump_status, parse_status
+from dscache_operator.status import DeepSeekCacheDeploymentStatus, dump_status, parse_status
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -143,7 +141,7 @@ def test_last_transition_time_moves_only_on_real_transitions(
     t1 = T0 + timedelta(minutes=7)
     degraded = run(later, obs(tracks={"blue": NOT_READY}), t1).status
     c = get_condition(degraded.conditions, "Available")
-    assert c is not None and c.last_transition_time == "2026-11-30T12:07:00Z"
+    assert c is not None and c.last_transition_time == datetime(2026, 11, 30, 12, 7, tzinfo=UTC)
 
 
 # ----------------------------------------------------------------------------- ramp
@@ -236,7 +234,8 @@ def test_good_figures_promote_through_every_step(available: DeepSeekCacheDeploym
     assert reasons(d) == ["AnalysisPassed", "Promoted"]
     assert (s.stable_slot, s.stable_revision, s.canary_slot, s.weight) == ("green", REV_B, None, 0)
     assert (s.previous_slot, s.phase) == ("blue", "Available")
-    assert s.retire_at == "2026-11-30T12:14:04Z"  # t + rollbackWindow (600 s)
+    assert s.retire_at == datetime(2026, 11, 30, 12, 14, 4, tzinfo=UTC)  # t + rollbackWindow
+    assert dump_status(s)["retireAt"] == "2026-11-30T12:14:04Z"  # as Kubernetes writes times
     assert slot_replicas(s, "blue", 2) == 2  # kept warm
     assert cond(d, "Progressing") == ("False", "NoRollout")
 
