@@ -7,9 +7,11 @@ so tests build as many runtimes as they like.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +22,7 @@ from dscache_server.cache import KVBlockStore, PrefixCache, SidecarBlockStore
 from dscache_server.calibrate import calibrate
 from dscache_server.config import ServerSettings
 from dscache_server.engine import TransformersEngine, load_engine
-from dscache_server.generate import Generator
+from dscache_server.generate import GenerationRequest, GenerationResult, Generator
 from dscache_server.metrics import ServerMetrics
 from dscache_server.tokenizer import DeepSeekTokenizer
 
@@ -60,6 +62,22 @@ class Runtime:
                 while len(self._chains) > 4096:
                     self._chains.popitem(last=False)
             return chain
+
+    async def generate(
+        self, req: GenerationRequest, emit: Callable[[str], None] = lambda _delta: None
+    ) -> GenerationResult:
+        """Runs ``req`` on an engine worker; ``emit`` gets text deltas on that thread.
+
+        Cancelling the caller (the client went away) tells the worker to stop at its
+        next token and re-raises; the worker's thread is never interrupted mid-forward.
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self.executor, self.generator.run, req, emit)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            req.cancelled.set()
+            raise
 
     def close(self) -> None:
         """Stops workers and closes the cache."""

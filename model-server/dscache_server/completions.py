@@ -1,0 +1,119 @@
+"""One completion request, from its body to its response: the generation slot's owner.
+
+Contract:
+    * The slot is taken after the request is parsed, so a bad request never waits;
+      a full queue is a 429 ``queue_full`` with Retry-After (``retry_after_s``).
+    * The slot is entered in one place (``_answer``) on an ``AsyncExitStack``: a plain
+      response gives it back when the generation ends; a stream hands the stack to
+      its ``SlotStreamingResponse``, which gives it back when sending ends.
+    * The session header is read, logged and echoed on every answer, errors included;
+      every answer is counted in ``requests_total{endpoint, code}`` once the model is
+      loaded (a bug counts as 500).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from contextlib import AsyncExitStack
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from dscache_server.errors import APIError
+from dscache_server.parse import parse_request, read_json
+from dscache_server.scheduler import QueueFullError
+from dscache_server.schemas import Endpoint, completion_body
+from dscache_server.state import AppState, Serving
+from dscache_server.streaming import SlotStreamingResponse, stream_completion
+
+log = logging.getLogger(__name__)
+
+#: The session header's name before the settings are known (model not loaded yet).
+DEFAULT_SESSION_HEADER = "X-Session-ID"
+
+
+async def handle_completion(request: Request, endpoint: Endpoint, state: AppState) -> Response:
+    """Answers a chat or text completion request, counted and with its session echoed."""
+    started = time.perf_counter()
+    session_id = request.headers.get(DEFAULT_SESSION_HEADER.lower())
+    try:
+        serving = state.serving()
+    except APIError as exc:
+        return _echo(exc.response(), DEFAULT_SESSION_HEADER, session_id)
+    rt = serving.runtime
+    header = rt.settings.session_header
+    session_id = request.headers.get(header.lower()) or session_id
+    code = "500"
+    try:
+        response = await _answer(request, endpoint, serving, session_id, started)
+        code = "200"
+        return response
+    except APIError as exc:
+        code = str(exc.status)
+        return _echo(exc.response(), header, session_id)
+    finally:
+        rt.metrics.requests.labels(endpoint=endpoint, code=code).inc()
+
+
+def _echo(response: Response, header: str, session_id: str | None) -> Response:
+    if session_id:
+        response.headers[header] = session_id
+    return response
+
+
+async def _answer(
+    request: Request,
+    endpoint: Endpoint,
+    serving: Serving,
+    session_id: str | None,
+    started: float,
+) -> Response:
+    rt, scheduler = serving
+    settings = rt.settings
+    body = await read_json(request, settings.max_request_bytes)
+    parsed = parse_request(rt, endpoint, body, request.headers, started)
+    parsed.generation.session_id = session_id
+    request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+    log.info(
+        "request %s endpoint=%s session=%s prompt_tokens=%d",
+        request_id,
+        endpoint,
+        session_id,
+        len(parsed.generation.token_ids),
+    )
+    headers = {settings.session_header: session_id} if session_id else {}
+    async with AsyncExitStack() as slot:
+        try:
+            waited = await slot.enter_async_context(scheduler.slot(session_id))
+        except QueueFullError:
+            raise APIError(
+                429,
+                "the server is busy: request queue is full",
+                type_="rate_limit_error",
+                code="queue_full",
+                retry_after=settings.retry_after_s,
+            ) from None
+        if parsed.stream:
+            events = stream_completion(
+                rt,
+                endpoint=endpoint,
+                request_id=request_id,
+                req=parsed.generation,
+                include_usage=parsed.include_usage,
+                started=started,
+            )
+            return SlotStreamingResponse(events, slot=slot.pop_all(), headers=headers)
+        result = await rt.generate(parsed.generation)
+    log.info(
+        "done %s cached_tokens=%d completion_tokens=%d waited=%.3fs fallback=%s",
+        request_id,
+        result.cached_tokens,
+        result.completion_tokens,
+        waited,
+        result.fallback,
+    )
+    rt.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - started)
+    body_out = completion_body(endpoint, request_id, settings.model_name, result)
+    return JSONResponse(body_out, headers=headers)

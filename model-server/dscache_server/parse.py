@@ -1,0 +1,158 @@
+"""From an HTTP request to a ``GenerationRequest`` the engine can run.
+
+Contract:
+    * A body over ``max_request_bytes`` is a 413 (checked on ``Content-Length``
+      before reading, and on the bytes read); a body that is not a JSON object is a
+      400 ``invalid_json``; a field that does not fit the schema is a 400
+      ``invalid_value`` naming it; another model name is a 404 ``model_not_found``;
+      a prompt that leaves no room for one token is a 400 ``context_length_exceeded``.
+    * ``max_tokens`` is capped so that prompt + completion fit the context.
+    * The tenant comes from the tenant header, else the bearer API key (hashed),
+      else ``default``; it selects the key chain, so tenants never share a block.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from dscache_server.errors import APIError, validation_error
+from dscache_server.generate import GenerationRequest, SamplingParams
+from dscache_server.runtime import DEFAULT_TENANT, Runtime, tenant_from_api_key
+from dscache_server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Endpoint,
+    SamplingFields,
+)
+from dscache_server.tokenizer import ChatMessage, TemplateError
+
+#: A JSON value as ``json.loads`` returns it.
+JSON = dict[str, object] | list[object] | str | int | float | bool | None
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A request ready to run, and how to answer it."""
+
+    generation: GenerationRequest
+    stream: bool
+    include_usage: bool
+
+
+async def read_json(request: Request, limit: int) -> JSON:
+    """The body as JSON; 413 over ``limit`` bytes, 400 when it is not JSON."""
+    length = request.headers.get("content-length")
+    too_large = APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    raw = await request.body()
+    if len(raw) > limit:
+        raise too_large
+    try:
+        body: JSON = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"malformed JSON: {exc}", code="invalid_json") from None
+    return body
+
+
+def parse_request(
+    rt: Runtime, endpoint: Endpoint, body: JSON, headers: Mapping[str, str], arrived: float
+) -> ParsedRequest:
+    """Validates ``body`` for ``endpoint`` and tokenizes its prompt.
+
+    Raises:
+        APIError: the request cannot be served (see the module's contract).
+    """
+    api = _validate(endpoint, body)
+    settings = rt.settings
+    if api.model and api.model != settings.model_name:
+        raise APIError(
+            404,
+            f"the model {api.model!r} does not exist; this server serves {settings.model_name!r}",
+            code="model_not_found",
+            param="model",
+        )
+    ids = _prompt_ids(rt, api)
+    params = SamplingParams(
+        max_tokens=_max_tokens(rt, api, len(ids)),
+        temperature=api.temperature,
+        top_p=api.top_p,
+        seed=api.seed,
+        stop=api.stops(),
+    )
+    chain = rt.chain_for(tenant_of(headers, settings.tenant_header))
+    generation = GenerationRequest(token_ids=ids, params=params, chain=chain, arrived=arrived)
+    return ParsedRequest(generation, api.stream, api.include_usage())
+
+
+def tenant_of(headers: Mapping[str, str], tenant_header: str) -> str:
+    """The tenant: the tenant header, else the bearer API key, else the default."""
+    header = headers.get(tenant_header.lower())
+    if header:
+        return "tenant:" + header
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("bearer ") and auth[7:].strip():
+        return tenant_from_api_key(auth[7:].strip())
+    return DEFAULT_TENANT
+
+
+def _validate(endpoint: Endpoint, body: JSON) -> ChatCompletionRequest | CompletionRequest:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    schema = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+
+
+def _prompt_ids(rt: Runtime, api: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    try:
+        if isinstance(api, ChatCompletionRequest):
+            messages = [ChatMessage(m.role, m.text()) for m in api.messages]
+            ids = rt.tokenizer.apply_chat_template(messages)
+        else:
+            ids = _completion_ids(rt, api.prompt)
+    except (TemplateError, ValueError) as exc:
+        raise APIError(400, str(exc), param=api.PROMPT_FIELD) from None
+    if not ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    return ids
+
+
+def _completion_ids(rt: Runtime, prompt: str | list[int] | list[str]) -> list[int]:
+    if isinstance(prompt, str):
+        return rt.tokenizer.encode(prompt)
+    if prompt and all(isinstance(p, int) for p in prompt):
+        ids = [int(p) for p in prompt]
+        vocab = rt.engine.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise APIError(400, "token id out of range", param="prompt")
+        return ids
+    if len(prompt) == 1:
+        return rt.tokenizer.encode(str(prompt[0]))
+    raise APIError(400, "exactly one prompt per request", param="prompt")
+
+
+def _max_tokens(rt: Runtime, api: SamplingFields, prompt_tokens: int) -> int:
+    settings = rt.settings
+    max_tokens = api.requested_max_tokens() or settings.default_max_tokens
+    if max_tokens > settings.max_tokens_limit:
+        raise APIError(
+            400, f"max_tokens must be <= {settings.max_tokens_limit}", param="max_tokens"
+        )
+    limit = rt.max_context
+    if prompt_tokens + 1 > limit:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {limit} tokens; the prompt has "
+            f"{prompt_tokens} tokens",
+            code="context_length_exceeded",
+            param=api.PROMPT_FIELD,
+        )
+    return min(max_tokens, limit - prompt_tokens)

@@ -1,0 +1,114 @@
+"""The state of one app: its runtime once loaded, its scheduler, whether it drains.
+
+Contract:
+    * ``AppState.serving()`` is the one gate of every model route: it returns the
+      runtime and the scheduler, or raises a 503 ``not_ready`` (Retry-After 1 while
+      loading, 5 while draining; the loader's error as message if loading failed).
+    * ``AppState.lifespan`` runs the loader (if any) on a worker thread after
+      start-up, so ``/health`` answers while the model loads; on shutdown it marks the
+      app draining and closes a runtime it loaded itself.
+    * Routes get the state through the ``StateDep`` dependency (typed), never through
+      a global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, NamedTuple
+
+from fastapi import Depends, FastAPI, Request
+
+from dscache_server.errors import APIError
+from dscache_server.runtime import Runtime
+from dscache_server.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Serving(NamedTuple):
+    """What a model route needs: the loaded runtime and the app's scheduler."""
+
+    runtime: Runtime
+    scheduler: Scheduler
+
+
+@dataclass
+class AppState:
+    """Mutable state of one app.
+
+    Attributes:
+        runtime: the runtime once built or loaded.
+        loader: builds the runtime at start-up (None: ``runtime`` is given).
+        scheduler: made on first use, on the serving event loop.
+        draining: set at shutdown; model routes answer 503 from then on.
+        load_error: why loading failed, if it did.
+    """
+
+    runtime: Runtime | None = None
+    loader: Callable[[], Runtime] | None = None
+    scheduler: Scheduler | None = None
+    draining: bool = False
+    load_error: str | None = None
+
+    def serving(self) -> Serving:
+        """The runtime and scheduler; raises a 503 ``APIError`` until ready or once draining."""
+        rt = self.runtime
+        if rt is None or self.draining:
+            raise APIError(
+                503,
+                self.load_error or "the server is loading or draining",
+                type_="service_unavailable",
+                code="not_ready",
+                retry_after=1 if rt is None else 5,
+            )
+        if self.scheduler is None:
+            settings = rt.settings
+            self.scheduler = Scheduler(settings.max_concurrency, settings.max_queue, rt.metrics)
+        return Serving(rt, self.scheduler)
+
+    def not_ready_reason(self) -> str | None:
+        """Why ``/ready`` is 503 (``loading``, ``draining`` or the load error); None if ready."""
+        if self.draining:
+            return "draining"
+        if self.runtime is None:
+            return self.load_error or "loading"
+        return None
+
+    @asynccontextmanager
+    async def lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
+        """FastAPI's lifespan: load in the background, drain and close on the way out."""
+        task: asyncio.Task[None] | None = None
+        if self.runtime is None and self.loader is not None:
+            task = asyncio.create_task(self._load(self.loader))
+        try:
+            yield
+        finally:
+            self.draining = True
+            if task is not None and not task.done():
+                task.cancel()
+            if self.runtime is not None and self.loader is not None:
+                self.runtime.close()
+
+    async def _load(self, loader: Callable[[], Runtime]) -> None:
+        try:
+            self.runtime = await asyncio.to_thread(loader)
+            log.info("model ready")
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("loading the model failed")
+
+
+def app_state(request: Request) -> AppState:
+    """The ``AppState`` of the app serving ``request``."""
+    state = request.app.state.dscache
+    if not isinstance(state, AppState):
+        raise TypeError("the app was not built by dscache_server.app.create_app")
+    return state
+
+
+#: A route parameter that receives the app's state.
+StateDep = Annotated[AppState, Depends(app_state)]
