@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_T = TypeVar("_T", bound="DataclassInstance")
 
 
 def register(
@@ -67,7 +74,11 @@ def register(
     limit = ld.add_mutually_exclusive_group()
     limit.add_argument("--requests", type=int, default=None, help="stop after N requests")
     limit.add_argument(
-        "--duration", type=_duration, default=None, help="stop starting requests after T (90s, 5m)"
+        "--duration",
+        dest="duration_s",
+        type=_duration,
+        default=None,
+        help="stop starting requests after T (90s, 5m)",
     )
     ld.add_argument(
         "--metrics",
@@ -76,9 +87,12 @@ def register(
         help="a model server's /metrics URL for the cache figures (repeat per server)",
     )
     ld.add_argument("--json", dest="json_out", type=Path, default=None, help="write the report")
-    ld.add_argument("--timeout", type=float, default=300.0, help="seconds per request (300)")
+    ld.add_argument(
+        "--timeout", dest="timeout_s", type=float, default=300.0, help="seconds per request (300)"
+    )
     ld.add_argument(
         "--think",
+        dest="think_s",
         type=_duration,
         default=0.0,
         help="mean pause between a session's turns (a user reading and typing; default 0); "
@@ -149,6 +163,7 @@ def register(
     k.add_argument("--concurrency", type=int, default=24, help="live sessions (default 24)")
     k.add_argument(
         "--think",
+        dest="think_s",
         type=_duration,
         default=15.0,
         help="mean pause between a session's turns (default 15s)",
@@ -169,6 +184,16 @@ def _duration(text: str) -> float:
     return float(m.group(1)) * scale
 
 
+def _options(cls: type[_T], args: argparse.Namespace, **overrides: Any) -> _T:
+    """``cls`` built from the parsed flags whose ``dest`` is one of its fields.
+
+    Flags are named for the user and their ``dest`` for the field they set, so
+    each handler names only what it computes (``overrides``).
+    """
+    given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    return cls(**{**given, **overrides})
+
+
 def _run_workload(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -179,37 +204,20 @@ def _run_workload(args: argparse.Namespace) -> int:
         ideal_hit_ratio,
         load_server_tokenizer,
         prewarm_requests,
+        prompts_jsonl,
         summary,
+        summary_line,
         write_jsonl,
     )
 
-    cfg = WorkloadConfig(
-        sessions=args.sessions,
-        seed=args.seed,
-        drop_id_share=args.drop_id_share,
-        drop_mode=args.drop_mode,
-        reconnect_share=args.reconnect_share,
-        min_turns=args.min_turns,
-        max_turns=args.max_turns,
-        companies=args.companies or len(COMPANIES),
-        max_tokens=args.max_tokens,
-    )
+    cfg = _options(WorkloadConfig, args, companies=args.companies or len(COMPANIES))
     requests = generate(cfg)
     write_jsonl(requests, args.out)
     if args.prewarm_out is not None:
-        import json
-
         warm = prewarm_requests(generate(replace(cfg, sessions=max(cfg.sessions, 2000))))
-        lines = [json.dumps({"messages": r.messages}, ensure_ascii=False) for r in warm]
-        args.prewarm_out.write_text("".join(line + "\n" for line in lines))
+        args.prewarm_out.write_text(prompts_jsonl(warm))
         print(f"wrote the shared prefixes of {len(warm)} companies to {args.prewarm_out}")
-    info = summary(requests)
-    print(
-        f"wrote {info['requests']} requests ({info['sessions']} sessions, {info['companies']} "
-        f"companies, {100 * info['zh_share']:.0f}% Chinese, "
-        f"{100 * info['dropped_id_share']:.0f}% without session id, "
-        f"{info['reconnected_sessions']} reconnected sessions) to {args.out}"
-    )
+    print(f"wrote {summary_line(summary(requests))} to {args.out}")
     if not args.no_ideal:
         ideal = ideal_hit_ratio(requests, load_server_tokenizer(), block_tokens=args.block_tokens)
         print(
@@ -226,16 +234,8 @@ def _run_load(args: argparse.Namespace) -> int:
     from dscache_tools.loadgen import LoadConfig, format_report, run_load, write_json
     from dscache_tools.workload import read_jsonl
 
-    cfg = LoadConfig(
-        target=args.target,
-        concurrency=args.concurrency,
-        requests=args.requests,
-        duration_s=args.duration,
-        timeout_s=args.timeout,
-        metrics_urls=tuple(args.metrics),
-        model=args.model,
-        progress=not args.no_progress,
-        think_s=args.think,
+    cfg = _options(
+        LoadConfig, args, metrics_urls=tuple(args.metrics), progress=not args.no_progress
     )
     report = asyncio.run(run_load(cfg, read_jsonl(args.workload)))
     print(format_report(report))
@@ -248,15 +248,8 @@ def _run_load(args: argparse.Namespace) -> int:
 def _run_kube_demo(args: argparse.Namespace) -> int:
     from dscache_tools.demo.kube import KubeDemoOptions, main
 
-    opts = KubeDemoOptions(
-        quick=args.quick,
-        kubeconfig=args.kubeconfig,
-        prometheus_url=args.prometheus_url,
-        concurrency=args.concurrency,
-        think_s=args.think,
-        seed=args.seed,
-        interval_s=round(args.interval) if args.interval else None,
-        workdir=args.workdir,
+    opts = _options(
+        KubeDemoOptions, args, interval_s=round(args.interval) if args.interval else None
     )
     png = args.png_out
     if png is None:
@@ -271,20 +264,5 @@ def _run_kube_demo(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     from dscache_tools.demo.run import DemoOptions, main
 
-    opts = DemoOptions(
-        quick=args.quick,
-        model=args.model,
-        concurrency=args.concurrency,
-        sessions=args.sessions,
-        companies=args.companies,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        drop_id_share=args.drop_id_share,
-        drop_mode=args.drop_mode,
-        prewarm=not args.no_prewarm,
-        fallback_pass=args.fallback_pass,
-        prometheus=args.prometheus,
-        workdir=args.workdir,
-        threads=args.threads,
-    )
+    opts = _options(DemoOptions, args, prewarm=not args.no_prewarm)
     return main(opts, args.json_out, args.png_out)
