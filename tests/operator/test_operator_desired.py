@@ -17,7 +17,6 @@ from dscache_operator.desired import (
     Owner,
     children,
     model_deployment,
-    parse_quantity,
     prewarm_job,
     prometheus_rule,
     router_config,
@@ -25,6 +24,7 @@ from dscache_operator.desired import (
     router_deployment,
 )
 from dscache_operator.nginx import DEBIAN_LUA_MODULES, render_nginx_conf
+from dscache_operator.quantity import quantity_bytes
 from dscache_operator.rollout import next_step
 from dscache_operator.rollout_types import Observed, TrackObservation
 from dscache_operator.spec import (
@@ -150,7 +150,7 @@ def test_model_pods_are_hardened_and_probed(spec: DeepSeekCacheDeploymentSpec) -
     assert not mounts["cache"].get("readOnly")  # the server writes allocated blocks
     assert {m["name"] for m in sidecar["volumeMounts"]} == {"cache", "socket", "tmp"}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["cache"]["emptyDir"]["sizeLimit"] == str(parse_quantity("10Gi"))
+    assert volumes["cache"]["emptyDir"]["sizeLimit"] == str(quantity_bytes("10Gi"))
 
 
 def test_template_hash_is_on_the_deployment_and_in_the_template(

@@ -1,0 +1,241 @@
+"""The model tracks: per slot, the Deployment and Service ``<name>-<slot>`` (pure).
+
+Each model pod runs the model server (server image, torch) and the KV sidecar
+(slim core image), sharing the cache volume and the sidecar's socket. A
+hostPath cache lives in ``<hostPath>/<namespace>/<name>-<slot>``: one
+directory per track, the same after a pod restart, handed to the pods' user by
+the ``cache-owner`` init container.
+
+Invariants: a track's pod template is built only from the
+:class:`RevisionSource` stored for that track in the status, never from the
+live spec, so a rollout never restarts the stable pods; its hash is written
+both on the Deployment's labels and in the pod template's annotations, so a
+``kubectl rollout undo`` (which replaces the template but not the Deployment's
+labels) is visible as a mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from dscache_operator.desired.common import (
+    REVISION,
+    RUN_AS,
+    SLOT,
+    TEMPLATE_HASH,
+    TMP,
+    Obj,
+    Owner,
+    container,
+    labels,
+    meta,
+    pod_spec,
+    resources,
+    selector_labels,
+    track_of,
+)
+from dscache_operator.quantity import quantity_bytes
+from dscache_operator.rollout import slot_replicas
+from dscache_operator.spec import DeepSeekCacheDeploymentSpec, RevisionSource
+from dscache_operator.status import DeepSeekCacheDeploymentStatus
+
+CACHE_DIR = "/var/cache/dscache"
+SOCKET_DIR = "/run/dscache"
+SOCKET = f"{SOCKET_DIR}/sidecar.sock"
+
+
+def _cache_volume(owner: Owner, slot: str, src: RevisionSource, size_bytes: int) -> Obj:
+    vol = src.cache.volume
+    if vol.type == "hostPath" and vol.host_path:
+        path = cache_host_path(owner, slot, vol.host_path)
+        return {"name": "cache", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
+    if vol.type == "persistentVolumeClaim":
+        return {"name": "cache", "persistentVolumeClaim": {"claimName": vol.claim_name}}
+    return {"name": "cache", "emptyDir": {"sizeLimit": str(size_bytes)}}
+
+
+def cache_host_path(owner: Owner, slot: str, host_path: str) -> str:
+    """``<hostPath>/<namespace>/<name>-<slot>``: a node directory per track.
+
+    Stable across pod restarts (a pod recreated on the same node finds its
+    cache) and distinct per track, so the blue and the green pod that share a
+    node never open one store directory twice.
+    """
+    return f"{host_path.rstrip('/')}/{owner.namespace}/{owner.name}-{slot}"
+
+
+def _cache_owner_init(src: RevisionSource) -> Obj:
+    # The kubelet creates a hostPath directory root-owned (0755) and fsGroup does
+    # not apply to hostPath volumes: hand the track's directory to the pods' user.
+    image = src.sidecar.image
+    return {
+        "name": "cache-owner",
+        "image": image.reference,
+        "imagePullPolicy": image.pull_policy,
+        "command": ["chown", f"{RUN_AS}:{RUN_AS}", CACHE_DIR],
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "16Mi"},
+            "limits": {"memory": "64Mi"},
+        },
+        "securityContext": {
+            "runAsUser": 0,
+            "runAsGroup": 0,
+            "runAsNonRoot": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN"]},
+        },
+        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}],
+    }
+
+
+def _tenant_env(src: RevisionSource) -> list[Obj]:
+    salt = src.tenant_salt
+    name = "DSCACHE_SERVER_TENANT_SECRET"
+    if salt.source == "namespace":
+        return [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
+    if salt.source == "secret" and salt.secret_ref is not None:
+        ref = {"name": salt.secret_ref.name, "key": salt.secret_ref.key}
+        return [{"name": name, "valueFrom": {"secretKeyRef": ref}}]
+    return []
+
+
+def _shared_mounts(tmp_sub_path: str) -> list[Obj]:
+    # Read-write cache: the server maps hit blocks and writes new ones into the
+    # space the sidecar allocates (Allocate -> pwrite -> Commit).
+    return [
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "socket", "mountPath": SOCKET_DIR},
+        {"name": "tmp", "mountPath": TMP, "subPath": tmp_sub_path},
+    ]
+
+
+def _server_container(src: RevisionSource) -> Obj:
+    port = src.server.port
+    args = ["server", "--model", src.model.name, "--port", str(port)]
+    args += ["--sidecar-socket", SOCKET, "--sidecar-data-dir", CACHE_DIR]
+    args += ["--block-tokens", str(src.cache.block_tokens)]
+    args += ["--min-cache-tokens", str(src.cache.min_tokens)]
+    args += ["--store-compress", src.cache.codec]
+    args += ["--max-concurrency", str(src.server.max_concurrency)]
+    if src.model.revision:
+        args += ["--revision", src.model.revision]
+    probe = {"httpGet": {"path": "/health", "port": "http"}}
+    return {
+        **container("server", src.server.image, ["dscache"], args),
+        "env": _tenant_env(src),
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "resources": resources(src.server.resources),
+        "volumeMounts": _shared_mounts("server"),
+    }
+
+
+def _sidecar_container(src: RevisionSource, capacity: int) -> Obj:
+    port = src.sidecar.metrics_port
+    args = ["sidecar", "--data-dir", CACHE_DIR, "--capacity", str(capacity)]
+    args += ["--socket", SOCKET, "--metrics-port", str(port)]
+    # The sidecar's gRPC health, as HTTP on its metrics port: no process per probe.
+    return {
+        **container("sidecar", src.sidecar.image, ["dscache"], args),
+        "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"}],
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "metrics"},
+            "periodSeconds": 15,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "metrics"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+        },
+        "resources": resources(src.sidecar.resources),
+        "volumeMounts": _shared_mounts("sidecar"),
+    }
+
+
+def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) -> Obj:
+    """The model pod template of one track (without its hash annotation)."""
+    size = quantity_bytes(src.cache.size)
+    capacity = size * 9 // 10  # headroom for the index and partly written segments
+    sel = {**selector_labels(owner, "model"), SLOT: slot}
+    spec: Obj = {
+        **pod_spec(src.scheduling, spread=sel),
+        "terminationGracePeriodSeconds": 60,
+        "containers": [_server_container(src), _sidecar_container(src, capacity)],
+        "volumes": [
+            _cache_volume(owner, slot, src, size),
+            {"name": "socket", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        ],
+    }
+    if src.cache.volume.type == "hostPath":
+        # Two pods of a track on one node would share one store directory.
+        term = {"labelSelector": {"matchLabels": sel}, "topologyKey": "kubernetes.io/hostname"}
+        spec["affinity"] = {
+            "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
+        }
+        spec["initContainers"] = [_cache_owner_init(src)]
+    return {"metadata": {"labels": {**sel, REVISION: revision}}, "spec": spec}
+
+
+def template_hash(template: Obj) -> str:
+    """Hash of a pod template as the operator renders it."""
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def model_deployment(
+    owner: Owner,
+    spec: DeepSeekCacheDeploymentSpec,
+    status: DeepSeekCacheDeploymentStatus,
+    slot: str,
+) -> Obj:
+    """Deployment ``<name>-<slot>`` for the revision stored for ``slot``."""
+    ss = status.slots[slot]
+    src = RevisionSource.model_validate(ss.source)
+    template = pod_template(owner, slot, ss.revision, src)
+    digest = template_hash(template)
+    template["metadata"]["annotations"] = {TEMPLATE_HASH: digest}
+    lbls = {**labels(owner, "model", track_of(status, slot)), SLOT: slot, TEMPLATE_HASH: digest}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta(owner, f"{owner.name}-{slot}", lbls),
+        "spec": {
+            "replicas": slot_replicas(status, slot, spec.replicas),
+            "revisionHistoryLimit": 10,
+            "selector": {"matchLabels": {**selector_labels(owner, "model"), SLOT: slot}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "template": template,
+        },
+    }
+
+
+def model_service(owner: Owner, status: DeepSeekCacheDeploymentStatus, slot: str) -> Obj:
+    """Service ``<name>-<slot>``: the track's pods (prewarm target, metrics)."""
+    src = RevisionSource.model_validate(status.slots[slot].source)
+    lbls = {**labels(owner, "model", track_of(status, slot)), SLOT: slot}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(owner, f"{owner.name}-{slot}", lbls),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": {**selector_labels(owner, "model"), SLOT: slot},
+            "ports": [
+                {"name": "http", "port": src.server.port, "targetPort": "http"},
+                {"name": "metrics", "port": src.sidecar.metrics_port, "targetPort": "metrics"},
+            ],
+        },
+    }

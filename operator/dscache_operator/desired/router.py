@@ -1,0 +1,146 @@
+"""The session router: ConfigMap, Deployment and Service of NGINX (pure).
+
+The router runs NGINX itself (exec form, no shell) and reloads itself when
+its mounted config changes: the rendered config carries a Lua timer that sends
+NGINX's master a SIGHUP when the file changes (see
+:mod:`dscache_operator.nginx`), so the pod template never changes with the
+config and a weight change restarts nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from dscache_operator.desired.common import (
+    TMP,
+    Obj,
+    Owner,
+    container,
+    labels,
+    meta,
+    pod_spec,
+    resources,
+    selector_labels,
+)
+from dscache_operator.nginx import PromptKey, RouterConfig, render_nginx_conf
+from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_duration
+from dscache_operator.status import DeepSeekCacheDeploymentStatus
+
+ROUTER_PORT = 8080
+ROUTER_CONF_DIR = "/etc/dscache-router"
+ROUTER_CONF = f"{ROUTER_CONF_DIR}/nginx.conf"
+#: Pod annotation the operator sets on live router pods after a config change: a pod
+#: update makes the kubelet refresh the ConfigMap volume at once instead of on its
+#: next periodic sync; the router's own watcher then reloads NGINX.
+ROUTER_CONFIG_HASH = "dscache.io/router-config-hash"
+
+
+def router_config(
+    spec: DeepSeekCacheDeploymentSpec,
+    status: DeepSeekCacheDeploymentStatus,
+    stable: tuple[str, ...],
+    canary: tuple[str, ...],
+    previous: tuple[str, ...] = (),
+) -> RouterConfig:
+    """The router's config: each track's pod addresses, named by slot, and the canary weight.
+
+    Tracks are named after their slot (blue, green), so a session the router
+    remembers on a slot stays there when the slot's role changes: on promotion
+    the old stable slot becomes the previous track, which takes no new session
+    but keeps serving its own until they end or the slot retires.
+    """
+    r = spec.routing
+    # Upstream names must differ even for tracks without pods: "idle", "retired".
+    prev = status.previous_slot
+    warm = prev is not None and prev != status.canary_slot
+    memory = round(parse_duration(r.session_memory))
+    return RouterConfig(
+        listen=str(ROUTER_PORT),
+        stable=stable,
+        canary=canary if status.canary_slot is not None else (),
+        previous=previous if warm and memory > 0 else (),
+        stable_name=status.stable_slot or "blue",
+        canary_name=status.canary_slot or "idle",
+        previous_name=prev if warm and prev is not None else "retired",
+        session_memory_s=memory,
+        canary_weight=status.weight,
+        session_header=r.session_header,
+        cookie_name=r.cookie_name,
+        prompt_key=PromptKey(mode=r.prompt_key, max_bytes=r.prompt_key_bytes),
+        load_modules=tuple(r.load_modules),
+        pid_file=f"{TMP}/nginx.pid",
+        temp_dir=TMP,
+        error_log="stderr",
+        access_log="off",
+        watch_config=True,
+        config_path=ROUTER_CONF,
+    )
+
+
+def router_configmap(owner: Owner, config: RouterConfig) -> Obj:
+    """ConfigMap ``<name>-router`` with the rendered nginx.conf."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta(owner, f"{owner.name}-router", labels(owner, "router", "all")),
+        "data": {"nginx.conf": render_nginx_conf(config)},
+    }
+
+
+def router_config_hash(configmap: Obj) -> str:
+    """The value of :data:`ROUTER_CONFIG_HASH` for a router ConfigMap."""
+    text: str = configmap["data"]["nginx.conf"]
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
+    """Deployment ``<name>-router``: NGINX itself, reloading when its ConfigMap changes."""
+    r = spec.routing
+    sel = selector_labels(owner, "router")
+    probe = {"httpGet": {"path": "/dscache/router/health", "port": "http"}, "periodSeconds": 5}
+    args = ["-p", TMP, "-e", "stderr", "-c", ROUTER_CONF, "-g", "daemon off;"]
+    nginx = {
+        **container("nginx", r.image, ["nginx"], args),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "livenessProbe": probe,
+        "readinessProbe": probe,
+        "resources": resources(r.resources),
+        "volumeMounts": [
+            {"name": "config", "mountPath": ROUTER_CONF_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": TMP},
+        ],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": meta(owner, f"{owner.name}-router", labels(owner, "router", "all")),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": sel},
+            "template": {
+                "metadata": {"labels": sel},
+                "spec": {
+                    **pod_spec(spec.scheduling, spread=sel),
+                    "containers": [nginx],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": f"{owner.name}-router"}},
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                    ],
+                },
+            },
+        },
+    }
+
+
+def router_service(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
+    """Service ``<name>``: where clients send requests."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(owner, owner.name, labels(owner, "router", "all")),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner, "router"),
+            "ports": [{"name": "http", "port": spec.routing.port, "targetPort": "http"}],
+        },
+    }

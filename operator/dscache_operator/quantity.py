@@ -1,0 +1,25 @@
+"""Kubernetes resource quantities (``10Gi``, ``500M``), read by the Kubernetes client's parser.
+
+The one place the pure operator modules reach into the ``kubernetes`` package:
+:func:`kubernetes.utils.parse_quantity` is a pure function, so the
+"operator logic is pure" import contract lets this module (and only it) import
+it, through an ``ignore_imports`` entry.
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import cast
+
+from kubernetes.utils.quantity import parse_quantity
+
+
+def quantity_bytes(value: str) -> int:
+    """``10Gi`` -> 10737418240; a fraction of a byte is dropped.
+
+    Raises:
+        ValueError: ``value`` is not a Kubernetes quantity.
+    """
+    # The client ships no type hints; its parser returns a Decimal.
+    parsed = cast("Decimal", parse_quantity(value))  # type: ignore[no-untyped-call]
+    return int(parsed)
