@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from dscache_tools.devcluster import ClusterError, DevCluster, wait_until
-from dscache_tools.devcluster.cluster import process_running
+from dscache_tools.devcluster.procs import process_running
 
 pytestmark = pytest.mark.cluster
 

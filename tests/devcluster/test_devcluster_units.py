@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
-from dscache_tools.devcluster import PINNED, Versions, build, locate, podsd
+from dscache_tools.devcluster import PINNED, Versions, build, gobuild, locate, podsd
 from dscache_tools.devcluster.cluster import ClusterError, DevCluster
 from dscache_tools.devcluster.nodes import GPU_RESOURCE, kwok_config, node_manifest, node_shapes
 from dscache_tools.devcluster.pki import generate
@@ -34,7 +34,7 @@ replace k8s.io/kms => ./staging/src/k8s.io/kms
 
 
 def test_staging_replacements_cover_every_local_replace() -> None:
-    got = build.staging_replacements(KUBERNETES_GOMOD, "v0.35.8")
+    got = gobuild.staging_replacements(KUBERNETES_GOMOD, "v0.35.8")
     assert got == {
         "k8s.io/api": "v0.35.8",
         "k8s.io/client-go": "v0.35.8",

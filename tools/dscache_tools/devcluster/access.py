@@ -1,0 +1,108 @@
+"""Using a running dev cluster: environment, shell exports, kubectl and helm.
+
+Contract:
+    * :meth:`ClusterAccess.env` and :meth:`ClusterAccess.shell_exports` put the
+      cluster's own kubectl and helm (same version as the API server) first on
+      PATH and point KUBECONFIG at the admin kubeconfig; exports are quoted
+      for a POSIX shell, and name ``DSCACHE_PROMETHEUS_URL`` when Prometheus
+      runs beside the cluster.
+    * :meth:`ClusterAccess.kubectl` and :meth:`ClusterAccess.helm` capture the
+      output and, with ``check``, raise :class:`ToolError`, whose message
+      includes what the tool printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dscache_tools.devcluster.build import Binaries
+
+
+class ToolError(subprocess.CalledProcessError):
+    """kubectl or helm failed; ``str()`` includes what it printed on stderr."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nstderr:\n{self.stderr}\nstdout:\n{self.output}"
+
+
+@dataclass(eq=False, kw_only=True)
+class ClusterAccess:
+    """How to reach a cluster: its kubeconfig, its tools and its Prometheus.
+
+    Attributes:
+        kubeconfig: Admin kubeconfig.
+        binaries: The cluster's binaries; ``tool_dirs`` hold kubectl and helm.
+        prometheus_url: The Prometheus beside the cluster (pods reach it), if any.
+    """
+
+    kubeconfig: Path
+    binaries: Binaries
+    prometheus_url: str | None = None
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """``base`` (default: this process's environment) with KUBECONFIG and PATH set.
+
+        PATH starts with the directories of the matching kubectl and helm.
+        """
+        env = dict(os.environ if base is None else base)
+        dirs = [str(d) for d in self.binaries.tool_dirs]
+        env["PATH"] = os.pathsep.join([*dirs, env.get("PATH", "")]).rstrip(os.pathsep)
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        return env
+
+    def shell_exports(self) -> str:
+        """``export`` lines for a POSIX shell (what ``dscache dev cluster env`` prints)."""
+        dirs = os.pathsep.join(str(d) for d in self.binaries.tool_dirs)
+        lines = (
+            f"export KUBECONFIG={shlex.quote(str(self.kubeconfig))}\n"
+            f'export PATH={shlex.quote(dirs)}"${{PATH:+:$PATH}}"\n'
+        )
+        if self.prometheus_url:
+            lines += f"export DSCACHE_PROMETHEUS_URL={shlex.quote(self.prometheus_url)}\n"
+        return lines
+
+    def kubectl(
+        self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Runs the matching kubectl against this cluster.
+
+        Args:
+            *args: kubectl arguments.
+            stdin: Text fed to kubectl (e.g. a manifest for ``apply -f -``).
+            check: Raise :class:`ToolError` (a ``CalledProcessError``) on a non-zero exit.
+            timeout: Seconds before the command is killed.
+        """
+        return self._tool(self.binaries.kubectl, args, stdin, check, timeout)
+
+    def kubectl_json(self, *args: str, timeout: float = 120.0) -> Any:
+        """``kubectl <args> -o json``, decoded."""
+        return json.loads(self.kubectl(*args, "-o", "json", timeout=timeout).stdout)
+
+    def helm(
+        self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 300.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Runs the matching helm against this cluster (same arguments as :meth:`kubectl`)."""
+        return self._tool(self.binaries.helm, args, stdin, check, timeout)
+
+    def _tool(
+        self, exe: Path, args: tuple[str, ...], stdin: str | None, check: bool, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [str(exe), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=timeout,
+            check=False,
+        )
+        if check and done.returncode != 0:
+            raise ToolError(done.returncode, done.args, output=done.stdout, stderr=done.stderr)
+        return done

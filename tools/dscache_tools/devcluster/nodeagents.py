@@ -1,0 +1,231 @@
+"""What a dev cluster runs beside its control plane: real nodes' agents and Prometheus.
+
+:mod:`.realnodes` says what a real node is (paths, addresses, config texts) and
+:mod:`.host` what it changes on the machine; this module starts and drains
+the processes of a running :class:`.cluster.DevCluster`: one containerd and
+one kubelet per real node, one kube-proxy, and Prometheus with its pod
+discovery loop (:mod:`.podsd`).
+
+Contract:
+    * :func:`prepare_host` claims the host and records every change before
+      making it (bridges, sysctls, the egress chain), so ``stop`` can undo it.
+    * :func:`start_real_nodes` imports the images into each node's containerd
+      before its kubelet starts (kubelets never pull) and removes containers
+      a previous cluster left in the cached image store; it returns the seconds
+      spent importing, which do not count against the start-up timeout.
+    * :func:`drain_real_nodes` deletes the pods bound to real nodes and waits
+      (up to 45 s) until the kubelets tore their containers down.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dscache_tools.devcluster import host, kubeconfig, nodes, prometheus, realnodes
+from dscache_tools.devcluster.controlplane import admin_client, http_ok
+from dscache_tools.devcluster.polling import poll
+from dscache_tools.devcluster.supervisor import ClusterError
+from dscache_tools.net import free_port
+
+if TYPE_CHECKING:
+    from dscache_tools.devcluster.cluster import DevCluster
+    from dscache_tools.devcluster.pki import Pki
+
+logger = logging.getLogger(__name__)
+
+#: Imports the dev images into the containerd listening on the given socket.
+ImageLoader = Callable[[Path], None]
+#: Sub-directories of a real node's directory, created before its agents start.
+_NODE_DIRS = ("containerd", "cni/net.d", "kubelet", "pod-logs", "volume-plugins")
+
+
+def prepare_host(state_dir: Path, plans: list[realnodes.NodePlan]) -> host.HostRecord | None:
+    """Claims the host and makes the network changes real nodes need (recorded)."""
+    if not plans:
+        return None
+    try:
+        record = host.claim(state_dir)
+        host.remember_sysctls(record, host.KUBELET_SYSCTLS)
+        host.remember_kube_chains(record)
+        host.set_sysctls(record, host.NETWORK_SYSCTLS)
+        for plan in plans:
+            host.add_bridge(record, plan.bridge, f"{plan.ip}/24")
+            host.add_mount_root(record, plan.directory)
+        host.keep_pods_local(record, realnodes.POD_CIDR)
+    except host.HostError as exc:
+        raise ClusterError(str(exc)) from exc
+    return record
+
+
+def start_real_nodes(
+    cluster: DevCluster,
+    plans: list[realnodes.NodePlan],
+    *,
+    record: host.HostRecord,
+    material: Pki,
+    load_images: ImageLoader,
+) -> float:
+    """Starts containerd, imports images, starts the kubelets and kube-proxy.
+
+    Returns:
+        Seconds spent importing images (not counted against the timeout).
+    """
+    import_s = 0.0
+    for plan in plans:
+        _start_containerd(cluster, plan)
+        began = time.monotonic()
+        load_images(plan.containerd_socket)
+        import_s += time.monotonic() - began
+    record.kube_proxy = str(cluster.binaries.kube_proxy)
+    _record_owners(cluster, record)
+    for plan in plans:
+        host.add_cgroup(record, plan.cgroup_name)
+        _start_kubelet(cluster, plan, material)
+    _start_kube_proxy(cluster, plans[0], material)
+    _record_owners(cluster, record)
+    return import_s
+
+
+def _record_owners(cluster: DevCluster, record: host.HostRecord) -> None:
+    """The host stays claimed while any of the cluster's processes lives."""
+    record.owners = [(p.pid, p.exe) for p in cluster.processes]
+    record.save()
+
+
+def _start_containerd(cluster: DevCluster, plan: realnodes.NodePlan) -> None:
+    for sub in _NODE_DIRS:
+        (plan.directory / sub).mkdir(parents=True, exist_ok=True)
+    plan.image_store.mkdir(parents=True, exist_ok=True)
+    config = plan.directory / "containerd" / "config.toml"
+    config.write_text(realnodes.containerd_config(plan))
+    (plan.directory / "cni" / "net.d" / "10-dscache.conflist").write_text(
+        realnodes.cni_config(plan)
+    )
+    name = f"containerd-{plan.name}"
+    cluster.supervisor.launch(name, [host.which("containerd"), "--config", str(config)])
+    socket = plan.containerd_socket
+    cluster.supervisor.wait(name, functools.partial(_containerd_up, socket), time.monotonic() + 60)
+    purged = realnodes.purge_containers(socket)
+    if purged:
+        logger.info("removed %d stale containers from %s", purged, plan.image_store)
+
+
+def _start_kubelet(cluster: DevCluster, plan: realnodes.NodePlan, material: Pki) -> None:
+    from dscache_tools.devcluster import pki  # cryptography: the 'dev' extra
+
+    creds = pki.node_credentials(material, plan.directory / "pki", plan.name, plan.ip)
+    node_kubeconfig = kubeconfig.write(
+        plan.directory / "kubelet.kubeconfig",
+        cluster.server,
+        material,
+        (creds.client_cert, creds.client_key),
+        plan.name,
+    )
+    kubelet_conf = plan.directory / "kubelet.yaml"
+    kubelet_conf.write_text(
+        realnodes.kubelet_config(
+            plan,
+            ca_cert=material.ca_cert,
+            serving=(creds.serving_cert, creds.serving_key),
+            port=free_port(),
+            healthz_port=free_port(),
+        )
+    )
+    labels = f"{nodes.DEV_NODE_LABEL}=true,{realnodes.NODE_KIND_LABEL}=real"
+    cluster.supervisor.launch(
+        f"kubelet-{plan.name}",
+        [
+            str(cluster.binaries.kubelet),
+            f"--config={kubelet_conf}",
+            f"--kubeconfig={node_kubeconfig}",
+            f"--root-dir={plan.directory / 'kubelet'}",
+            f"--cert-dir={plan.directory / 'pki'}",
+            f"--hostname-override={plan.name}",
+            f"--node-ip={plan.ip}",
+            f"--node-labels={labels}",
+            "--v=1",
+        ],
+    )
+
+
+def _start_kube_proxy(cluster: DevCluster, plan: realnodes.NodePlan, material: Pki) -> None:
+    from dscache_tools.devcluster import pki  # cryptography: the 'dev' extra
+
+    state = cluster.state_dir
+    cert = pki.client_credentials(material, state / "pki", "kube-proxy", "system:kube-proxy")
+    proxy_kubeconfig = kubeconfig.write(
+        state / "kube-proxy.kubeconfig", cluster.server, material, cert, "kube-proxy"
+    )
+    proxy_conf = state / "kube-proxy.yaml"
+    proxy_conf.write_text(
+        realnodes.kube_proxy_config(
+            plan,
+            kubeconfig=proxy_kubeconfig,
+            healthz_port=free_port(),
+            metrics_port=free_port(),
+        )
+    )
+    cluster.supervisor.launch(
+        "kube-proxy", [str(cluster.binaries.kube_proxy), f"--config={proxy_conf}"]
+    )
+
+
+def start_prometheus(cluster: DevCluster, binary: str, address: str) -> None:
+    """Starts :mod:`.podsd` and Prometheus on ``address``; sets ``cluster.prometheus_url``."""
+    targets = cluster.state_dir / "prometheus-targets.json"
+    cluster.supervisor.launch(
+        "podsd",
+        [
+            sys.executable,
+            "-m",
+            "dscache_tools.devcluster.podsd",
+            f"--server={cluster.server}",
+            f"--pki={cluster.state_dir / 'pki'}",
+            f"--out={targets}",
+        ],
+    )
+    cluster.supervisor.wait("podsd", targets.exists, time.monotonic() + 30)
+    (cluster.state_dir / "prometheus.yml").write_text(prometheus.config(targets))
+    listen = f"{address}:{free_port()}"
+    cluster.supervisor.launch("prometheus", prometheus.command(binary, cluster.state_dir, listen))
+    cluster.prometheus_url = f"http://{listen}"
+    cluster.save()
+    url = f"{cluster.prometheus_url}/-/ready"
+    cluster.supervisor.wait("prometheus", functools.partial(http_ok, url), time.monotonic() + 60)
+
+
+def drain_real_nodes(cluster: DevCluster, plans: list[realnodes.NodePlan]) -> None:
+    """Deletes the pods bound to real nodes and waits for the kubelets to tear them down."""
+    api = admin_client(cluster.server, cluster.state_dir / "pki")
+    if api is not None and "kube-apiserver" in cluster.running():
+        for plan in plans:
+            reply = api.get(f"/api/v1/pods?fieldSelector=spec.nodeName%3D{plan.name}")
+            for pod in (reply.body or {}).get("items", []) if reply.status == 200 else []:
+                meta = pod["metadata"]
+                api.request(
+                    "DELETE",
+                    f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                    {"gracePeriodSeconds": 0},
+                )
+    kubelets = [f"kubelet-{p.name}" for p in plans]
+
+    def torn_down() -> bool:
+        if not any(n in cluster.running() for n in kubelets):
+            return True  # no kubelet left to tear anything down
+        return not any(
+            realnodes.running_tasks(p.containerd_socket)
+            for p in plans
+            if p.containerd_socket.exists()
+        )
+
+    poll(torn_down, 45.0, interval=0.5)
+
+
+def _containerd_up(socket: Path) -> bool:
+    return realnodes.ctr(socket, "version", timeout=5).returncode == 0

@@ -1,0 +1,140 @@
+"""Process and file helpers every part of the dev cluster shares (standard library only).
+
+The binary build (:mod:`.build`) and the image build (:mod:`.images`) run
+before the project's dependencies are installed (CI starts them in the
+background first), so this module imports nothing outside the standard
+library; the cluster itself (:mod:`.cluster`) uses it too, so each rule is
+written once.
+
+Contract:
+    * :func:`process_running` is true only for a live, non-zombie process whose
+      executable is the one recorded, so a recycled pid is never mistaken for
+      (and never signalled as) one of ours.
+    * :func:`exclusive_lock` serialises builders on one host; the second waits
+      and says so once.
+    * :func:`wait_with_heartbeat` reports progress of a long child and, when
+      interrupted, kills the child's whole process group so no compiler or
+      build step outlives us.
+    * :func:`write_private` creates files with mode 0600 (keys, kubeconfigs);
+      :func:`atomic_write` replaces a file so a reader never sees half of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+#: Called with one line of human-readable progress.
+Progress = Callable[[str], None]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of ``pid`` from ``/proc/<pid>/stat``, ``""`` when gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    # The command name in parentheses may itself hold spaces and ')'.
+    return stat.rsplit(")", 1)[-1].split()[0]
+
+
+def process_running(pid: int, exe: str) -> bool:
+    """True when ``pid`` is alive, not a zombie, and runs ``exe``."""
+    try:
+        target = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return False
+    state = process_state(pid)
+    return state not in ("", "Z", "X") and target.removesuffix(" (deleted)") == exe
+
+
+def die_with_parent(sig: signal.Signals) -> Callable[[], None]:
+    """A ``preexec_fn`` that sends ``sig`` to the child when its parent dies (even by SIGKILL)."""
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+    return preexec
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    """The last ``lines`` lines of a log, ``""`` when it cannot be read."""
+    try:
+        return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+    except OSError:
+        return ""
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Replaces ``path`` with ``text`` through a temporary file beside it."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` readable by its owner only (0600), creating parents."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: Path, say: Progress, what: str = "build") -> Iterator[None]:
+    """Holds an exclusive ``flock`` on ``path`` for the ``with`` block, waiting if needed."""
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"another {what} holds {path}; waiting for it")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def wait_with_heartbeat(
+    proc: subprocess.Popen[bytes], every: float, beat: Callable[[], None]
+) -> int:
+    """Waits for ``proc`` (started with ``start_new_session``), calling ``beat`` every ``every`` s.
+
+    Returns:
+        The exit code.
+
+    Raises:
+        BaseException: Whatever interrupted the wait (Ctrl-C, a test timeout),
+            after killing the child's process group.
+    """
+    try:
+        while True:
+            try:
+                return proc.wait(timeout=every)
+            except subprocess.TimeoutExpired:
+                beat()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+
+
+def exit_on_sigterm() -> None:
+    """Turns SIGTERM into ``SystemExit``, so ``finally`` blocks stop what we started.
+
+    CI may stop a background build with SIGTERM.
+    """
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
