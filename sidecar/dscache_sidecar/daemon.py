@@ -33,12 +33,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from dscache.v1 import kvcache_pb2 as pb
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
-from dscache_sidecar.codec import Codec
+from dscache_sidecar.blockstore import BlockSpec, BlockStore, Leasing, Reserving, StoreFullError
+from dscache_sidecar.codec import DTYPE_NAMES, Codec
 from dscache_sidecar.config import SidecarSettings, settings_from_args
 from dscache_sidecar.index import BlockRecord
 from dscache_sidecar.metrics import SidecarMetrics
 from dscache_sidecar.probes import ProbeServer, SocketHealthCheck, make_app, servicer_status
-from dscache_sidecar.store import BlockSpec, KVStore, StoreFullError
+from dscache_sidecar.store import KVStore
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,13 @@ class _BadRequestError(ValueError):
     pass
 
 
+class _UnimplementedError(NotImplementedError):
+    """The store lacks the capability an RPC needs (UNIMPLEMENTED)."""
+
+
 def _info(rec: BlockRecord) -> pb.BlockInfo:
     return pb.BlockInfo(
-        dtype=KVStore.dtype_name(rec.dtype_code),
+        dtype=DTYPE_NAMES[rec.dtype_code],
         shape=list(rec.shape),
         codec=rec.codec,  # type: ignore[arg-type]
         raw_bytes=rec.raw_bytes,
@@ -65,11 +70,31 @@ def _info(rec: BlockRecord) -> pb.BlockInfo:
 
 
 class KVCacheService(pb_grpc.KVCacheServicer):
-    """Maps RPCs onto the store; validation lives here, semantics in the store."""
+    """Maps RPCs onto the store; validation lives here, semantics in the store.
 
-    def __init__(self, store: KVStore, settings: SidecarSettings) -> None:
+    Lease/Release need a :class:`Leasing` store, Allocate/Commit/Abort a
+    :class:`Reserving` one; without the capability they answer UNIMPLEMENTED.
+    Stats reads its counts from ``metrics``, their one source.
+    """
+
+    def __init__(
+        self, store: BlockStore, settings: SidecarSettings, metrics: SidecarMetrics
+    ) -> None:
         self.store = store
         self.settings = settings
+        self.metrics = metrics
+        self._leasing = store if isinstance(store, Leasing) else None
+        self._reserving = store if isinstance(store, Reserving) else None
+
+    def _leases(self) -> Leasing:
+        if self._leasing is None:
+            raise _UnimplementedError("this store does not lease blocks in place")
+        return self._leasing
+
+    def _reservations(self) -> Reserving:
+        if self._reserving is None:
+            raise _UnimplementedError("this store does not reserve space for in-place writes")
+        return self._reserving
 
     # -- validation helpers
 
@@ -119,11 +144,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseResponse:
         ttl = request.ttl_ms / 1000.0 if request.ttl_ms else None
         if request.lease_id:
-            expires = self.store.extend(request.lease_id, ttl)
+            expires = self._leases().extend(request.lease_id, ttl)
             return pb.LeaseResponse(
                 lease_id=request.lease_id if expires else "", expires_unix_ms=expires
             )
-        grant = self.store.lease(
+        grant = self._leases().lease(
             self._tenant(request.tenant), self._keys(request.keys), ttl, request.block_tokens
         )
         return pb.LeaseResponse(
@@ -138,7 +163,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     def Release(
         self, request: pb.ReleaseRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseResponse:
-        released = self.store.release(request.lease_id, self._keys(request.corrupt_keys))
+        released = self._leases().release(request.lease_id, self._keys(request.corrupt_keys))
         return pb.ReleaseResponse(released=released)
 
     def Allocate(
@@ -148,7 +173,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             raise _BadRequestError("too many blocks")
         specs = [self._spec(b) for b in request.blocks]
         ttl = request.ttl_ms / 1000.0 if request.ttl_ms else None
-        grants = self.store.allocate(self._tenant(request.tenant), specs, ttl)
+        grants = self._reservations().allocate(self._tenant(request.tenant), specs, ttl)
         return pb.AllocateResponse(
             slots=[
                 pb.Slot(
@@ -166,11 +191,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         writes = [
             (w.write_id, w.checksum if w.HasField("checksum") else None) for w in request.writes
         ]
-        results = self.store.commit(writes)
+        results = self._reservations().commit(writes)
         return pb.CommitResponse(results=[int(r) for r in results])  # type: ignore[misc]
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
-        return pb.AbortResponse(aborted=self.store.abort(list(request.write_ids)))
+        aborted = self._reservations().abort(list(request.write_ids))
+        return pb.AbortResponse(aborted=aborted)
 
     def Put(
         self, request_iterator: Iterator[pb.PutChunk], context: grpc.ServicerContext
@@ -230,8 +256,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             active_leases=g.active_leases,
             pending_writes=g.pending_writes,
             policy=self.store.policy_name,
-            evicted_blocks=self.store.evicted_blocks,
-            checksum_failures=self.store.checksum_failures,
+            evicted_blocks=self.metrics.evicted_blocks(),
+            checksum_failures=self.metrics.checksum_failure_count(),
             stored_raw_bytes=g.stored_raw_bytes,
             stored_payload_bytes=g.stored_payload_bytes,
         )
@@ -275,6 +301,8 @@ class _ErrorsAndMetrics(grpc.ServerInterceptor):  # type: ignore[type-arg]
                     code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
                 elif isinstance(exc, StoreFullError):
                     code, msg = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+                elif isinstance(exc, _UnimplementedError):
+                    code, msg = grpc.StatusCode.UNIMPLEMENTED, str(exc)
                 else:
                     rid = uuid.uuid4().hex[:12]
                     log.error("%s failed (request %s)", op, rid, exc_info=exc)
@@ -335,7 +363,7 @@ class RunningSidecar:
     """A started daemon: its server, store, and where it listens."""
 
     server: grpc.Server
-    store: KVStore
+    store: BlockStore
     metrics: SidecarMetrics
     health: health.HealthServicer
     socket_path: str
@@ -360,7 +388,10 @@ class RunningSidecar:
 def create_server(
     settings: SidecarSettings, metrics: SidecarMetrics | None = None
 ) -> RunningSidecar:
-    """Opens the store and starts serving; ``tcp`` port 0 binds a free port."""
+    """Opens the store and starts serving; ``tcp`` port 0 binds a free port.
+
+    The one place that builds the concrete store; the service sees a ``BlockStore``.
+    """
     metrics = metrics if metrics is not None else SidecarMetrics()
     store = KVStore(settings, metrics)
     store.open()
@@ -372,7 +403,7 @@ def create_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    pb_grpc.add_KVCacheServicer_to_server(KVCacheService(store, settings), server)
+    pb_grpc.add_KVCacheServicer_to_server(KVCacheService(store, settings, metrics), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     sock = str(settings.socket_path)

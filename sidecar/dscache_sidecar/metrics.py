@@ -51,23 +51,21 @@ class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.lookups = Counter(
+
+        def by_op_result(name: str, documentation: str) -> Counter:
+            return Counter(name, documentation, ["op", "result"], registry=r)
+
+        self.lookups = by_op_result(
             "dscache_sidecar_lookups_total",
             "Lookup and Lease calls by outcome (hit: every key, partial: some, miss: none)",
-            ["op", "result"],
-            registry=r,
         )
-        self.lookup_blocks = Counter(
+        self.lookup_blocks = by_op_result(
             "dscache_sidecar_lookup_blocks_total",
             "Blocks asked for in Lookup/Lease, by result (hit or miss)",
-            ["op", "result"],
-            registry=r,
         )
-        self.lookup_tokens = Counter(
+        self.lookup_tokens = by_op_result(
             "dscache_sidecar_lookup_tokens_total",
             "Tokens asked for in Lookup/Lease (when the client says block_tokens), by result",
-            ["op", "result"],
-            registry=r,
         )
         self.stored_blocks = Counter(
             "dscache_sidecar_stored_blocks_total", "Blocks published in the index", registry=r
@@ -109,9 +107,42 @@ class SidecarMetrics:
             registry=r,
         )
 
+    def count_lookup(self, op: str, hits: int, asked: int, block_tokens: int) -> None:
+        """Counts one Lookup/Lease/Get of ``asked`` leading blocks, ``hits`` found."""
+        if asked == 0:
+            return
+        result = "hit" if hits == asked else ("partial" if hits else "miss")
+        self.lookups.labels(op=op, result=result).inc()
+        for outcome, n in (("hit", hits), ("miss", asked - hits)):
+            if n:
+                self.lookup_blocks.labels(op=op, result=outcome).inc(n)
+                if block_tokens:
+                    self.lookup_tokens.labels(op=op, result=outcome).inc(n * block_tokens)
+
+    def evicted_blocks(self) -> int:
+        """Blocks removed from the index for any reason, since start (for Stats)."""
+        return _total(self.evictions)
+
+    def checksum_failure_count(self, where: str | None = None) -> int:
+        """Blocks that failed verification, since start; ``where`` narrows it."""
+        return _total(self.checksum_failures, {"where": where} if where else None)
+
     def watch_store(self, read: Callable[[], StoreGauges]) -> None:
         """Registers a collector that reads the store's totals at scrape time."""
         self.registry.register(_StoreCollector(read))
+
+
+def _total(counter: Counter, labels: dict[str, str] | None = None) -> int:
+    """Sum of a labelled counter's ``_total`` samples (matching ``labels``)."""
+    return int(
+        sum(
+            sample.value
+            for family in counter.collect()
+            for sample in family.samples
+            if sample.name.endswith("_total")
+            and all(sample.labels.get(k) == v for k, v in (labels or {}).items())
+        )
+    )
 
 
 class _StoreCollector(Collector):

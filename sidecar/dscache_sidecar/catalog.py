@@ -1,0 +1,250 @@
+"""The store's memory of what is cached: blocks, chains, policy order, free space.
+
+Contract:
+    * :class:`Catalog` holds every published block, the parent -> children map, the
+      eviction policy's order, the extent allocator, and the bytes stored.
+    * Removing a block removes its cached descendants (a cascade): they can never
+      hit without it. A removed block's extent is freed now, or when the last
+      lease on it ends (:class:`~dscache_sidecar.leases.LeaseTable`).
+    * :meth:`Catalog.make_room` evicts by policy above the high watermark down to
+      the low one, skips leased blocks (evicting one frees nothing until its lease
+      ends) and gives them back to the policy afterwards.
+    * After a restart, space is not reused until ``quarantine_until`` (monotonic):
+      readers of the previous process may still map it.
+    * Hits touch a chain deepest-first, so parents stay fresher than children.
+    * Index records of removed blocks are deleted by :meth:`Catalog.forget`, which
+      never fails: on a full disk, reconciliation at the next start drops them.
+
+Not thread safe: the store calls every method under its lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import lmdb
+
+from dscache_sidecar.blockstore import Clock
+from dscache_sidecar.config import SidecarSettings
+from dscache_sidecar.eviction import EvictionPolicy, Resizable, make_policy
+from dscache_sidecar.index import BlockIndex, BlockRecord
+from dscache_sidecar.leases import LeaseTable
+from dscache_sidecar.metrics import SidecarMetrics
+from dscache_sidecar.segments import ExtentAllocator, StoreFullError
+
+log = logging.getLogger(__name__)
+
+
+class Catalog:
+    """Membership, chains, eviction order and space of the published blocks."""
+
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        policy_name: str,
+        metrics: SidecarMetrics,
+        index: Callable[[], BlockIndex],
+        clock: Clock,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._clock = clock
+        #: Monotonic time until which space is not reused after a restart.
+        self.quarantine_until = 0.0
+        self._index = index
+        self.blocks: dict[bytes, BlockRecord] = {}
+        self._children: dict[bytes, set[bytes]] = {}
+        self.dirty_stats: set[bytes] = set()
+        self.stored_raw = 0
+        self.stored_payload = 0
+        self._hint = max(16, settings.capacity_bytes // (1024 * 1024))
+        self.policy: EvictionPolicy[Any] = make_policy(policy_name, self._hint)
+        self.alloc = ExtentAllocator(settings.segment_bytes, 0)
+        self.leases = LeaseTable(self.free)
+
+    def free(self, seg: int, offset: int, length: int) -> None:
+        """Gives an extent back to the allocator."""
+        self.alloc.free(seg, offset, length)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.alloc.segments * self.settings.segment_bytes
+
+    def owned(self, key: bytes, tenant: bytes) -> BlockRecord | None:
+        """The block stored under ``key`` for ``tenant``, if any."""
+        rec = self.blocks.get(key)
+        return rec if rec is not None and rec.tenant == tenant else None
+
+    # ------------------------------------------------------------------ membership
+
+    def load(self, good: Sequence[BlockRecord]) -> None:
+        """Takes in reconciled records, oldest access first."""
+        for rec in good:
+            self.blocks[rec.key] = rec
+            self.stored_raw += rec.raw_bytes
+            self.stored_payload += rec.stored_bytes
+        for rec in good:
+            if rec.parent and rec.parent in self.blocks:
+                self._children.setdefault(rec.parent, set()).add(rec.key)
+            self.policy.admit(rec.key, rec.extent_bytes)
+            if rec.hits:
+                self.policy.access(rec.key)
+
+    def publish(self, rec: BlockRecord) -> None:
+        """Makes a committed block visible."""
+        self.blocks[rec.key] = rec
+        if rec.parent:
+            self._children.setdefault(rec.parent, set()).add(rec.key)
+        self.policy.admit(rec.key, rec.extent_bytes)
+        self.stored_raw += rec.raw_bytes
+        self.stored_payload += rec.stored_bytes
+        self.metrics.stored_blocks.inc()
+        self.metrics.stored_bytes.inc(rec.stored_bytes)
+
+    def hit(self, recs: Sequence[BlockRecord], now_ms: int) -> None:
+        """Counts a hit on each block, in the order given (deepest first)."""
+        for rec in recs:
+            self.policy.access(rec.key)
+            rec.last_access_ms = now_ms
+            rec.hits += 1
+            self.dirty_stats.add(rec.key)
+
+    def touch_ancestors(self, published: Sequence[BlockRecord]) -> None:
+        """Freshens the stored ancestors of new blocks, after the blocks themselves."""
+        new = {r.key for r in published}
+        seen: set[bytes] = set()
+        for rec in published:
+            parent = rec.parent
+            while parent and parent not in new and parent not in seen:
+                seen.add(parent)
+                if parent not in self.blocks:
+                    break
+                self.policy.access(parent)
+                parent = self.blocks[parent].parent
+
+    # ------------------------------------------------------------------ removal
+
+    def remove_tree(self, roots: Sequence[BlockRecord], reason: str) -> list[BlockRecord]:
+        """Removes blocks and their cached descendants from memory and the policy.
+
+        Returns the removed records; the caller passes them to :meth:`forget`.
+        """
+        removed: list[BlockRecord] = []
+        stack = [r.key for r in roots]
+        while stack:
+            key = stack.pop()
+            rec = self.blocks.pop(key, None)
+            if rec is None:
+                continue
+            removed.append(rec)
+            self.policy.remove(key)
+            self.dirty_stats.discard(key)
+            stack.extend(self._children.pop(key, ()))
+            self._unlink_from_parent(rec)
+            self.stored_raw -= rec.raw_bytes
+            self.stored_payload -= rec.stored_bytes
+            self.leases.free_or_defer((rec.segment, rec.offset), rec.extent_bytes)
+        if removed:
+            first = {r.key for r in roots}
+            n_cascade = sum(1 for r in removed if r.key not in first)
+            self.metrics.evictions.labels(reason=reason).inc(len(removed) - n_cascade)
+            if n_cascade:
+                self.metrics.evictions.labels(reason="cascade").inc(n_cascade)
+        return removed
+
+    def _unlink_from_parent(self, rec: BlockRecord) -> None:
+        if not rec.parent:
+            return
+        siblings = self._children.get(rec.parent)
+        if siblings is not None:
+            siblings.discard(rec.key)
+            if not siblings:
+                del self._children[rec.parent]
+
+    def forget(self, removed: list[BlockRecord]) -> None:
+        """Drops records from the index. On a full disk the records stay behind;
+        reconciliation discards them at the next start (their extents may have
+        been reused, so their headers no longer match), so this never fails."""
+        try:
+            self._index().delete_many(removed)
+        except lmdb.Error as exc:
+            log.error("could not delete %d index records (disk full?): %s", len(removed), exc)
+
+    # ------------------------------------------------------------------ eviction
+
+    def make_room(self, size: int, removed: list[BlockRecord]) -> tuple[int, int]:
+        """An extent of ``size`` bytes, evicting by policy as needed.
+
+        Evicted records are appended to ``removed`` for :meth:`forget`.
+
+        Raises:
+            StoreFullError: the block is larger than a segment, there is no
+                segment space, or everything left is leased or reserved.
+        """
+        if size > self.settings.segment_bytes:
+            self.reject("too_large", "block larger than a segment")
+        if self._clock.monotonic() < self.quarantine_until:
+            self.reject(
+                "quarantine",
+                "space is quarantined after a restart (readers of the previous process "
+                "may still map it); writes resume in "
+                f"{self.quarantine_until - self._clock.monotonic():.0f}s",
+            )
+        cap = self.capacity_bytes
+        if cap == 0:
+            self.reject("disk_full", "no segment space (disk full at start)")
+        used = cap - self.alloc.free_bytes
+        # Leased blocks are skipped by eviction and go back to the policy afterwards:
+        # evicting one frees nothing until its lease ends, so a single write near
+        # the watermark used to drop every leased (in use, hottest) block from the
+        # index, and a failed write emptied it (test_concurrency.py, test_disk_full.py).
+        leased: list[BlockRecord] = []
+        try:
+            if used + size > self.settings.high_watermark * cap:
+                self._resize_policy(cap, size)
+                target = self.settings.low_watermark * cap - size
+                while cap - self.alloc.free_bytes > target:
+                    if not self._evict_one(removed, leased):
+                        break
+            ext = self.alloc.allocate(size)
+            while ext is None:
+                if not self._evict_one(removed, leased):
+                    self.reject("full", "store is full of leased or reserved blocks")
+                ext = self.alloc.allocate(size)
+        finally:
+            for rec in leased:
+                if self.blocks.get(rec.key) is rec:
+                    self.policy.admit(rec.key, rec.extent_bytes)
+        return ext
+
+    def reject(self, reason: str, message: str) -> NoReturn:
+        """Counts a refused write and raises :class:`StoreFullError`."""
+        self.metrics.write_rejections.labels(reason=reason).inc()
+        raise StoreFullError(message)
+
+    def _resize_policy(self, cap: int, size: int) -> None:
+        """Tells a resizable policy how many blocks of the current size fit."""
+        if not isinstance(self.policy, Resizable):
+            return
+        live = len(self.blocks)
+        mean = ((cap - self.alloc.free_bytes) / live) if live else float(size)
+        estimate = max(16, int(cap / max(mean, 1.0)))
+        if not 0.8 * self._hint <= estimate <= 1.25 * self._hint:
+            self._hint = estimate
+            self.policy.resize(estimate)
+
+    def _evict_one(self, removed: list[BlockRecord], leased: list[BlockRecord]) -> bool:
+        while True:
+            victim = self.policy.victim()
+            if victim is None:
+                return False
+            rec = self.blocks.get(victim)
+            if rec is None:
+                return True
+            if self.leases.pinned((rec.segment, rec.offset)):
+                leased.append(rec)
+                continue
+            removed.extend(self.remove_tree([rec], "capacity"))
+            return True
