@@ -20,23 +20,6 @@ from dscache_tools.workload.model import Company
 #: The fiscal years every dossier reports.
 YEARS = (2022, 2023, 2024)
 
-#: The three reporting segments of each sector, named in the filings' language.
-SEGMENTS: dict[str, tuple[str, str, str]] = {
-    "semiconductors": ("Data-center accelerators", "Automotive MCUs", "Industrial analog"),
-    "logistics": ("Ocean freight forwarding", "Contract warehousing", "Last-mile delivery"),
-    "pharmaceuticals": ("Oncology", "Immunology", "Contract manufacturing"),
-    "renewable energy": ("Offshore wind", "Solar parks", "Grid storage services"),
-    "payments": ("Merchant acquiring", "Issuer processing", "Cross-border payouts"),
-    "mining": ("Iron ore", "Lithium concentrate", "Copper"),
-    "新能源电池": ("动力电池系统", "储能电池", "电池材料回收"),
-    "医药制造": ("创新药", "仿制药", "原料药及中间体"),
-    "跨境物流": ("跨境电商物流", "国际货代", "海外仓储"),
-    "功率半导体": ("车规级IGBT模块", "碳化硅器件", "工业电源芯片"),
-    "消费金融": ("个人消费贷款", "信用卡分期", "助贷及科技服务"),
-    "食品饮料": ("茶饮料", "休闲食品", "餐饮渠道定制"),
-}
-
-
 @dataclass(frozen=True)
 class Financials:
     """Three fiscal years of statements, in millions of the reporting currency."""
@@ -147,7 +130,7 @@ def financials(company: Company, seed: int) -> Financials:
         round((a + b) * rng.uniform(0.03, 0.06), 1)
         for a, b in zip(long_debt, short_debt, strict=True)
     )
-    names = SEGMENTS[company.sector]
+    names = company.segments
     weights = [rng.uniform(0.2, 1.0) for _ in names]
     seg_growth = [rng.uniform(-0.1, 0.45) for _ in names]
     segs = []

@@ -36,34 +36,47 @@ class Company:
     hq: str
     founded: int
     popularity: float  # relative weight of sessions about it
+    segments: tuple[str, str, str]  # its reporting segments, in the filings' language
 
 
 # English and Chinese filings alternate, so any first-N sample has both languages.
 COMPANIES: tuple[Company, ...] = (
     Company("NWSC", "Northwind Semiconductor Corp.", "NASDAQ", "semiconductors", "en",
-            "USD", "Austin, Texas", 1998, 3.0),
+            "USD", "Austin, Texas", 1998, 3.0,
+            ("Data-center accelerators", "Automotive MCUs", "Industrial analog")),
     Company("688417", "华澜新能源科技股份有限公司", "上交所科创板", "新能源电池", "zh",
-            "人民币", "江苏常州", 2012, 2.8),
+            "人民币", "江苏常州", 2012, 2.8,
+            ("动力电池系统", "储能电池", "电池材料回收")),
     Company("HBVL", "Harborview Logistics Inc.", "NYSE", "logistics", "en",
-            "USD", "Savannah, Georgia", 1987, 1.5),
+            "USD", "Savannah, Georgia", 1987, 1.5,
+            ("Ocean freight forwarding", "Contract warehousing", "Last-mile delivery")),
     Company("600873", "景川医药集团股份有限公司", "上交所主板", "医药制造", "zh",
-            "人民币", "浙江杭州", 1996, 1.6),
+            "人民币", "浙江杭州", 1996, 1.6,
+            ("创新药", "仿制药", "原料药及中间体")),
     Company("CRPH", "Cedar Ridge Pharmaceuticals Inc.", "NASDAQ", "pharmaceuticals", "en",
-            "USD", "Cambridge, Massachusetts", 2004, 2.0),
+            "USD", "Cambridge, Massachusetts", 2004, 2.0,
+            ("Oncology", "Immunology", "Contract manufacturing")),
     Company("02318", "鸿途物流控股有限公司", "港交所主板", "跨境物流", "zh",
-            "港元", "广东深圳", 2003, 1.0),
+            "港元", "广东深圳", 2003, 1.0,
+            ("跨境电商物流", "国际货代", "海外仓储")),
     Company("ALTR", "Altamira Renewable Energy plc", "LSE", "renewable energy", "en",
-            "GBP", "Edinburgh, Scotland", 2009, 1.2),
+            "GBP", "Edinburgh, Scotland", 2009, 1.2,
+            ("Offshore wind", "Solar parks", "Grid storage services")),
     Company("300952", "星衡半导体股份有限公司", "深交所创业板", "功率半导体", "zh",
-            "人民币", "上海浦东", 2010, 2.4),
+            "人民币", "上海浦东", 2010, 2.4,
+            ("车规级IGBT模块", "碳化硅器件", "工业电源芯片")),
     Company("BFPY", "Bluefin Payments Inc.", "NYSE", "payments", "en",
-            "USD", "Charlotte, North Carolina", 2011, 2.2),
+            "USD", "Charlotte, North Carolina", 2011, 2.2,
+            ("Merchant acquiring", "Issuer processing", "Cross-border payouts")),
     Company("601529", "瑞丰消费金融股份有限公司", "上交所主板", "消费金融", "zh",
-            "人民币", "四川成都", 2008, 1.1),
+            "人民币", "四川成都", 2008, 1.1,
+            ("个人消费贷款", "信用卡分期", "助贷及科技服务")),
     Company("GPKM", "Granite Peak Mining Ltd.", "ASX", "mining", "en",
-            "AUD", "Perth, Western Australia", 1979, 0.8),
+            "AUD", "Perth, Western Australia", 1979, 0.8,
+            ("Iron ore", "Lithium concentrate", "Copper")),
     Company("603661", "青岚食品饮料股份有限公司", "上交所主板", "食品饮料", "zh",
-            "人民币", "福建厦门", 1993, 0.9),
+            "人民币", "福建厦门", 1993, 0.9,
+            ("茶饮料", "休闲食品", "餐饮渠道定制")),
 )  # fmt: skip
 
 

@@ -1,0 +1,267 @@
+"""The replay: sends a workload's sessions to an OpenAI-compatible endpoint.
+
+Contract:
+    * Turns of one session are sent in order, one at a time (turn ``t+1`` only after
+      turn ``t``'s response ended); up to ``concurrency`` sessions run in parallel,
+      taken in workload order.
+    * A request carries ``X-Session-ID`` only when the workload gives it an id; the
+      client never keeps or sends cookies, so a dropped id means neither header nor
+      cookie (the seed's gateway fault).
+    * Every request streams (SSE). TTFT is the time to the first chunk that carries
+      generated text (the server's opening role-only chunk does not count); the
+      end-to-end latency runs to ``[DONE]``. A non-200 status, a transport error, an
+      error event in the stream or a stream without ``[DONE]`` is an error.
+    * ``requests`` caps how many requests start; ``duration_s`` stops starting new
+      ones after that many seconds. In-flight requests always finish (bounded by
+      ``timeout_s``), so a run ends by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+from typing import TYPE_CHECKING, Any
+
+from dscache_tools.loadgen.report import LoadReport, RequestResult, build_report, scrape
+from dscache_tools.workload import ChatRequest, sessions_of
+
+if TYPE_CHECKING:
+    import httpx
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How to replay a workload.
+
+    Attributes:
+        target: base URL of the router or a server, e.g. ``http://127.0.0.1:8080``.
+        concurrency: sessions in flight at once.
+        requests: stop starting requests after this many (None: the whole workload).
+        duration_s: stop starting requests after this many seconds (None: no limit).
+        timeout_s: per-request limit, seconds.
+        metrics_urls: model servers' ``/metrics`` URLs for the cache figures.
+        model: the ``model`` field sent (None: omitted, the server's own).
+        session_header: header carrying the session id.
+        upstream_header: response header naming the pod (router debug header), if any.
+        progress: show a progress bar on stderr.
+        think_s: mean seconds a user takes between the end of one answer and the
+            next question of the same session (exponential, drawn from a seed of
+            the session's name, at most 4x the mean); 0: the next turn at once.
+            With think time, ``concurrency`` is the number of live sessions.
+    """
+
+    target: str
+    concurrency: int = 4
+    requests: int | None = None
+    duration_s: float | None = None
+    timeout_s: float = 300.0
+    metrics_urls: tuple[str, ...] = ()
+    model: str | None = None
+    session_header: str = "X-Session-ID"
+    upstream_header: str = "X-Dscache-Upstream"
+    progress: bool = True
+    think_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if self.requests is not None and self.requests < 1:
+            raise ValueError("requests must be >= 1")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ValueError("duration must be > 0")
+        if self.think_s < 0:
+            raise ValueError("think time must be >= 0")
+
+
+def think_times(session: str, turns: int, mean_s: float) -> list[float]:
+    """Seconds to wait before each turn of ``session``: none before the first.
+
+    Exponential with mean ``mean_s``, capped at 4x the mean, from a seed of the
+    session's name, so a replay waits the same way every time.
+    """
+    if mean_s <= 0 or turns <= 1:
+        return [0.0] * turns
+    rng = random.Random(zlib.crc32(session.encode()))
+    return [0.0] + [min(rng.expovariate(1.0 / mean_s), 4 * mean_s) for _ in range(turns - 1)]
+
+
+def _no_cookies() -> CookieJar:
+    # A jar whose policy accepts no domain: Set-Cookie answers are ignored, so a
+    # request without an id really carries neither header nor cookie.
+    return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+
+
+def _body(cfg: LoadConfig, req: ChatRequest) -> bytes:
+    body: dict[str, Any] = {
+        "messages": req.messages,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if cfg.model:
+        body["model"] = cfg.model
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def _absorb(res: RequestResult, chunk: dict[str, Any], started: float) -> None:
+    """Takes usage and the first token's time from one streamed chunk."""
+    usage = chunk.get("usage")
+    if usage:
+        res.prompt_tokens = int(usage.get("prompt_tokens", 0))
+        res.completion_tokens = int(usage.get("completion_tokens", 0))
+        details = usage.get("prompt_tokens_details") or {}
+        res.cached_tokens = int(details.get("cached_tokens") or 0)
+    for choice in chunk.get("choices") or ():
+        text = (choice.get("delta") or {}).get("content")
+        if res.ttft_s is None and (text or choice.get("finish_reason")):
+            res.ttft_s = time.perf_counter() - started
+
+
+async def _read_stream(resp: httpx.Response, res: RequestResult, started: float) -> bool:
+    """Reads the SSE stream into ``res``; whether it ended with ``[DONE]``."""
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return True
+        chunk = json.loads(data)
+        if "error" in chunk:
+            res.error = f"stream error: {chunk['error'].get('message')}"
+            return False
+        _absorb(res, chunk, started)
+    res.error = "stream ended without [DONE]"
+    return False
+
+
+async def _one(
+    client: httpx.AsyncClient,
+    cfg: LoadConfig,
+    req: ChatRequest,
+    t0: float,
+) -> RequestResult:
+    headers = {"Content-Type": "application/json"}
+    if req.session_id is not None:
+        headers[cfg.session_header] = req.session_id
+    started = time.perf_counter()
+    res = RequestResult(
+        session=req.session,
+        turn=req.turn,
+        session_id=req.session_id,
+        ok=False,
+        status=0,
+        started_s=started - t0,
+        ttft_s=None,
+        e2e_s=0.0,
+    )
+    done = False
+    try:
+        async with client.stream(
+            "POST", "/v1/chat/completions", content=_body(cfg, req), headers=headers
+        ) as resp:
+            res.status = resp.status_code
+            res.upstream = resp.headers.get(cfg.upstream_header)
+            res.set_cookie = "set-cookie" in resp.headers
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                res.error = f"http {resp.status_code}: {text[:200]}"
+            else:
+                done = await _read_stream(resp, res, started)
+    except Exception as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    res.e2e_s = time.perf_counter() - started
+    res.ok = done and res.error is None
+    return res
+
+
+async def run_load(
+    cfg: LoadConfig,
+    workload: Sequence[ChatRequest],
+    *,
+    on_result: Callable[[RequestResult], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> LoadReport:
+    """Replays ``workload`` as ``cfg`` says and returns the report.
+
+    Args:
+        cfg: Target, concurrency and limits.
+        workload: Requests, grouped into sessions by :func:`sessions_of`.
+        on_result: Called with each finished request (from the event loop).
+        should_stop: Polled before each request starts; once it returns True
+            no request starts (in-flight ones finish), like ``duration_s``.
+    """
+    import httpx
+
+    # httpx logs every request at INFO; a replay would drown the progress bar.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, log.getEffectiveLevel()))
+    sessions = list(sessions_of(workload).values())
+    planned = sum(len(s) for s in sessions)
+    if cfg.requests is not None:
+        planned = min(planned, cfg.requests)
+    limits = httpx.Limits(max_connections=cfg.concurrency * 2 + 4)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
+    results: list[RequestResult] = []
+    bar = _progress(planned, cfg.progress)
+    async with httpx.AsyncClient(
+        base_url=cfg.target, timeout=timeout, limits=limits, cookies=_no_cookies()
+    ) as client:
+        before = await scrape(client, cfg.metrics_urls)
+        t0 = time.perf_counter()
+        next_session = 0
+        started = 0
+
+        def may_start() -> bool:
+            if cfg.requests is not None and started >= cfg.requests:
+                return False
+            if should_stop is not None and should_stop():
+                return False
+            return cfg.duration_s is None or time.perf_counter() - t0 < cfg.duration_s
+
+        async def worker() -> None:
+            nonlocal next_session, started
+            while next_session < len(sessions):
+                turns = sessions[next_session]
+                next_session += 1
+                pauses = think_times(turns[0].session, len(turns), cfg.think_s)
+                for req, pause in zip(turns, pauses, strict=True):
+                    # A user thinking is not a request in flight: a stop ends the wait.
+                    until = time.perf_counter() + pause
+                    while may_start() and (left := until - time.perf_counter()) > 0:
+                        await asyncio.sleep(min(left, 0.5))
+                    if not may_start():
+                        return
+                    started += 1
+                    res = await _one(client, cfg, req, t0)
+                    results.append(res)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(errors=sum(not r.ok for r in results), refresh=False)
+                    if on_result is not None:
+                        on_result(res)
+            return
+
+        await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
+        elapsed = time.perf_counter() - t0
+        after = await scrape(client, cfg.metrics_urls)
+    if bar is not None:
+        bar.close()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    return build_report(cfg.target, cfg.concurrency, results, elapsed, delta)
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="load", dynamic_ncols=True, leave=False)
