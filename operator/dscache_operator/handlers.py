@@ -22,8 +22,8 @@ import kopf
 from dscache_operator import GROUP, PLURAL, VERSION
 from dscache_operator.kube import ApiError
 from dscache_operator.reconcile import Reconciler
+from dscache_operator.schema import InvalidSpecError
 from dscache_operator.settings import OperatorSettings
-from dscache_operator.spec import InvalidSpecError
 
 log = logging.getLogger(__name__)
 

@@ -50,6 +50,7 @@ from dscache_operator.desired import (
 )
 from dscache_operator.kube import ApiError, Kube
 from dscache_operator.metrics import OperatorMetrics
+from dscache_operator.podspec import RevisionSource, revision_of
 from dscache_operator.rollout import analysis_due, next_step
 from dscache_operator.rollout_types import (
     Annotations,
@@ -60,12 +61,7 @@ from dscache_operator.rollout_types import (
     Verdict,
 )
 from dscache_operator.settings import OperatorSettings
-from dscache_operator.spec import (
-    DeepSeekCacheDeploymentSpec,
-    RevisionSource,
-    parse_spec,
-    revision_of,
-)
+from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
 from dscache_operator.status import (
     SLOTS,
     DeepSeekCacheDeploymentStatus,

@@ -17,195 +17,40 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
-import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, ValidationError
 
 from dscache_operator.nginx import DEBIAN_LUA_MODULES
+from dscache_operator.podspec import (
+    DEFAULT_CORE_IMAGE,
+    CacheSpec,
+    ImageSpec,
+    ModelSpec,
+    ResourcesSpec,
+    RevisionSource,
+    SchedulingSpec,
+    ServerSpec,
+    SidecarSpec,
+    TenantSaltSpec,
+)
+from dscache_operator.schema import (
+    NAME_PATTERN,
+    Duration,
+    InvalidSpecError,
+    SpecModel,
+    cel_rules,
+    parse_duration,
+)
 
-DURATION_PATTERN = r"^([0-9]+(ms|s|m|h))+$"
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-_DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h)")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-Duration = Annotated[str, Field(pattern=DURATION_PATTERN, max_length=32)]
-Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=32)]
-ShortString = Annotated[str, Field(min_length=1, max_length=253)]
-ResourceList = dict[str, int | str]
-
-
-class InvalidSpecError(ValueError):
-    """The resource's spec cannot be reconciled; the message says what to change."""
-
-
-def parse_duration(value: str) -> float:
-    """``"90s"``, ``"5m"``, ``"1h30m"``, ``"250ms"`` -> seconds."""
-    if not re.fullmatch(DURATION_PATTERN, value):
-        raise ValueError(f"not a duration: {value!r} (examples: 30s, 5m, 1h30m)")
-    return sum(int(n) * _UNIT_SECONDS[u] for n, u in _DURATION_PART.findall(value))
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
-    )
-
-
-class ImageSpec(_Model):
-    """A container image."""
-
-    repository: ShortString = Field(description="Image repository, e.g. ghcr.io/acme/dscache.")
-    tag: Annotated[str, Field(min_length=1, max_length=128)] = Field(
-        description="Image tag, or a digest starting with 'sha256:'."
-    )
-    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
-        default="IfNotPresent", description="Kubernetes imagePullPolicy."
-    )
-
-    @property
-    def reference(self) -> str:
-        """``repository:tag`` or ``repository@sha256:...``."""
-        sep = "@" if self.tag.startswith("sha256:") else ":"
-        return f"{self.repository}{sep}{self.tag}"
-
-
-#: The model server image (torch; also holds everything the core image does).
-DEFAULT_IMAGE = ImageSpec(repository="ghcr.io/dscache/dscache", tag="0.1.0")
-#: The slim image without torch: sidecar, operator, prewarm.
-DEFAULT_CORE_IMAGE = ImageSpec(repository="ghcr.io/dscache/dscache-core", tag="0.1.0")
 #: Debian's NGINX with the ndk and Lua modules (loaded from DEBIAN_LUA_MODULES).
 DEFAULT_ROUTER_IMAGE = ImageSpec(repository="ghcr.io/dscache/dscache-router", tag="0.1.0")
 #: ``load_module`` paths of the default router image (Debian's libnginx-mod-http-{ndk,lua}).
 DEFAULT_ROUTER_MODULES: tuple[str, ...] = DEBIAN_LUA_MODULES
 
 
-class ResourcesSpec(_Model):
-    """Compute resources of a container (as in a Pod's resources)."""
-
-    requests: ResourceList = Field(
-        default_factory=dict, description="Minimum resources, e.g. cpu: '4', memory: 32Gi."
-    )
-    limits: ResourceList = Field(
-        default_factory=dict,
-        description="Maximum resources; GPUs go here, e.g. nvidia.com/gpu: 1.",
-    )
-
-
-class ModelSpec(_Model):
-    """The model to serve: a built-in preset or a checkpoint directory in the image."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "has(self.preset) != has(self.path)",
-                    "message": "set exactly one of model.preset or model.path",
-                }
-            ]
-        }
-    )
-
-    preset: Annotated[str, Field(max_length=64)] | None = Field(
-        default=None, description="Name of a built-in model preset, e.g. tiny-gqa."
-    )
-    path: Annotated[str, Field(max_length=1024)] | None = Field(
-        default=None, description="Checkpoint directory inside the server image."
-    )
-    revision: Annotated[str, Field(max_length=128)] | None = Field(
-        default=None,
-        description="Model revision; part of the cache fingerprint and of the rollout revision.",
-    )
-
-    @property
-    def name(self) -> str:
-        """The value passed to ``dscache server --model``."""
-        return self.preset if self.preset is not None else (self.path or "")
-
-
-class ServerSpec(_Model):
-    """The model server container (``dscache server``)."""
-
-    image: ImageSpec = Field(default=DEFAULT_IMAGE, description="Model server image.")
-    port: int = Field(default=8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
-    max_concurrency: int = Field(
-        default=1, ge=1, le=1024, description="Requests generating at once."
-    )
-    resources: ResourcesSpec = Field(
-        default_factory=ResourcesSpec, description="Resources of the model server container."
-    )
-
-
-class SidecarSpec(_Model):
-    """The KV-cache sidecar container (``dscache sidecar``)."""
-
-    image: ImageSpec = Field(
-        default=DEFAULT_CORE_IMAGE,
-        description="Sidecar image; the slim core image (no torch) by default, so the KV store "
-        "does not change with the model server's image.",
-    )
-    metrics_port: int = Field(default=9102, ge=1, le=65535, description="Port of /metrics.")
-    resources: ResourcesSpec = Field(
-        default_factory=ResourcesSpec, description="Resources of the sidecar container."
-    )
-
-
-class CacheVolumeSpec(_Model):
-    """Where the sidecar keeps its segment files."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.type != 'hostPath' || has(self.hostPath)",
-                    "message": "cache.volume.hostPath is required when type is hostPath",
-                },
-                {
-                    "rule": "self.type != 'persistentVolumeClaim' || has(self.claimName)",
-                    "message": "cache.volume.claimName is required when type is "
-                    "persistentVolumeClaim",
-                },
-            ]
-        }
-    )
-
-    type: Literal["emptyDir", "hostPath", "persistentVolumeClaim"] = Field(
-        default="emptyDir",
-        description="emptyDir (per pod, lost on reschedule), hostPath (node-local SSD, survives "
-        "pod restarts) or persistentVolumeClaim.",
-    )
-    host_path: Annotated[str, Field(max_length=1024, pattern=r"^/")] | None = Field(
-        default=None, description="Node directory for type hostPath."
-    )
-    claim_name: Annotated[str, Field(max_length=253)] | None = Field(
-        default=None, description="PersistentVolumeClaim name for type persistentVolumeClaim."
-    )
-
-
-class CacheSpec(_Model):
-    """The KV store of each model pod."""
-
-    volume: CacheVolumeSpec = Field(
-        default_factory=CacheVolumeSpec, description="Volume of the segment files."
-    )
-    size: Quantity = Field(default="10Gi", description="Segment space per pod, e.g. 200Gi.")
-    block_tokens: int = Field(
-        default=256, ge=16, le=8192, description="Tokens per cached block (part of the cache key)."
-    )
-    codec: Literal["auto", "raw", "zstd"] = Field(
-        default="auto", description="Block codec policy: auto compresses only where it pays."
-    )
-    min_tokens: int = Field(
-        default=512, ge=0, le=1 << 20, description="Prompts shorter than this are not cached."
-    )
-
-
-class RoutingSpec(_Model):
+class RoutingSpec(SpecModel):
     """The NGINX router in front of the model pods."""
 
     session_header: Annotated[str, Field(pattern=r"^[A-Za-z0-9-]{1,64}$")] = Field(
@@ -250,7 +95,7 @@ class RoutingSpec(_Model):
     )
 
 
-class ConfigMapKeyRef(_Model):
+class ConfigMapKeyRef(SpecModel):
     """A key of a ConfigMap in the resource's namespace."""
 
     name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)] = Field(
@@ -261,7 +106,7 @@ class ConfigMapKeyRef(_Model):
     )
 
 
-class PrewarmSpec(_Model):
+class PrewarmSpec(SpecModel):
     """Prewarming a new revision's cache before it takes traffic."""
 
     enabled: bool = Field(default=True, description="Run a prewarm Job for every new revision.")
@@ -280,7 +125,7 @@ class PrewarmSpec(_Model):
     )
 
 
-class AnalysisSpec(_Model):
+class AnalysisSpec(SpecModel):
     """What each rollout step must show in Prometheus before the next one."""
 
     enabled: bool = Field(
@@ -326,19 +171,12 @@ class AnalysisSpec(_Model):
     )
 
 
-class RolloutSpec(_Model):
+class RolloutSpec(SpecModel):
     """How a new revision replaces the stable one."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {"rule": "self.steps.isSorted()", "message": "rollout.steps must increase"},
-                {
-                    "rule": "self.steps[self.steps.size() - 1] == 100",
-                    "message": "the last rollout step must be 100",
-                },
-            ]
-        }
+    model_config = cel_rules(
+        ("self.steps.isSorted()", "rollout.steps must increase"),
+        ("self.steps[self.steps.size() - 1] == 100", "the last rollout step must be 100"),
     )
 
     strategy: Literal["canary", "blueGreen"] = Field(
@@ -362,72 +200,7 @@ class RolloutSpec(_Model):
     analysis: AnalysisSpec = Field(default_factory=AnalysisSpec, description="Gates of every step.")
 
 
-class SecretKeyRef(_Model):
-    """A key of a Secret in the resource's namespace (read by the pods, never the operator)."""
-
-    name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)] = Field(
-        description="Secret name."
-    )
-    key: Annotated[str, Field(min_length=1, max_length=253)] = Field(description="Key.")
-
-
-class TenantSaltSpec(_Model):
-    """Where the cache-key tenant salt comes from (isolates tenants' cached prompts)."""
-
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                {
-                    "rule": "self.source != 'secret' || has(self.secretRef)",
-                    "message": "tenantSalt.secretRef is required when source is secret",
-                }
-            ]
-        }
-    )
-
-    source: Literal["namespace", "secret", "none"] = Field(
-        default="namespace",
-        description="namespace: the namespace name; secret: secretRef; none: one shared cache.",
-    )
-    secret_ref: SecretKeyRef | None = Field(default=None, description="Secret key of the salt.")
-
-
-LabelKey = Annotated[str, Field(pattern=r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9._-]{1,63}$")]
-
-
-class TolerationSpec(_Model):
-    """A pod toleration (as in a Pod's spec.tolerations)."""
-
-    key: LabelKey | None = Field(default=None, description="Taint key; unset with Exists: all.")
-    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
-    value: Annotated[str, Field(max_length=63)] | None = Field(
-        default=None, description="Taint value (with Equal)."
-    )
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        default=None, description="Taint effect; unset: all effects."
-    )
-    toleration_seconds: int | None = Field(
-        default=None, ge=0, description="With NoExecute: seconds the pod stays after the taint."
-    )
-
-
-class SchedulingSpec(_Model):
-    """Where the pods go: GPU node pools, dedicated (tainted) nodes, priority."""
-
-    node_selector: dict[LabelKey, Annotated[str, Field(max_length=63)]] = Field(
-        default_factory=dict, description="Node labels the pods require, e.g. a GPU pool's."
-    )
-    tolerations: Annotated[list[TolerationSpec], Field(max_length=32)] = Field(
-        default_factory=list,
-        description="Taints the pods tolerate.",
-        json_schema_extra={"default": []},
-    )
-    priority_class_name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)] | None = Field(
-        default=None, description="PriorityClass of the pods."
-    )
-
-
-class MonitoringSpec(_Model):
+class MonitoringSpec(SpecModel):
     """Prometheus Operator objects, created only when their CRDs exist in the cluster."""
 
     service_monitor: bool = Field(default=True, description="Create a ServiceMonitor.")
@@ -438,7 +211,7 @@ class MonitoringSpec(_Model):
     )
 
 
-class DeepSeekCacheDeploymentSpec(_Model):
+class DeepSeekCacheDeploymentSpec(SpecModel):
     """Desired state of a DeepSeekCacheDeployment."""
 
     model: ModelSpec = Field(description="The model to serve.")
@@ -486,40 +259,6 @@ class DeepSeekCacheDeploymentSpec(_Model):
             tenant_salt=self.tenant_salt,
             scheduling=self.scheduling,
         )
-
-
-class RevisionSource(_Model):
-    """Everything that shapes a model pod; its hash is the rollout revision.
-
-    Stored per track in the status, so a track keeps its own template while the
-    spec already describes the next revision.
-    """
-
-    model: ModelSpec
-    server: ServerSpec
-    sidecar: SidecarSpec
-    cache: CacheSpec
-    tenant_salt: TenantSaltSpec
-    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _stored_before_the_core_image(cls, data: Any) -> Any:
-        # Sources stored by an older operator carry sidecar.image null, which meant
-        # "the server's image": keep it so, so such a track's template is unchanged.
-        if isinstance(data, dict):
-            sidecar = data.get("sidecar")
-            if isinstance(sidecar, dict) and "image" in sidecar and sidecar["image"] is None:
-                server = data.get("server") or {}
-                image = server.get("image") or DEFAULT_IMAGE.model_dump(by_alias=True)
-                data = {**data, "sidecar": {**sidecar, "image": image}}
-        return data
-
-
-def revision_of(source: RevisionSource) -> str:
-    """A short, stable hash of ``source`` (canonical JSON, sha256)."""
-    data = json.dumps(source.model_dump(mode="json", by_alias=True), sort_keys=True)
-    return hashlib.sha256(data.encode()).hexdigest()[:10]
 
 
 def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:

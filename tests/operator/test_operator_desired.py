@@ -24,15 +24,12 @@ from dscache_operator.desired import (
     router_deployment,
 )
 from dscache_operator.nginx import DEBIAN_LUA_MODULES, render_nginx_conf
+from dscache_operator.podspec import revision_of
 from dscache_operator.quantity import quantity_bytes
 from dscache_operator.rollout import next_step
 from dscache_operator.rollout_types import Observed, TrackObservation
-from dscache_operator.spec import (
-    DeepSeekCacheDeploymentSpec,
-    InvalidSpecError,
-    parse_spec,
-    revision_of,
-)
+from dscache_operator.schema import InvalidSpecError
+from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
 from dscache_tools.net import free_port
 

@@ -20,14 +20,9 @@ from dscache_operator.crd import (
     targets,
 )
 from dscache_operator.nginx import DEBIAN_LUA_MODULES
-from dscache_operator.spec import (
-    DeepSeekCacheDeploymentSpec,
-    InvalidSpecError,
-    RevisionSource,
-    parse_duration,
-    parse_spec,
-    revision_of,
-)
+from dscache_operator.podspec import RevisionSource, revision_of
+from dscache_operator.schema import InvalidSpecError, parse_duration
+from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"model": {"preset": "tiny-gqa"}}

@@ -19,7 +19,8 @@ from dscache_operator.desired.common import (
     meta,
     pod_spec,
 )
-from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_duration
+from dscache_operator.schema import parse_duration
+from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
 
 PREWARM_TARGETS_ENV = "DSCACHE_PREWARM_TARGETS"

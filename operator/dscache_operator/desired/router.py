@@ -23,7 +23,8 @@ from dscache_operator.desired.common import (
     selector_labels,
 )
 from dscache_operator.nginx import PromptKey, RouterConfig, render_nginx_conf
-from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_duration
+from dscache_operator.schema import parse_duration
+from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
 
 ROUTER_PORT = 8080

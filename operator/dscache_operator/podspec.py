@@ -1,0 +1,252 @@
+"""The parts of the spec that shape a model pod, and the revision hash over them.
+
+:class:`RevisionSource` gathers them (model, server, sidecar, cache, tenant
+salt, scheduling); :func:`revision_of` hashes it into the rollout revision, so
+only these fields start a rollout: replicas, routing and rollout settings never
+do. A track's source is stored in the status, so its template stays what it
+was while the spec already describes the next revision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from dscache_operator.schema import (
+    NAME_PATTERN,
+    Quantity,
+    ResourceList,
+    ShortString,
+    SpecModel,
+    cel_rules,
+)
+
+
+class ImageSpec(SpecModel):
+    """A container image."""
+
+    repository: ShortString = Field(description="Image repository, e.g. ghcr.io/acme/dscache.")
+    tag: Annotated[str, Field(min_length=1, max_length=128)] = Field(
+        description="Image tag, or a digest starting with 'sha256:'."
+    )
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Kubernetes imagePullPolicy."
+    )
+
+    @property
+    def reference(self) -> str:
+        """``repository:tag`` or ``repository@sha256:...``."""
+        sep = "@" if self.tag.startswith("sha256:") else ":"
+        return f"{self.repository}{sep}{self.tag}"
+
+
+#: The model server image (torch; also holds everything the core image does).
+DEFAULT_IMAGE = ImageSpec(repository="ghcr.io/dscache/dscache", tag="0.1.0")
+#: The slim image without torch: sidecar, operator, prewarm.
+DEFAULT_CORE_IMAGE = ImageSpec(repository="ghcr.io/dscache/dscache-core", tag="0.1.0")
+
+
+class ResourcesSpec(SpecModel):
+    """Compute resources of a container (as in a Pod's resources)."""
+
+    requests: ResourceList = Field(
+        default_factory=dict, description="Minimum resources, e.g. cpu: '4', memory: 32Gi."
+    )
+    limits: ResourceList = Field(
+        default_factory=dict,
+        description="Maximum resources; GPUs go here, e.g. nvidia.com/gpu: 1.",
+    )
+
+
+class ModelSpec(SpecModel):
+    """The model to serve: a built-in preset or a checkpoint directory in the image."""
+
+    model_config = cel_rules(
+        ("has(self.preset) != has(self.path)", "set exactly one of model.preset or model.path"),
+    )
+
+    preset: Annotated[str, Field(max_length=64)] | None = Field(
+        default=None, description="Name of a built-in model preset, e.g. tiny-gqa."
+    )
+    path: Annotated[str, Field(max_length=1024)] | None = Field(
+        default=None, description="Checkpoint directory inside the server image."
+    )
+    revision: Annotated[str, Field(max_length=128)] | None = Field(
+        default=None,
+        description="Model revision; part of the cache fingerprint and of the rollout revision.",
+    )
+
+    @property
+    def name(self) -> str:
+        """The value passed to ``dscache server --model``."""
+        return self.preset if self.preset is not None else (self.path or "")
+
+
+class ServerSpec(SpecModel):
+    """The model server container (``dscache server``)."""
+
+    image: ImageSpec = Field(default=DEFAULT_IMAGE, description="Model server image.")
+    port: int = Field(default=8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
+    max_concurrency: int = Field(
+        default=1, ge=1, le=1024, description="Requests generating at once."
+    )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="Resources of the model server container."
+    )
+
+
+class SidecarSpec(SpecModel):
+    """The KV-cache sidecar container (``dscache sidecar``)."""
+
+    image: ImageSpec = Field(
+        default=DEFAULT_CORE_IMAGE,
+        description="Sidecar image; the slim core image (no torch) by default, so the KV store "
+        "does not change with the model server's image.",
+    )
+    metrics_port: int = Field(default=9102, ge=1, le=65535, description="Port of /metrics.")
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="Resources of the sidecar container."
+    )
+
+
+class CacheVolumeSpec(SpecModel):
+    """Where the sidecar keeps its segment files."""
+
+    model_config = cel_rules(
+        (
+            "self.type != 'hostPath' || has(self.hostPath)",
+            "cache.volume.hostPath is required when type is hostPath",
+        ),
+        (
+            "self.type != 'persistentVolumeClaim' || has(self.claimName)",
+            "cache.volume.claimName is required when type is persistentVolumeClaim",
+        ),
+    )
+
+    type: Literal["emptyDir", "hostPath", "persistentVolumeClaim"] = Field(
+        default="emptyDir",
+        description="emptyDir (per pod, lost on reschedule), hostPath (node-local SSD, survives "
+        "pod restarts) or persistentVolumeClaim.",
+    )
+    host_path: Annotated[str, Field(max_length=1024, pattern=r"^/")] | None = Field(
+        default=None, description="Node directory for type hostPath."
+    )
+    claim_name: Annotated[str, Field(max_length=253)] | None = Field(
+        default=None, description="PersistentVolumeClaim name for type persistentVolumeClaim."
+    )
+
+
+class CacheSpec(SpecModel):
+    """The KV store of each model pod."""
+
+    volume: CacheVolumeSpec = Field(
+        default_factory=CacheVolumeSpec, description="Volume of the segment files."
+    )
+    size: Quantity = Field(default="10Gi", description="Segment space per pod, e.g. 200Gi.")
+    block_tokens: int = Field(
+        default=256, ge=16, le=8192, description="Tokens per cached block (part of the cache key)."
+    )
+    codec: Literal["auto", "raw", "zstd"] = Field(
+        default="auto", description="Block codec policy: auto compresses only where it pays."
+    )
+    min_tokens: int = Field(
+        default=512, ge=0, le=1 << 20, description="Prompts shorter than this are not cached."
+    )
+
+
+class SecretKeyRef(SpecModel):
+    """A key of a Secret in the resource's namespace (read by the pods, never the operator)."""
+
+    name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)] = Field(
+        description="Secret name."
+    )
+    key: Annotated[str, Field(min_length=1, max_length=253)] = Field(description="Key.")
+
+
+class TenantSaltSpec(SpecModel):
+    """Where the cache-key tenant salt comes from (isolates tenants' cached prompts)."""
+
+    model_config = cel_rules(
+        (
+            "self.source != 'secret' || has(self.secretRef)",
+            "tenantSalt.secretRef is required when source is secret",
+        ),
+    )
+
+    source: Literal["namespace", "secret", "none"] = Field(
+        default="namespace",
+        description="namespace: the namespace name; secret: secretRef; none: one shared cache.",
+    )
+    secret_ref: SecretKeyRef | None = Field(default=None, description="Secret key of the salt.")
+
+
+LabelKey = Annotated[str, Field(pattern=r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9._-]{1,63}$")]
+
+
+class TolerationSpec(SpecModel):
+    """A pod toleration (as in a Pod's spec.tolerations)."""
+
+    key: LabelKey | None = Field(default=None, description="Taint key; unset with Exists: all.")
+    operator: Literal["Exists", "Equal"] = Field(default="Equal", description="Exists or Equal.")
+    value: Annotated[str, Field(max_length=63)] | None = Field(
+        default=None, description="Taint value (with Equal)."
+    )
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect; unset: all effects."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, ge=0, description="With NoExecute: seconds the pod stays after the taint."
+    )
+
+
+class SchedulingSpec(SpecModel):
+    """Where the pods go: GPU node pools, dedicated (tainted) nodes, priority."""
+
+    node_selector: dict[LabelKey, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict, description="Node labels the pods require, e.g. a GPU pool's."
+    )
+    tolerations: Annotated[list[TolerationSpec], Field(max_length=32)] = Field(
+        default_factory=list,
+        description="Taints the pods tolerate.",
+        json_schema_extra={"default": []},
+    )
+    priority_class_name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)] | None = Field(
+        default=None, description="PriorityClass of the pods."
+    )
+
+
+class RevisionSource(SpecModel):
+    """Everything that shapes a model pod; its hash is the rollout revision.
+
+    Stored per track in the status, so a track keeps its own template while the
+    spec already describes the next revision.
+    """
+
+    model: ModelSpec
+    server: ServerSpec
+    sidecar: SidecarSpec
+    cache: CacheSpec
+    tenant_salt: TenantSaltSpec
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_before_the_core_image(cls, data: Any) -> Any:
+        # Sources stored by an older operator carry sidecar.image null, which meant
+        # "the server's image": keep it so, so such a track's template is unchanged.
+        if isinstance(data, dict):
+            sidecar = data.get("sidecar")
+            if isinstance(sidecar, dict) and "image" in sidecar and sidecar["image"] is None:
+                server = data.get("server") or {}
+                image = server.get("image") or DEFAULT_IMAGE.model_dump(by_alias=True)
+                data = {**data, "sidecar": {**sidecar, "image": image}}
+        return data
+
+
+def revision_of(source: RevisionSource) -> str:
+    """A short, stable hash of ``source`` (canonical JSON, sha256)."""
+    data = json.dumps(source.model_dump(mode="json", by_alias=True), sort_keys=True)
+    return hashlib.sha256(data.encode()).hexdigest()[:10]
