@@ -15,7 +15,8 @@ import time
 import numpy as np
 
 from dscache.keys import KeyChain, tenant_salt
-from dscache_server.cache import CacheError, CostModel, KVBlockStore, NewBlock
+from dscache_server.blockstore import CacheError, KVBlockStore, NewBlock
+from dscache_server.cache import CostModel
 from dscache_server.engine import Engine
 
 log = logging.getLogger(__name__)

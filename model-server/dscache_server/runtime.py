@@ -18,7 +18,8 @@ from pathlib import Path
 from threading import Lock
 
 from dscache.keys import KeyChain, tenant_salt
-from dscache_server.cache import KVBlockStore, PrefixCache, SidecarBlockStore
+from dscache_server.blockstore import KVBlockStore, SidecarBlockStore
+from dscache_server.cache import PrefixCache
 from dscache_server.calibrate import calibrate
 from dscache_server.config import ServerSettings
 from dscache_server.engine import TransformersEngine, load_engine

@@ -15,7 +15,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from dscache_server.cache import CostModel, PrefixCache, SidecarBlockStore
+from dscache_server.blockstore import SidecarBlockStore
+from dscache_server.cache import CostModel, PrefixCache
 from dscache_server.engine import TransformersEngine
 from dscache_server.metrics import ServerMetrics
 from srv_helpers import BLOCK_TOKENS, REPO, SidecarDaemon, engine_for, free_port

@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from dscache_server.cache import CostModel, PrefixCache, SidecarBlockStore
+from dscache_server.blockstore import SidecarBlockStore
+from dscache_server.cache import CostModel, PrefixCache
 from dscache_server.engine import TransformersEngine, load_engine
 from dscache_server.metrics import ServerMetrics
 

@@ -1,0 +1,237 @@
+"""The request path's view of the KV cache: admission, restore, background store.
+
+Contract:
+    * ``PrefixCache.restore`` never raises. Any cache failure (sidecar down or slow,
+      a rejected call, a corrupt or mis-shaped block, any bug below it) leaves the
+      sequence empty and is counted in ``dscache_server_cache_fallbacks_total`` by
+      reason; the request then recomputes. A short load (blocks evicted or dropped as
+      corrupt between Lookup and Lease) is a smaller hit, counted as ``short_load``.
+    * Lookups have no side effects; loaded blocks are leased, and the lease is held
+      until the request's ``Restored.release()``. A request that runs longer than half
+      the lease copies its restored prefix into private memory first.
+    * At least the last prompt token is always recomputed: the request needs its
+      logits, and a cache holds KV, not logits.
+    * New full blocks are exported and stored on a background thread (``writer``); a
+      full store queue drops the job (counted) rather than delaying any response.
+    * The store is a ``blockstore.KVBlockStore``; the sidecar's is
+      ``blockstore.SidecarBlockStore``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import KW_ONLY, InitVar, dataclass, field
+
+from dscache.keys import KeyChain
+from dscache_server.blockstore import CacheError, KVBlockStore, Loaded
+from dscache_server.kv import LayoutAdapter, SequenceKV
+from dscache_server.metrics import ServerMetrics
+from dscache_server.writer import BlockWriter
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two cache-fallback warnings (the rest go to debug: hot path).
+WARNING_INTERVAL_S = 10.0
+
+
+@dataclass
+class CostModel:
+    """Store-vs-recompute: does reading ``n`` cached tokens beat recomputing them?
+
+    Attributes:
+        prefill_tokens_per_s: measured prefill speed.
+        load_bytes_per_s: measured cache read speed (lease + map + first touch).
+        lookup_overhead_s: fixed cost of lookup + lease.
+        bytes_per_token: KV bytes per token of this model.
+    """
+
+    prefill_tokens_per_s: float
+    load_bytes_per_s: float
+    lookup_overhead_s: float
+    bytes_per_token: int
+
+    def load_cost_s(self, tokens: int) -> float:
+        """Seconds to restore ``tokens`` from the cache."""
+        return self.lookup_overhead_s + tokens * self.bytes_per_token / self.load_bytes_per_s
+
+    def recompute_cost_s(self, tokens: int) -> float:
+        """Seconds to prefill ``tokens`` (linear model; prefill only grows faster)."""
+        return tokens / self.prefill_tokens_per_s
+
+    def pays(self, tokens: int) -> bool:
+        """Whether loading ``tokens`` beats recomputing them."""
+        return tokens > 0 and self.load_cost_s(tokens) < self.recompute_cost_s(tokens)
+
+    def crossover_tokens(self) -> int | None:
+        """Smallest token count where loading pays; None if it never does."""
+        per_token_gain = 1.0 / self.prefill_tokens_per_s - (
+            self.bytes_per_token / self.load_bytes_per_s
+        )
+        if per_token_gain <= 0:
+            return None
+        return int(self.lookup_overhead_s / per_token_gain) + 1
+
+
+@dataclass
+class Restored:
+    """What ``PrefixCache.restore`` found for one request."""
+
+    hit_blocks: int = 0
+    lookup_blocks: int = 0
+    cacheable_blocks: int = 0
+    admitted: bool = False
+    fallback: str | None = None
+    _loaded: Loaded | None = None
+    _leased_at: float = 0.0
+
+    def release(self) -> None:
+        """Ends the lease (idempotent)."""
+        if self._loaded is not None:
+            loaded, self._loaded = self._loaded, None
+            try:
+                loaded.release()
+            except Exception as exc:  # never fail a request on release
+                log.debug("lease release failed: %s", exc)
+
+    def guard_lease(self, seq: SequenceKV, ttl_s: float) -> None:
+        """Copies the restored prefix out of the mapping before the lease runs out."""
+        if self._loaded is not None and time.monotonic() - self._leased_at > ttl_s / 2:
+            seq.materialize()
+            self.release()
+
+
+@dataclass(eq=False)
+class PrefixCache:
+    """Admission, restore and background store for one engine.
+
+    Attributes:
+        store: the block store, or None to run without a cache.
+        adapter: the engine's layout adapter.
+        metrics: where decisions and failures are counted.
+        cost: the calibrated cost model.
+        min_tokens: prompts shorter than this skip the cache.
+        lease_ttl_s: lease requested on loads.
+        store_queue: background jobs pending at most.
+    """
+
+    store: KVBlockStore | None
+    adapter: LayoutAdapter
+    metrics: ServerMetrics
+    cost: CostModel
+    _: KW_ONLY
+    min_tokens: int = 512
+    lease_ttl_s: float = 60.0
+    store_queue: InitVar[int] = 64
+    _writer: BlockWriter | None = field(init=False, default=None)
+    _last_warning: float = field(init=False, default=0.0)
+
+    def __post_init__(self, store_queue: int) -> None:
+        if self.store is not None:
+            self._writer = BlockWriter(self.store, self.adapter, self.metrics, queue=store_queue)
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per block."""
+        return self.adapter.block_tokens
+
+    def admit(self, prompt_tokens: int) -> str:
+        """Admission decision for a prompt: admit, short, no_gain or disabled."""
+        if self.store is None:
+            decision = "disabled"
+        elif prompt_tokens < self.min_tokens:
+            decision = "short"
+        elif not self.cost.pays(((prompt_tokens - 1) // self.block_tokens) * self.block_tokens):
+            decision = "no_gain"
+        else:
+            decision = "admit"
+        self.metrics.admission.labels(decision=decision).inc()
+        if decision == "no_gain":
+            log.debug("cache skipped for %d tokens: loading would not pay", prompt_tokens)
+        return decision
+
+    def restore(self, chain: KeyChain, token_ids: Sequence[int], seq: SequenceKV) -> Restored:
+        """Looks up, leases and maps the longest cached prefix into ``seq``. Never raises."""
+        result = Restored()
+        n = len(token_ids)
+        result.cacheable_blocks = n // self.block_tokens
+        if self.admit(n) != "admit" or self.store is None:
+            return result
+        result.admitted = True
+        # The last token is always recomputed: its logits are needed.
+        usable = (n - 1) // self.block_tokens
+        if usable == 0:
+            return result
+        try:
+            keys = chain.keys(token_ids[: usable * self.block_tokens])
+            t0 = time.perf_counter()
+            found = self.store.lookup(chain.tenant, keys)
+            t1 = time.perf_counter()
+            self.metrics.cache_op_seconds.labels(op="lookup").observe(t1 - t0)
+            result.lookup_blocks = found
+            if found == 0:
+                return result
+            loaded = self.store.load(chain.tenant, keys[:found], ttl_s=self.lease_ttl_s)
+            result._loaded, result._leased_at = loaded, time.monotonic()
+            got = min(len(loaded.arrays), found)
+            if got and loaded.keys[:got] != keys[:got]:
+                raise CacheError("corrupt", "the store returned blocks of other keys")
+            try:
+                self.adapter.restore(seq, loaded.arrays[:got])
+            except ValueError as exc:
+                raise CacheError("corrupt", str(exc)) from exc
+            self.metrics.cache_op_seconds.labels(op="load").observe(time.perf_counter() - t1)
+            result.hit_blocks = got
+            if got < found:
+                self._fallback(result, "short_load", f"{found} blocks found, {got} loaded")
+        except CacheError as exc:
+            self._reset(seq, result)
+            self._fallback(result, exc.reason, str(exc))
+        except Exception as exc:  # a bug must not fail the request either
+            self._reset(seq, result)
+            self._fallback(result, "error", f"{type(exc).__name__}: {exc}")
+        return result
+
+    def _reset(self, seq: SequenceKV, result: Restored) -> None:
+        result.release()
+        result.hit_blocks = 0
+        fresh = self.adapter.new_sequence()
+        seq.layers, seq.length, seq.restored_tokens = fresh.layers, 0, 0
+
+    def _fallback(self, result: Restored, reason: str, message: str) -> None:
+        result.fallback = reason
+        self.metrics.fallbacks.labels(reason=reason).inc()
+        now = time.monotonic()
+        if now - self._last_warning > WARNING_INTERVAL_S:
+            self._last_warning = now
+            log.warning("cache fallback (%s): %s", reason, message)
+        else:
+            log.debug("cache fallback (%s): %s", reason, message)
+
+    def store_async(
+        self, chain: KeyChain, token_ids: Sequence[int], seq: SequenceKV, first_block: int
+    ) -> bool:
+        """Queues the store of full prompt blocks from ``first_block`` on; never blocks.
+
+        Returns:
+            True when a job was queued.
+        """
+        if self._writer is None or len(token_ids) < self.min_tokens:
+            return False
+        last = min(len(token_ids), seq.length) // self.block_tokens
+        if first_block >= last:
+            return False
+        ids = list(token_ids[: last * self.block_tokens])
+        return self._writer.submit(chain, ids, seq, first_block, last)
+
+    def wait_stored(self, timeout_s: float = 30.0) -> bool:
+        """Blocks until no store job is pending (tests, prewarm, shutdown)."""
+        return self._writer is None or self._writer.wait_idle(timeout_s)
+
+    def close(self) -> None:
+        """Finishes pending stores and closes the store."""
+        if self._writer is not None:
+            self._writer.close()
+        if self.store is not None:
+            self.store.close()

@@ -1,0 +1,93 @@
+"""Background store of a prompt's new full blocks: the response never waits for it.
+
+Contract:
+    * ``BlockWriter.submit`` never blocks: it queues one job (export the blocks from
+      the finished prefill, then one store call) on a single background thread, or,
+      with ``queue`` jobs already pending, drops it and counts the blocks as
+      ``dropped``.
+    * Every block of a job is counted once in ``dscache_server_blocks_stored_total``
+      by result: ``stored`` (new), ``existing``, ``dropped`` or ``failed``; a failed
+      store is logged, never raised.
+    * ``store_backlog`` is the number of jobs pending; ``wait_idle`` waits for zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from dscache.keys import KeyChain
+from dscache_server.blockstore import CacheError, KVBlockStore, NewBlock
+from dscache_server.kv import LayoutAdapter, SequenceKV
+from dscache_server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+class BlockWriter:
+    """Stores blocks of finished prefills on one background thread.
+
+    Args:
+        store: where blocks go.
+        adapter: exports blocks from a sequence.
+        metrics: where results and the backlog are counted.
+        queue: jobs pending at most; more are dropped.
+    """
+
+    def __init__(
+        self, store: KVBlockStore, adapter: LayoutAdapter, metrics: ServerMetrics, *, queue: int
+    ) -> None:
+        self._store, self._adapter, self._metrics = store, adapter, metrics
+        self._limit = queue
+        self._pending = 0
+        self._idle = threading.Condition()  # notified when a job ends
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-store")
+
+    def submit(
+        self, chain: KeyChain, ids: list[int], seq: SequenceKV, first: int, last: int
+    ) -> bool:
+        """Queues the store of blocks ``first``..``last - 1`` of ``ids``; False if dropped."""
+        with self._idle:
+            if self._pending >= self._limit:
+                self._metrics.blocks_stored.labels(result="dropped").inc(last - first)
+                return False
+            self._pending += 1
+            self._metrics.store_backlog.set(self._pending)
+        self._executor.submit(self._job, chain, ids, seq, first, last)
+        return True
+
+    def _job(self, chain: KeyChain, ids: list[int], seq: SequenceKV, first: int, last: int) -> None:
+        stored = self._metrics.blocks_stored
+        try:
+            keys = chain.keys(ids)
+            blocks = [
+                NewBlock(keys[i], keys[i - 1] if i else b"", self._adapter.export(seq, i))
+                for i in range(first, last)
+            ]
+            t0 = time.perf_counter()
+            new = self._store.store(chain.tenant, blocks)
+            self._metrics.cache_op_seconds.labels(op="store").observe(time.perf_counter() - t0)
+            stored.labels(result="stored").inc(new)
+            stored.labels(result="existing").inc(len(blocks) - new)
+        except CacheError as exc:
+            stored.labels(result="failed").inc(last - first)
+            log.debug("background store failed (%s): %s", exc.reason, exc)
+        except Exception:
+            stored.labels(result="failed").inc(last - first)
+            log.exception("background store failed")
+        finally:
+            with self._idle:
+                self._pending -= 1
+                self._metrics.store_backlog.set(self._pending)
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Blocks until no job is pending; False if ``timeout_s`` ran out first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def close(self) -> None:
+        """Finishes the pending jobs."""
+        self._executor.shutdown(wait=True)
