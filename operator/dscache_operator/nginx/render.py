@@ -1,0 +1,228 @@
+"""Renders the router's ``nginx.conf`` from a :class:`RouterConfig` (a pure function).
+
+See :mod:`dscache_operator.nginx` for the routing rules the text implements.
+Invariants: the output depends only on the config (no clock, no randomness);
+upstream lists are rendered in the order given (the consistent-hash ring does
+not depend on it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from dscache_operator.nginx.config import RouterConfig
+from dscache_operator.nginx.lua import LUA_PROMPT_KEY, LUA_SESSION_MEMORY, LUA_WATCH
+
+#: The second line of a watched config: ``# dscache-config-id: <hex>``.
+CONFIG_ID_PREFIX = "# dscache-config-id: "
+
+
+def _nginx_var(header: str) -> str:
+    return "$http_" + header.lower().replace("-", "_")
+
+
+def _upstream(name: str, servers: tuple[str, ...], keepalive: int) -> list[str]:
+    lines = [f"    upstream {name} {{", "        hash $dscache_key consistent;"]
+    lines += [f"        server {a} max_fails=1 fail_timeout=10s;" for a in servers]
+    if keepalive:
+        lines.append(f"        keepalive {keepalive};")
+    lines.append("    }")
+    return lines
+
+
+def _track_selector(c: RouterConfig) -> list[str]:
+    """``$dscache_new_track``: the track a new session takes at the current weight."""
+    weight = c.effective_weight
+    if weight <= 0.0 or weight >= 100.0:
+        track = c.canary_name if weight >= 100.0 else c.stable_name
+        return ["    map $dscache_key $dscache_new_track {", f"        default {track};", "    }"]
+    pct = f"{weight:.2f}".rstrip("0").rstrip(".")
+    return [
+        '    split_clients "${dscache_key}" $dscache_new_track {',
+        f"        {pct}% {c.canary_name};",
+        f"        * {c.stable_name};",
+        "    }",
+    ]
+
+
+def _role_map(c: RouterConfig, track_var: str) -> list[str]:
+    """``$dscache_track``: stable, canary or previous, for headers and logs."""
+    return [
+        f"    map {track_var} $dscache_track {{",
+        f"        {c.canary_name} canary;",
+        f"        {c.previous_name} previous;",
+        "        default stable;",
+        "    }",
+    ]
+
+
+def render_nginx_conf(config: RouterConfig) -> str:
+    """The complete ``nginx.conf`` (main context) for ``config``.
+
+    Args:
+        config: the router's settings and both tracks' upstream addresses.
+
+    Returns:
+        The configuration text; identical configs give identical text. With
+        ``watch_config``, its second line is ``# dscache-config-id: <hex>``.
+    """
+    lines = _render_lines(config)
+    if not config.watch_config:
+        return "\n".join(lines)
+    interval = f"{config.watch_interval_s:g}"
+    seed = "\n".join([*lines, f"watch {config.config_path} {interval}"])
+    config_id = hashlib.sha256(seed.encode()).hexdigest()[:16]
+    watch = (
+        LUA_WATCH.replace("@PATH@", config.config_path)
+        .replace("@ID@", config_id)
+        .replace("@INTERVAL@", interval)
+    )
+    at = lines.index("http {") + 1
+    out = [lines[0], CONFIG_ID_PREFIX + config_id, *lines[1:at], watch, *lines[at:]]
+    return "\n".join(out)
+
+
+def _render_lines(config: RouterConfig) -> list[str]:
+    c = config
+    weight = c.effective_weight
+    cookie_var = "$cookie_" + c.cookie_name
+    header_var = _nginx_var(c.session_header)
+    tmp = c.temp_dir.rstrip("/") or "/"
+    lines = ["# Rendered by dscache_operator.nginx from a RouterConfig; edits are overwritten."]
+    lines += [f"load_module {m};" for m in c.load_modules]
+    lines += [
+        f"worker_processes {c.worker_processes};",
+        f"pid {c.pid_file};",
+        f"error_log {c.error_log} warn;",
+        "",
+        "events {",
+        f"    worker_connections {c.worker_connections};",
+        "}",
+        "",
+        "http {",
+        f"    access_log {c.access_log};"
+        if c.access_log == "off"
+        else f"    access_log {c.access_log} combined;",
+        f"    client_body_temp_path {tmp}/nginx-client-body;",
+        f"    proxy_temp_path {tmp}/nginx-proxy;",
+        f"    fastcgi_temp_path {tmp}/nginx-fastcgi;",
+        f"    uwsgi_temp_path {tmp}/nginx-uwsgi;",
+        f"    scgi_temp_path {tmp}/nginx-scgi;",
+        # Bodies stay in memory so the prompt key can read them without a file.
+        f"    client_max_body_size {c.max_body_bytes};",
+        f"    client_body_buffer_size {c.max_body_bytes};",
+        "    server_tokens off;",
+        "",
+        "    # Session key: header, else cookie, else prompt-derived or new.",
+        f"    map {header_var} $dscache_client_key {{",
+        f'        "" {cookie_var};',
+        f"        default {header_var};",
+        "    }",
+        f"    map {header_var}:{cookie_var} $dscache_client_source {{",
+        '        ":" new;',
+        '        "~^:" cookie;',
+        "        default header;",
+        "    }",
+        "    map $dscache_key_source $dscache_set_cookie {",
+        '        header "";',
+        '        cookie "";',
+        f'        default "{c.cookie_name}=$dscache_key; Path=/; Max-Age={c.cookie_max_age_s}; '
+        'HttpOnly; SameSite=Lax";',
+        "    }",
+        "",
+    ]
+    memory = c.session_memory_s > 0
+    track_var = "$dscache_chosen_track" if memory else "$dscache_new_track"
+    lines += _track_selector(c)
+    lines += _role_map(c, track_var)
+    if memory:
+        lines.append(f"    lua_shared_dict dscache_sessions {c.session_memory_mib}m;")
+    for name, pods in (
+        (c.stable_name, c.stable),
+        (c.canary_name, c.canary),
+        (c.previous_name, c.previous),
+    ):
+        if pods:
+            lines += _upstream(f"dscache_{name}", pods, c.upstream_keepalive)
+    status = json.dumps(
+        {
+            "canary_weight": weight,
+            "stable": c.stable_name if c.stable else None,
+            "canary": c.canary_name if c.canary else None,
+            "previous": c.previous_name if c.previous else None,
+            "session_memory_s": c.session_memory_s,
+        },
+        sort_keys=True,
+    )
+    lines += [
+        "",
+        "    server {",
+        f"        listen {c.listen};",
+        "        set $dscache_key $dscache_client_key;",
+        "        set $dscache_key_source $dscache_client_source;",
+        '        if ($dscache_key = "") {',
+        "            set $dscache_key $request_id;",
+        "        }",
+        *(['        set $dscache_chosen_track "";'] if memory else []),
+        "",
+        "        location = /dscache/router/health {",
+        "            access_log off;",
+        '            return 200 "ok\\n";',
+        "        }",
+        "",
+        "        location = /dscache/router/status {",
+        "            access_log off;",
+        "            default_type application/json;",
+        f"            return 200 '{status}\\n';",
+        "        }",
+        "",
+        "        location / {",
+    ]
+    access: list[str] = []
+    if c.prompt_key.mode == "lua":
+        access.append(
+            LUA_PROMPT_KEY
+            % {
+                "scan": c.prompt_key.max_bytes * 4,
+                "max_bytes": c.prompt_key.max_bytes,
+                "max_messages": c.prompt_key.max_messages,
+            }
+        )
+    if memory:
+        live = ", ".join(f'["{t}"] = true' for t in c.live_tracks)
+        access.append(LUA_SESSION_MEMORY % {"live": live, "ttl": c.session_memory_s})
+    if access:
+        lines += ["        access_by_lua_block {", *access, "        }"]
+    lines += [
+        "            add_header Set-Cookie $dscache_set_cookie always;",
+    ]
+    if c.debug_headers:
+        lines += [
+            "            add_header X-Dscache-Track $dscache_track always;",
+            "            add_header X-Dscache-Upstream $upstream_addr always;",
+            "            add_header X-Dscache-Key-Source $dscache_key_source always;",
+        ]
+    if not c.stable and not c.canary:
+        lines += [
+            "            add_header Retry-After 5 always;",
+            '            return 503 "no model server is ready\\n";',
+        ]
+    else:
+        lines += [
+            f"            proxy_pass http://dscache_{track_var};",
+            f"            proxy_set_header {c.upstream_header} $dscache_key;",
+            "            proxy_set_header Host $host;",
+            "            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;",
+            "            proxy_set_header X-Dscache-Track $dscache_track;",
+            "            proxy_http_version 1.1;",
+            '            proxy_set_header Connection "";',
+            # Streaming responses (SSE) must reach the client token by token.
+            "            proxy_buffering off;",
+            f"            proxy_read_timeout {c.proxy_read_timeout_s}s;",
+            # A pod that refuses the connection: the next one on the ring.
+            "            proxy_next_upstream error timeout http_502 http_503 non_idempotent;",
+            "            proxy_next_upstream_tries 2;",
+        ]
+    lines += ["        }", "    }", "}", ""]
+    return lines
