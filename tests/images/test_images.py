@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import tarfile
 import time
 import tomllib
@@ -30,6 +31,8 @@ import pytest
 from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
 from dscache_tools.devcluster import images
 from dscache_tools.devcluster.images import IMAGES, ImageArchive, PrivateDocker
+from dscache_tools.devcluster.images.builder import ca_bundle
+from dscache_tools.devcluster.images.load import containerd_name
 from dscache_tools.net import free_port
 
 from dscache import __version__
@@ -208,27 +211,25 @@ def test_current_stamps_start_no_docker(
 def test_a_missing_docker_engine_names_the_package(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(images.shutil, "which", lambda name: None)
-    monkeypatch.setattr(images, "_existing", lambda path: None)
+    # Nothing on PATH and no executable at the well-known Debian paths.
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
     monkeypatch.delenv("DSCACHE_DOCKER", raising=False)
-    monkeypatch.setattr(images.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
     with pytest.raises(images.ImageError, match=r"apt-get install docker\.io"):
         PrivateDocker(tmp_path / "docker").start()
-    monkeypatch.setattr(
-        images, "_existing", lambda path: path if path.endswith("/bin/docker") else None
-    )
+    # A docker client, but no daemons.
+    monkeypatch.setattr(os, "access", lambda path, mode: str(path).endswith("/bin/docker"))
     with pytest.raises(images.ImageError, match=r"dockerd, containerd, runc not found.*docker\.io"):
         PrivateDocker(tmp_path / "docker").start()
 
 
 def test_refs_follow_the_package_version_and_containerd_naming() -> None:
     assert IMAGES["server"].ref == f"ghcr.io/dscache/dscache:{__version__}"
-    assert images._containerd_name("ghcr.io/dscache/dscache:0.1.0") == (
-        "ghcr.io/dscache/dscache:0.1.0"
-    )
-    assert images._containerd_name("dscache.local/pause:1.0") == "dscache.local/pause:1.0"
-    assert images._containerd_name("busybox:1") == "docker.io/library/busybox:1"
-    assert images._containerd_name("me/app:1") == "docker.io/me/app:1"
+    assert containerd_name("ghcr.io/dscache/dscache:0.1.0") == ("ghcr.io/dscache/dscache:0.1.0")
+    assert containerd_name("dscache.local/pause:1.0") == "dscache.local/pause:1.0"
+    assert containerd_name("busybox:1") == "docker.io/library/busybox:1"
+    assert containerd_name("me/app:1") == "docker.io/me/app:1"
 
 
 # -- the built images ---------------------------------------------------------------------------
@@ -302,7 +303,7 @@ def test_archives_say_non_root_and_exec_form(name: str, built: dict[str, ImageAr
 @pytest.mark.parametrize("name", ["core", "server"])
 def test_the_ca_given_to_pip_is_in_no_layer(name: str, built: dict[str, ImageArchive]) -> None:
     """The CA bundle goes in as a BuildKit secret, only for RUN steps: never into the image."""
-    ca = images._ca_bundle()
+    ca = ca_bundle()
     assert ca is not None  # the build passed it as a secret
     secret = ca.read_bytes()
     seen = 0

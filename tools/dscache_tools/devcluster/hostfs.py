@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dscache_tools.devcluster.hostrecord import HostRecord, run
 from dscache_tools.devcluster.polling import poll
+from dscache_tools.devcluster.procs import mount_points
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -118,21 +119,10 @@ def _remove_cgroup_tree(path: Path) -> None:
             directory.rmdir()
 
 
-def mounts_below(root: Path) -> list[str]:
-    """Mount points at or below ``root``, deepest first."""
-    prefix = str(root.resolve()) if root.exists() else str(root)
-    points: list[str] = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        point = line.split()[4].replace("\\040", " ")
-        if point == prefix or point.startswith(prefix.rstrip("/") + "/"):
-            points.append(point)
-    return sorted(points, key=lambda p: p.count("/"), reverse=True)
-
-
 def unmount_below(root: Path) -> None:
     """Lazily unmounts everything mounted at or below ``root``."""
     for _ in range(3):
-        points = mounts_below(root)
+        points = mount_points(root.resolve() if root.exists() else root)
         if not points:
             return
         for point in points:

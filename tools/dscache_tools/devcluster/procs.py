@@ -25,8 +25,10 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import re
 import signal
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -138,3 +140,51 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def process_name(pid: int) -> str:
+    """``/proc/<pid>/comm``, ``""`` when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def cmdline(pid: int) -> str:
+    """The command line of ``pid`` joined by spaces, ``""`` when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def terminate(pid: int, grace: float) -> None:
+    """SIGTERM to ``pid``, SIGKILL when it still runs after ``grace`` seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if process_state(pid) in ("", "Z"):
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def mount_points(*roots: Path) -> list[str]:
+    """Mount points at or under any of ``roots``, from /proc/self/mountinfo, deepest first."""
+    prefixes = [str(root).rstrip("/") for root in roots]
+    found: list[str] = []
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 5:
+            continue
+        # Field 5 is the mount point, with space, tab, newline and backslash octal-escaped.
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+        if any(point == p or point.startswith(p + "/") for p in prefixes):
+            found.append(point)
+    return sorted(found, key=lambda p: p.count("/"), reverse=True)

@@ -1,0 +1,177 @@
+"""Loading image archives into a containerd, where kubelets find them without pulling.
+
+Contract:
+    * :func:`load_images` imports archives into a containerd's ``k8s.io``
+      namespace with ``ctr``, skipping images already present with the same
+      reference and image id (and complete), so kubelets use them with
+      ``imagePullPolicy: IfNotPresent`` and never pull.
+    * :func:`image_loader` builds first (a missing tool or failed build shows
+      before any node starts) and returns that import as the dev cluster's
+      per-node loader.
+    * Failures raise :class:`.specs.ImageError` with ``ctr``'s output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import tarfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from dscache_tools.devcluster.images.builder import ensure_images
+from dscache_tools.devcluster.images.specs import ImageArchive, ImageError
+from dscache_tools.devcluster.procs import Progress
+
+logger = logging.getLogger(__name__)
+
+
+def archive_image_id(path: Path) -> str:
+    """The image id (``sha256:`` + config digest) inside a ``docker save`` archive."""
+    with tarfile.open(path) as tar:
+        member = tar.extractfile("manifest.json")
+        if member is None:
+            raise ImageError(f"{path} has no manifest.json: not a docker save archive")
+        manifest = json.load(member)
+    config = str(manifest[0]["Config"])
+    # "blobs/sha256/<hex>" (Docker 25+) or "<hex>.json" (earlier).
+    return "sha256:" + Path(config).name.removesuffix(".json")
+
+
+def load_images(
+    archives: Iterable[ImageArchive],
+    containerd_address: Path,
+    ctr: str = "ctr",
+    *,
+    namespace: str = "k8s.io",
+    snapshotter: str | None = None,
+    progress: Progress | None = None,
+) -> None:
+    """Imports image archives into a containerd, where kubelets find them without pulling.
+
+    An archive whose reference already names an image with the same image id
+    (config digest) in ``namespace`` is skipped.
+
+    Args:
+        archives: From :func:`ensure_images`.
+        containerd_address: The containerd's gRPC socket.
+        ctr: containerd's ``ctr`` client (Debian's ``containerd`` package has it).
+        namespace: containerd namespace; the CRI plugin (kubelet) uses ``k8s.io``.
+        snapshotter: Unpack for this snapshotter (default: ctr's, overlayfs);
+            must be the one the CRI plugin uses.
+        progress: Receives one line per import; defaults to the module logger.
+
+    Raises:
+        ImageError: ``ctr`` failed (the message has its output).
+    """
+    say: Progress = progress or (lambda line: logger.info("%s", line))
+    base = [ctr, "--address", str(containerd_address), "--namespace", namespace]
+    for archive in archives:
+        if _present_config(base, archive.ref) == archive.image_id:
+            say(f"{archive.ref}: already in {containerd_address} ({namespace})")
+            continue
+        command = [*base, "images", "import"]
+        if snapshotter:
+            command += ["--snapshotter", snapshotter]
+        command.append(str(archive.path))
+        started = time.monotonic()
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise ImageError(
+                f"ctr images import {archive.path} failed (exit {done.returncode}): "
+                f"{(done.stderr or done.stdout).strip()[-2000:]}"
+            )
+        say(f"{archive.ref}: imported in {time.monotonic() - started:.1f} s")
+
+
+def image_loader(
+    progress: Progress | None = None,
+    names: Iterable[str] | None = None,
+    *,
+    root: Path | None = None,
+    ctr: str = "ctr",
+) -> Callable[[Path], None]:
+    """Builds the images now and returns a loader for each node's containerd.
+
+    The dev cluster (``DevCluster.start(load_images=...)``) calls the loader
+    with a node's containerd socket; building first means a missing tool or a
+    failed build shows before any node starts.
+
+    Raises:
+        ImageError: As :func:`ensure_images`.
+    """
+    archives = list(ensure_images(progress, names, root=root).values())
+
+    def load(containerd_address: Path) -> None:
+        load_images(archives, containerd_address, ctr, progress=progress)
+
+    return load
+
+
+def _present_config(base: list[str], ref: str) -> str | None:
+    """The config digest of the image ``ref`` in containerd, or None when absent.
+
+    An image whose record exists but whose content is not complete and unpacked
+    (a store cut short by a full disk, say) counts as absent, so it is imported
+    again rather than failing every pod sandbox later.
+    """
+    name = containerd_name(ref)
+    listed = subprocess.run(
+        [*base, "images", "list", f"name=={name}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    rows = listed.stdout.splitlines()[1:] if listed.returncode == 0 else []
+    if not rows:
+        return None
+    checked = subprocess.run(
+        [*base, "images", "check", f"name=={name}"], capture_output=True, text=True, check=False
+    )
+    row = next((r for r in checked.stdout.splitlines()[1:] if r.split()[:1] == [name]), "")
+    if "complete" not in row.split() or not row.rstrip().endswith("true"):
+        return None
+    target = rows[0].split()[2]
+    return _config_of(base, target)
+
+
+def _config_of(base: list[str], digest: str) -> str | None:
+    """Follows an index (first linux/amd64 or only entry) or manifest to its config digest."""
+    for _ in range(3):
+        got = subprocess.run(
+            [*base, "content", "get", digest], capture_output=True, text=True, check=False
+        )
+        if got.returncode != 0:
+            return None
+        try:
+            doc = json.loads(got.stdout)
+        except ValueError:
+            return None
+        config = doc.get("config")
+        if isinstance(config, dict) and isinstance(config.get("digest"), str):
+            return str(config["digest"])
+        manifests = doc.get("manifests")
+        if not isinstance(manifests, list) or not manifests:
+            return None
+        chosen = next(
+            (
+                m
+                for m in manifests
+                if isinstance(m, dict)
+                and m.get("platform", {}).get("architecture") in (None, "amd64")
+            ),
+            manifests[0],
+        )
+        digest = str(chosen.get("digest"))
+    return None
+
+
+def containerd_name(ref: str) -> str:
+    """How containerd names an image Docker calls ``ref`` (short names get docker.io/library/)."""
+    name = ref
+    first = name.split("/", 1)[0]
+    if "/" not in name or ("." not in first and ":" not in first and first != "localhost"):
+        name = f"docker.io/{name if '/' in name else 'library/' + name}"
+    return name
