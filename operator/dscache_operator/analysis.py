@@ -1,4 +1,8 @@
-"""Rollout analysis: PromQL over Prometheus' HTTP API, and the verdict (pure part separate).
+"""Rollout analysis: the PromQL of a step, and the verdict on its figures (pure).
+
+The queries go out through a :class:`ScalarQuery` (in the operator,
+:class:`dscache_operator.prometheus.PrometheusClient`), so this module does no
+I/O of its own.
 
 Queries (``{sel(rev)}`` = namespace and revision label matchers, ``{w}`` = the
 step interval as a range, ``{d}`` = the time since the step began):
@@ -30,13 +34,9 @@ Anything else failing is ``Fail``; otherwise ``Pass``.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import urllib.error
-import urllib.parse
-import urllib.request
 from dataclasses import dataclass
+from typing import Protocol
 
 from dscache import metricnames as names
 from dscache_operator.rollout_types import Verdict
@@ -47,6 +47,29 @@ log = logging.getLogger(__name__)
 
 class PrometheusError(RuntimeError):
     """Prometheus could not answer a query."""
+
+
+class ScalarQuery(Protocol):
+    """Something that answers an instant PromQL query with one number."""
+
+    def scalar(self, promql: str) -> float | None:
+        """The single value of ``promql``; None for an empty result or NaN.
+
+        Raises:
+            PrometheusError: the query could not be answered.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one analysis compares: two revisions of a namespace over one window."""
+
+    namespace: str
+    canary: str
+    stable: str
+    window_s: float
+    since_step_s: float
 
 
 @dataclass(frozen=True)
@@ -84,30 +107,20 @@ def _range(seconds: float) -> str:
     return f"{max(1, round(seconds))}s"
 
 
-def queries(
-    spec: AnalysisSpec,
-    *,
-    namespace: str,
-    canary: str,
-    stable: str,
-    window_s: float,
-    since_step_s: float,
-) -> dict[str, str]:
+def queries(spec: AnalysisSpec, step: Step) -> dict[str, str]:
     """The PromQL of each :class:`Figures` field.
 
     Args:
         spec: the analysis settings (label names).
-        namespace: the resource's namespace.
-        canary: the canary revision hash.
-        stable: the stable revision hash.
-        window_s: the rate window (the step interval).
-        since_step_s: seconds since the step began (the offset of the ``_before`` figures).
+        step: the namespace, the canary and stable revision hashes, the rate
+            window (the step interval) and the seconds since the step began
+            (the offset of the ``_before`` figures).
     """
 
     def sel(revision: str) -> str:
-        return f'{spec.namespace_label}="{namespace}",{spec.revision_label}="{revision}"'
+        return f'{spec.namespace_label}="{step.namespace}",{spec.revision_label}="{revision}"'
 
-    w = _range(window_s)
+    w = _range(step.window_s)
 
     def hit_rate(revision: str, offset: str = "") -> str:
         return token_hit_rate(sel(revision), w, offset)
@@ -118,14 +131,14 @@ def queries(
             f"(rate({names.TTFT_BUCKET_SERIES}{{{sel(revision)}}}[{w}]{offset})))"
         )
 
-    before = f" offset {_range(since_step_s)}"
+    before = f" offset {_range(step.since_step_s)}"
     return {
-        "hit_rate": hit_rate(canary),
-        "ttft_p99_seconds": p99(canary),
-        "stable_hit_rate": hit_rate(stable),
-        "stable_ttft_p99_seconds": p99(stable),
-        "stable_hit_rate_before": hit_rate(stable, before),
-        "stable_ttft_p99_seconds_before": p99(stable, before),
+        "hit_rate": hit_rate(step.canary),
+        "ttft_p99_seconds": p99(step.canary),
+        "stable_hit_rate": hit_rate(step.stable),
+        "stable_ttft_p99_seconds": p99(step.stable),
+        "stable_hit_rate_before": hit_rate(step.stable, before),
+        "stable_ttft_p99_seconds_before": p99(step.stable, before),
     }
 
 
@@ -192,60 +205,17 @@ def judge(spec: AnalysisSpec, figures: Figures) -> Verdict:
     return Verdict("Pass", text, **base)
 
 
-class PrometheusClient:
-    """Instant queries over ``/api/v1/query`` (stdlib HTTP, no extra dependency)."""
-
-    def __init__(self, base_url: str, timeout_s: float = 10.0) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
-
-    def scalar(self, promql: str) -> float | None:
-        """The single value of ``promql``; None for an empty result or NaN.
-
-        Raises:
-            PrometheusError: unreachable, HTTP error, or an error status.
-        """
-        url = f"{self.base_url}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
-        try:
-            with urllib.request.urlopen(url, timeout=self.timeout_s) as resp:  # noqa: S310
-                body = json.loads(resp.read())
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise PrometheusError(f"{self.base_url}: {exc}") from exc
-        if body.get("status") != "success":
-            raise PrometheusError(f"{self.base_url}: {body.get('error', body)}")
-        result = body["data"]["result"]
-        if not result:
-            return None
-        value = float(result[0]["value"][1])
-        return None if math.isnan(value) or math.isinf(value) else value
-
-
-def analyse(
-    client: PrometheusClient | None,
-    spec: AnalysisSpec,
-    *,
-    namespace: str,
-    canary: str,
-    stable: str,
-    window_s: float,
-    since_step_s: float,
-) -> Verdict:
+def analyse(client: ScalarQuery | None, spec: AnalysisSpec, step: Step) -> Verdict:
     """Fetches the figures and judges them; no Prometheus -> NoData."""
     if not spec.enabled:
         return Verdict("Skipped", "analysis disabled (spec.rollout.analysis.enabled=false)")
     if client is None:
         return Verdict("NoData", "no Prometheus URL (spec.rollout.analysis.prometheusUrl)")
-    q = queries(
-        spec,
-        namespace=namespace,
-        canary=canary,
-        stable=stable,
-        window_s=window_s,
-        since_step_s=since_step_s,
-    )
     try:
-        figures = Figures(**{name: client.scalar(promql) for name, promql in q.items()})
+        figures = Figures(
+            **{name: client.scalar(promql) for name, promql in queries(spec, step).items()}
+        )
     except PrometheusError as exc:
-        log.warning("analysis of %s/%s: %s", namespace, canary, exc)
+        log.warning("analysis of %s/%s: %s", step.namespace, step.canary, exc)
         return Verdict("NoData", f"Prometheus unavailable: {exc}")
     return judge(spec, figures)

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from dscache_operator import KIND
-from dscache_operator.analysis import PrometheusClient, analyse
+from dscache_operator.analysis import Step, analyse
 from dscache_operator.conditions import set_condition
 from dscache_operator.desired import (
     ROUTER_CONFIG_HASH,
@@ -51,6 +51,7 @@ from dscache_operator.desired import (
 from dscache_operator.kube import ApiError, Kube
 from dscache_operator.metrics import OperatorMetrics
 from dscache_operator.podspec import RevisionSource, revision_of
+from dscache_operator.prometheus import PrometheusClient
 from dscache_operator.rollout import analysis_due, next_step
 from dscache_operator.rollout_types import (
     Annotations,
@@ -324,15 +325,14 @@ class Reconciler:
         url = spec.rollout.analysis.prometheus_url or self.settings.prometheus_url
         client = PrometheusClient(url, self.settings.prometheus_timeout_seconds) if url else None
         started = status.step_started_at or now
-        verdict = analyse(
-            client,
-            spec.rollout.analysis,
+        step = Step(
             namespace=owner.namespace,
             canary=status.canary_revision or "",
             stable=status.stable_revision or "",
             window_s=spec.interval_s,
             since_step_s=max(spec.interval_s, (now - started).total_seconds()),
         )
+        verdict = analyse(client, spec.rollout.analysis, step)
         self.metrics.analyses.labels(result=verdict.result).inc()
         log.info(
             "analysis of %s/%s at %d%%: %s %s",

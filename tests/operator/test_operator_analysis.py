@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dscache_operator.analysis import Figures, PrometheusClient, analyse, judge, queries
+from dscache_operator.analysis import Figures, Step, analyse, judge, queries
+from dscache_operator.prometheus import PrometheusClient
 from dscache_operator.spec import AnalysisSpec
 from dscache_tools.devcluster import wait_until
 from fakes.server_metrics import FakeServerMetrics
@@ -96,7 +97,7 @@ def test_absolute_ttft_ceiling() -> None:
 
 
 def test_queries_compare_the_same_window_and_the_window_before_the_step() -> None:
-    q = queries(SPEC, namespace="prod", canary="bbb", stable="aaa", window_s=120, since_step_s=150)
+    q = queries(SPEC, Step("prod", canary="bbb", stable="aaa", window_s=120, since_step_s=150))
     assert 'namespace="prod",dscache_io_revision="bbb"' in q["hit_rate"]
     assert "[120s]))" in q["hit_rate"] and 'source="reused"' in q["hit_rate"]
     assert 'dscache_io_revision="aaa"' in q["stable_hit_rate"]
@@ -109,20 +110,12 @@ def test_queries_compare_the_same_window_and_the_window_before_the_step() -> Non
 
 
 def test_no_prometheus_or_a_dead_one_is_no_data() -> None:
-    assert (
-        analyse(
-            None, SPEC, namespace="n", canary="b", stable="a", window_s=5, since_step_s=5
-        ).result
-        == "NoData"
-    )
+    step = Step("n", canary="b", stable="a", window_s=5, since_step_s=5)
+    assert analyse(None, SPEC, step).result == "NoData"
     dead = PrometheusClient("http://127.0.0.1:9", timeout_s=1)
-    v = analyse(dead, SPEC, namespace="n", canary="b", stable="a", window_s=5, since_step_s=5)
+    v = analyse(dead, SPEC, step)
     assert v.result == "NoData" and "unavailable" in v.message
-    off = AnalysisSpec(enabled=False)
-    assert (
-        analyse(None, off, namespace="n", canary="b", stable="a", window_s=5, since_step_s=5).result
-        == "Skipped"
-    )
+    assert analyse(None, AnalysisSpec(enabled=False), step).result == "Skipped"
 
 
 @pytest.fixture(scope="module")
@@ -142,40 +135,19 @@ def test_real_prometheus_figures_and_verdicts(prom: PrometheusProcess) -> None:
     client = PrometheusClient(prom.url)
     time.sleep(4.5)  # a few scrapes at 1 s
 
-    def verdict(canary: str) -> tuple[str, str]:
-        v = analyse(
-            client,
-            SPEC,
-            namespace="ns1",
-            canary=canary,
-            stable="stable1",
-            window_s=4,
-            since_step_s=4,
-        )
+    def verdict(canary: str, namespace: str = "ns1") -> tuple[str, str]:
+        v = analyse(client, SPEC, Step(namespace, canary, "stable1", window_s=4, since_step_s=4))
         return v.result, v.message
 
     result, message = verdict("good")
     assert result == "Pass", message
-    v = analyse(
-        client, SPEC, namespace="ns1", canary="good", stable="stable1", window_s=4, since_step_s=4
-    )
+    v = analyse(client, SPEC, Step("ns1", "good", "stable1", window_s=4, since_step_s=4))
     assert v.hit_rate == pytest.approx(0.95, abs=0.01)
     assert v.ttft_p99_seconds is not None and 0.1 < v.ttft_p99_seconds <= 0.25
     assert verdict("slow")[0] == "Fail"
     assert verdict("cold")[0] == "Fail"
     assert verdict("absent")[0] == "NoData"
-    assert (
-        analyse(
-            client,
-            SPEC,
-            namespace="other",
-            canary="good",
-            stable="stable1",
-            window_s=4,
-            since_step_s=4,
-        ).result
-        == "NoData"
-    )
+    assert verdict("good", namespace="other")[0] == "NoData"
 
 
 def test_real_prometheus_blue_green_compares_with_stable_before_the_step(
@@ -197,15 +169,8 @@ def test_real_prometheus_blue_green_compares_with_stable_before_the_step(
     )
 
     def verdict(canary: str) -> Any:
-        return analyse(
-            client,
-            SPEC,
-            namespace="ns2",
-            canary=canary,
-            stable="blue",
-            window_s=4,
-            since_step_s=time.monotonic() - step_began,
-        )
+        since = time.monotonic() - step_began
+        return analyse(client, SPEC, Step("ns2", canary, "blue", window_s=4, since_step_s=since))
 
     warm = verdict("warm")
     # 0.58 would fail the old absolute 0.85 floor; against stable's own 0.60 it passes.
@@ -217,12 +182,5 @@ def test_real_prometheus_blue_green_compares_with_stable_before_the_step(
 
 
 def _scalar(client: PrometheusClient, ns: str, revision: str, window_s: float) -> float | None:
-    q = queries(
-        SPEC,
-        namespace=ns,
-        canary=revision,
-        stable=revision,
-        window_s=window_s,
-        since_step_s=window_s,
-    )
+    q = queries(SPEC, Step(ns, revision, revision, window_s=window_s, since_step_s=window_s))
     return client.scalar(q["hit_rate"])
