@@ -22,8 +22,9 @@ from dscache_server.blockstore import KVBlockStore, SidecarBlockStore
 from dscache_server.cache import PrefixCache
 from dscache_server.calibrate import calibrate
 from dscache_server.config import ServerSettings
-from dscache_server.engine import TransformersEngine, load_engine
+from dscache_server.engine import TransformersEngine
 from dscache_server.generate import GenerationRequest, GenerationResult, Generator
+from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
 from dscache_server.tokenizer import DeepSeekTokenizer
 

@@ -18,7 +18,8 @@ import numpy as np
 import uvicorn
 from dscache_server.app import create_app
 from dscache_server.config import ServerSettings
-from dscache_server.engine import TransformersEngine, load_engine
+from dscache_server.engine import TransformersEngine
+from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
 from dscache_server.runtime import Runtime, build_runtime
 from dscache_server.tokenizer import DeepSeekTokenizer

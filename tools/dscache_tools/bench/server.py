@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from dscache_server.blockstore import SidecarBlockStore
 from dscache_server.cache import CostModel, PrefixCache
-from dscache_server.engine import TransformersEngine, load_engine
+from dscache_server.engine import TransformersEngine
+from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
 
 from dscache.keys import KeyChain, tenant_salt

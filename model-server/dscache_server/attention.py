@@ -1,0 +1,123 @@
+"""Attention over a sequence's KV state, on transformers' attention modules' weights.
+
+Both functions append the new tokens' KV to ``state`` and return the attention
+output for them (before nothing else: the caller adds the residual). Earlier
+chunks of ``state`` (restored blocks, read-only views on a mapped segment) are
+attended in place, part by part, and the parts merged by log-sum-exp
+(``kv.merge_parts``): exact, and the prefix is never concatenated (copied).
+
+Contract: ``attend_gqa`` serves Llama-style MHA/GQA modules (``q_proj``,
+``k_proj``, ``v_proj``, ``o_proj``, optional ``q_norm``/``k_norm``);
+``attend_mla`` serves DeepSeek-V3's MLA module and caches its compressed latent
+(after ``kv_a_layernorm``) plus the roped key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from dscache_server.kv import GqaLayerKV, MlaLayerKV, flash_part, latent_part, merge_parts
+
+#: transformers' ``apply_rotary_pos_emb`` (q, k, cos, sin) -> (q, k).
+RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def attend_gqa(
+    attn: Any,
+    x: torch.Tensor,
+    rope: tuple[RopeFn, torch.Tensor, torch.Tensor],
+    state: GqaLayerKV,
+) -> torch.Tensor:
+    """MHA/GQA attention of ``x`` over ``state``; ``rope`` is (function, cos, sin)."""
+    rope_fn, cos, sin = rope
+    n = x.shape[1]
+    d = state.head_dim
+    q = attn.q_proj(x).view(1, n, -1, d)
+    k = attn.k_proj(x).view(1, n, -1, d)
+    v = attn.v_proj(x).view(1, n, -1, d)
+    if hasattr(attn, "q_norm"):
+        q = attn.q_norm(q)
+        k = attn.k_norm(k)
+    q, k = rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    q = q.contiguous()
+    k = k.contiguous()
+    v = v.transpose(1, 2).contiguous()
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    scale = float(attn.scaling)
+    prior = state.parts(0)
+    state.append(k[0], v[0])
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # Non-causal parts: fold the query heads of a group into the query axis so
+    # K/V are read once per KV head and never repeated.
+    folded = q.view(1, hkv, group * n, d)
+    for pk, pv in prior:
+        o, lse = flash_part(folded, pk.unsqueeze(0), pv.unsqueeze(0), causal=False, scale=scale)
+        parts.append((o.reshape(1, hq, n, d), lse.reshape(1, hq, n)))
+    if n == 1:
+        o, lse = flash_part(folded, k, v, causal=False, scale=scale)
+        parts.append((o.reshape(1, hq, 1, d), lse.reshape(1, hq, 1)))
+    else:
+        kr = k.repeat_interleave(group, dim=1) if group > 1 else k
+        vr = v.repeat_interleave(group, dim=1) if group > 1 else v
+        parts.append(flash_part(q, kr, vr, causal=True, scale=scale))
+    out, _ = merge_parts(parts)
+    return attn.o_proj(out.transpose(1, 2).reshape(1, n, hq * d))  # type: ignore[no-any-return]
+
+
+def attend_mla(
+    attn: Any,
+    x: torch.Tensor,
+    rope: tuple[RopeFn, torch.Tensor, torch.Tensor],
+    state: MlaLayerKV,
+) -> torch.Tensor:
+    """DeepSeek-V3 MLA attention of ``x`` over ``state``; ``rope`` is (function, cos, sin)."""
+    rope_fn, cos, sin = rope
+    n = x.shape[1]
+    heads = attn.num_heads
+    nope, rope_dim = attn.qk_nope_head_dim, attn.qk_rope_head_dim
+    vdim, rank = attn.v_head_dim, attn.kv_lora_rank
+    scale = float(attn.scaling)
+    if attn.q_lora_rank is None:
+        qs = attn.q_proj(x)
+    else:
+        qs = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    qs = qs.view(1, n, heads, nope + rope_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(qs, [nope, rope_dim], dim=-1)
+    compressed = attn.kv_a_proj_with_mqa(x)
+    c, k_rot = torch.split(compressed, [rank, rope_dim], dim=-1)
+    c = attn.kv_a_layernorm(c)
+    k_rot = k_rot.view(1, 1, n, rope_dim)
+    q_rot, k_rot = rope_fn(q_rot, k_rot, cos, sin)
+    prior = state.parts(0)
+    state.append(torch.cat([c[0], k_rot[0, 0]], dim=-1))
+    w = attn.kv_b_proj.weight.view(heads, nope + vdim, rank)
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if prior:
+        # Absorbed form over the cached latent: q_nope . (W_uk c) == (q_nope W_uk) . c,
+        # so the prefix is never decompressed; values come back through W_uv.
+        q_lat = torch.matmul(q_pass[0], w[:, :nope])
+        q_abs = torch.cat([q_lat, q_rot[0]], dim=-1).reshape(heads * n, rank + rope_dim)
+        o_lat, lse = merge_parts([latent_part(q_abs, p, rank, scale) for p in prior])
+        o_old = torch.matmul(o_lat.view(heads, n, rank), w[:, nope:].transpose(1, 2))
+        parts.append((o_old.unsqueeze(0), lse.view(1, heads, n)))
+    kv = attn.kv_b_proj(c).view(1, n, heads, nope + vdim).transpose(1, 2)
+    k_nope, v = torch.split(kv, [nope, vdim], dim=-1)
+    key = torch.cat([k_nope, k_rot.expand(1, heads, n, rope_dim)], dim=-1)
+    query = torch.cat([q_pass, q_rot], dim=-1)
+    width = max(nope + rope_dim, vdim)
+    if vdim < width:
+        v = F.pad(v, (0, width - vdim))
+    elif nope + rope_dim < width:
+        key = F.pad(key, (0, width - nope - rope_dim))
+        query = F.pad(query, (0, width - nope - rope_dim))
+    o_new, lse_new = flash_part(
+        query.contiguous(), key.contiguous(), v.contiguous(), causal=n > 1, scale=scale
+    )
+    parts.append((o_new[..., :vdim], lse_new))
+    out, _ = merge_parts(parts)
+    return attn.o_proj(out.transpose(1, 2).reshape(1, n, heads * vdim))  # type: ignore[no-any-return]
