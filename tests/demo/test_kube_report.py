@@ -6,7 +6,8 @@ arithmetic of its report on requests made up here.
 
 from __future__ import annotations
 
-from dscache_tools.demo.kube import Phase, _phase_report, _ratios, _restore_started, format_table
+from dscache_tools.demo.kube.report import format_table, phase_report, ratios, restore_started
+from dscache_tools.demo.kube.watch import Phase
 from dscache_tools.loadgen import RequestResult
 
 
@@ -39,14 +40,14 @@ def _phase(
 
 
 def _report() -> dict:
-    canary = _phase_report(_phase("warm_canary", 900, 890), "weight")
-    blind = _phase_report(
+    canary = phase_report(_phase("warm_canary", 900, 890), "weight")
+    blind = phase_report(
         _phase("blind_rolling", 900, 700, errors=2, label="blue_updated"), "blue_updated"
     )
     return {
         "warm_canary": canary,
         "blind_rolling": blind,
-        "ratios": _ratios(canary, blind),
+        "ratios": ratios(canary, blind),
         "promoted": True,
         "bad_revision_rolled_back": True,
         "router_weight_latency_s": 1.0,
@@ -74,10 +75,10 @@ def test_the_rollouts_cost_is_measured_beyond_the_steady_state() -> None:
 
 
 def test_a_canary_below_its_steady_state_costs_nothing_not_less() -> None:
-    canary = _phase_report(_phase("warm_canary", 900, 950), "weight")
-    blind = _phase_report(_phase("blind_rolling", 900, 700), "weight")
+    canary = phase_report(_phase("warm_canary", 900, 950), "weight")
+    blind = phase_report(_phase("blind_rolling", 900, 700), "weight")
     assert canary["excess_recomputed_tokens"] < 0
-    assert _ratios(canary, blind)["excess_recomputed_share"] == 0.0
+    assert ratios(canary, blind)["excess_recomputed_share"] == 0.0
 
 
 def test_the_table_names_each_figure_and_the_targets() -> None:
@@ -94,6 +95,6 @@ def test_the_blind_window_ends_where_the_operator_puts_its_template_back() -> No
         (130.0, "green_updated", (2, 2, 2)),
         (135.0, "green_updated", (1, 2, 3)),  # a second rollout: the template restored
     ]
-    assert _restore_started(phase, "green_updated") == 135.0
+    assert restore_started(phase, "green_updated") == 135.0
     phase.events = phase.events[:2]
-    assert _restore_started(phase, "green_updated") is None
+    assert restore_started(phase, "green_updated") is None

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dscache_tools import democli
 from dscache_tools.workload import (
     COMPANIES,
     ChatRequest,
@@ -23,8 +24,6 @@ from dscache_tools.workload import (
     summary,
     write_jsonl,
 )
-
-from dscache_tools import democli
 
 
 @pytest.fixture(scope="module")

@@ -22,14 +22,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 log = logging.getLogger(__name__)
+
+_V = TypeVar("_V")
 
 
 class StartError(RuntimeError):
@@ -148,6 +152,22 @@ class ProcessGroup:
         self.stop_all()
 
 
+def poll(probe: Callable[[], _V], *, timeout_s: float, interval_s: float) -> _V | None:
+    """Calls ``probe`` every ``interval_s`` until it returns a truthy value.
+
+    Returns that value, or None once ``timeout_s`` has passed; an exception from
+    ``probe`` ends the wait and propagates.
+    """
+    retrying: Retrying = Retrying(
+        stop=stop_after_delay(timeout_s),
+        wait=wait_fixed(interval_s),
+        retry=retry_if_result(lambda value: not value),
+        retry_error_callback=lambda _state: None,
+    )
+    result: _V | None = retrying(probe)
+    return result
+
+
 def wait_until(
     check: Callable[[], bool],
     *,
@@ -157,19 +177,21 @@ def wait_until(
     interval_s: float = 0.2,
 ) -> None:
     """Polls ``check`` until it is true; fails early if ``child`` exits."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         if check():
-            return
+            return True
         if not child.alive():
             raise StartError(
                 f"{child.name} exited with code {child.proc.returncode} before {what}; "
                 f"log {child.log_path}:\n{child.tail()}"
             )
-        time.sleep(interval_s)
-    raise StartError(
-        f"{child.name} not {what} after {timeout_s:.0f}s; log {child.log_path}:\n{child.tail()}"
-    )
+        return False
+
+    if not poll(ready, timeout_s=timeout_s, interval_s=interval_s):
+        raise StartError(
+            f"{child.name} not {what} after {timeout_s:.0f}s; log {child.log_path}:\n{child.tail()}"
+        )
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:

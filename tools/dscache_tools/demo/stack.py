@@ -15,142 +15,41 @@ Contract:
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import shutil
 import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dscache_tools.demo.procs import Child, ProcessGroup, StartError, http_ok, wait_until
+from dscache_tools.demo.parts import (
+    NGINX_PACKAGES,
+    Router,
+    Server,
+    Sidecar,
+    StackOptions,
+    child_env,
+    find_nginx,
+    prometheus_config,
+    render_router,
+    worker_pids,
+)
+from dscache_tools.demo.procs import Child, ProcessGroup, StartError, http_ok, poll, wait_until
 from dscache_tools.net import free_port
 
+__all__ = [
+    "NGINX_PACKAGES",
+    "LocalStack",
+    "Router",
+    "Server",
+    "Sidecar",
+    "StackOptions",
+    "child_env",
+    "find_nginx",
+]
+
 log = logging.getLogger(__name__)
-
-#: Debian packages the router needs (``scripts/setup.sh`` installs them).
-NGINX_PACKAGES = ("nginx-light", "libnginx-mod-http-lua", "libnginx-mod-http-ndk")
-
-
-@dataclass(frozen=True)
-class Sidecar:
-    """A running sidecar."""
-
-    name: str
-    data_dir: Path
-    socket: Path
-    metrics_port: int
-    child: Child
-
-    @property
-    def metrics_url(self) -> str:
-        """Its Prometheus endpoint."""
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
-
-
-@dataclass(frozen=True)
-class Server:
-    """A running model server."""
-
-    name: str
-    port: int
-    child: Child
-    sidecar: Sidecar | None
-    track: str = "stable"
-
-    @property
-    def address(self) -> str:
-        """``host:port`` as the router's upstream list wants it."""
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def url(self) -> str:
-        """Base URL."""
-        return f"http://{self.address}"
-
-    @property
-    def metrics_url(self) -> str:
-        """Its Prometheus endpoint."""
-        return self.url + "/metrics"
-
-
-@dataclass
-class Router:
-    """A running NGINX."""
-
-    port: int
-    workdir: Path
-    conf: Path
-    child: Child
-    stable: tuple[str, ...] = ()
-    canary: tuple[str, ...] = ()
-    canary_weight: float = 0.0
-    prompt_key: bool = True
-
-    @property
-    def url(self) -> str:
-        """Base URL clients use."""
-        return f"http://127.0.0.1:{self.port}"
-
-
-@dataclass(frozen=True)
-class StackOptions:
-    """How the local stack runs its children.
-
-    Attributes:
-        model: model preset or checkpoint dir for every server.
-        threads: torch threads per server.
-        max_queue: requests a server lets wait before answering 429.
-        sidecar_capacity: segment space per sidecar (e.g. ``1GiB``).
-        sidecar_segment_size: bytes per segment file.
-        ready_timeout_s: how long a server may take to load and calibrate.
-        server_args: extra ``dscache server`` flags.
-    """
-
-    model: str = "mini-gqa"
-    threads: int = 1
-    max_queue: int = 64
-    sidecar_capacity: str = "1GiB"
-    sidecar_segment_size: str = "64MiB"
-    ready_timeout_s: float = 600.0
-    server_args: tuple[str, ...] = ()
-
-
-def child_env() -> dict[str, str]:
-    """Env for Python children: our import roots on PYTHONPATH, unbuffered output.
-
-    In an installed checkout this changes nothing; in a source tree it makes the
-    children import the same packages as this process.
-    """
-    roots: list[str] = []
-    for pkg in ("dscache", "dscache_sidecar", "dscache_server"):
-        spec = importlib.util.find_spec(pkg)
-        if spec is not None and spec.submodule_search_locations:
-            root = str(Path(next(iter(spec.submodule_search_locations))).parent)
-            if root not in roots:
-                roots.append(root)
-    existing = os.environ.get("PYTHONPATH")
-    if existing:
-        roots.append(existing)
-    return {"PYTHONPATH": os.pathsep.join(roots), "PYTHONUNBUFFERED": "1"}
-
-
-def find_nginx() -> str:
-    """Path of the ``nginx`` binary; a clear error naming the packages if absent."""
-    from dscache_operator.nginx import DEBIAN_LUA_MODULES
-
-    path = shutil.which("nginx") or (
-        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
-    )
-    missing = [m for m in DEBIAN_LUA_MODULES if not Path(m).exists()]
-    if path is None or missing:
-        raise StartError(
-            "the router needs NGINX with its Lua module: apt-get install "
-            + " ".join(NGINX_PACKAGES)
-        )
-    return path
 
 
 @dataclass
@@ -277,28 +176,6 @@ class LocalStack:
 
     # -- router ---------------------------------------------------------------------
 
-    def _render(self, router: Router) -> None:
-        from dscache_operator.nginx import (
-            DEBIAN_LUA_MODULES,
-            PromptKey,
-            RouterConfig,
-            render_nginx_conf,
-        )
-
-        cfg = RouterConfig(
-            listen=f"127.0.0.1:{router.port}",
-            stable=router.stable,
-            canary=router.canary,
-            canary_weight=router.canary_weight,
-            prompt_key=PromptKey(mode="lua" if router.prompt_key else "off"),
-            load_modules=DEBIAN_LUA_MODULES,
-            pid_file=str(router.workdir / "nginx.pid"),
-            temp_dir=str(router.workdir),
-            error_log=str(router.workdir / "error.log"),
-            debug_headers=True,
-        )
-        router.conf.write_text(render_nginx_conf(cfg))
-
     def start_router(
         self,
         stable: list[Server] | None = None,
@@ -327,7 +204,7 @@ class LocalStack:
             canary_weight=canary_weight,
             prompt_key=prompt_key,
         )
-        self._render(router)
+        render_router(router)
         argv = [nginx, "-p", str(workdir), "-c", str(router.conf), "-e", "stderr"]
         argv += ["-g", "daemon off;"]
         router.child = self.procs.start("nginx", argv, stop_signal=signal.SIGQUIT)
@@ -350,16 +227,16 @@ class LocalStack:
         if router is None:
             raise RuntimeError("no router running")
         router.canary_weight = weight
-        self._render(router)
-        before = set(_worker_pids(router.child.pid))
+        render_router(router)
+        before = set(worker_pids(router.child.pid))
         os.kill(router.child.pid, signal.SIGHUP)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            now = set(_worker_pids(router.child.pid))
-            if now and not now & before:
-                return
-            time.sleep(0.05)
-        raise StartError(f"nginx did not reload; log {router.child.log_path}")
+
+        def reloaded() -> bool:
+            now = set(worker_pids(router.child.pid))
+            return bool(now) and not now & before
+
+        if not poll(reloaded, timeout_s=30, interval_s=0.05):
+            raise StartError(f"nginx did not reload; log {router.child.log_path}")
 
     def stop_router(self) -> None:
         """Stops NGINX (graceful quit)."""
@@ -381,18 +258,9 @@ class LocalStack:
             raise StartError("Prometheus is optional and not installed: apt-get install prometheus")
         pdir = self.workdir / "prometheus"
         pdir.mkdir(parents=True, exist_ok=True)
-        servers = ", ".join(f"'{s.address}'" for s in self.servers)
-        sidecars = ", ".join(f"'127.0.0.1:{s.metrics_port}'" for s in self.sidecars)
-        labels = f", labels: {{run: '{run_label}'}}" if run_label else ""
         conf = pdir / "prometheus.yml"
         conf.write_text(
-            "global:\n"
-            f"  scrape_interval: {scrape_interval_s}s\n"
-            "scrape_configs:\n"
-            "  - job_name: dscache-server\n"
-            f"    static_configs: [{{targets: [{servers}]{labels}}}]\n"
-            "  - job_name: dscache-sidecar\n"
-            f"    static_configs: [{{targets: [{sidecars}]{labels}}}]\n"
+            prometheus_config(self.servers, self.sidecars, scrape_interval_s, run_label)
         )
         if self._prometheus is not None and self._prometheus.alive():
             os.kill(self._prometheus.pid, signal.SIGHUP)
@@ -426,20 +294,3 @@ class LocalStack:
         self.router = None
         self._prometheus = None
         self.prometheus_port = None
-
-
-def _worker_pids(master: int) -> list[int]:
-    """PIDs of an NGINX master's worker processes (from /proc)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # Field 4 (after the parenthesised command) is the parent pid.
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 1 and int(fields[1]) == master:
-            out.append(int(entry.name))
-    return out

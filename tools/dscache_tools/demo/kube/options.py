@@ -1,0 +1,88 @@
+"""``dscache demo kubernetes``'s knobs and the files it applies.
+
+Contract:
+    * Paths point into this checkout (the example resource and the Helm chart);
+      the demo runs from a source tree, not from an installed wheel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: The checkout (``tools/dscache_tools/demo/kube/`` is four levels below it).
+ROOT = Path(__file__).resolve().parents[4]
+
+
+EXAMPLE = ROOT / "examples" / "04-dev-cluster" / "deepseekcachedeployment.yaml"
+
+
+CHART = ROOT / "charts" / "dscache"
+
+
+NAME = "finance"
+
+
+#: ``spec.cache.minTokens`` of the bad revision: the schema's maximum, nothing is admitted.
+NO_CACHE_MIN_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True)
+class KubeDemoOptions:
+    """Knobs of ``dscache demo kubernetes``.
+
+    Attributes:
+        quick: the ~15-minute profile (shorter steps and settling).
+        kubeconfig: use this cluster (its nodes must run pods and hold the
+            dscache images); None starts a dev cluster with a real node.
+        prometheus_url: Prometheus the operator queries (None: the dev
+            cluster's, or ``$DSCACHE_PROMETHEUS_URL``).
+        namespace: where the demo's resource runs (deleted at the end).
+        operator_namespace: the Helm release's namespace.
+        concurrency: live sessions (users in a conversation at once).
+        think_s: mean pause of a user between an answer and the next question.
+        seed: workload seed.
+        interval_s: rollout step interval (None: the profile's).
+        settle_s: seconds measured after each rollout completes (None: profile).
+        workdir: where logs and the load reports go (None: a temp dir).
+    """
+
+    quick: bool = False
+    kubeconfig: Path | None = None
+    prometheus_url: str | None = None
+    namespace: str = "dscache-demo"
+    operator_namespace: str = "dscache-system"
+    concurrency: int = 48
+    think_s: float = 15.0
+    seed: int = 0
+    interval_s: int | None = None
+    settle_s: float | None = None
+    workdir: Path | None = None
+
+    @property
+    def step_interval_s(self) -> int:
+        """Seconds per rollout step."""
+        return self.interval_s or (40 if self.quick else 90)
+
+    @property
+    def settle(self) -> float:
+        """Seconds measured after a rollout completed."""
+        return self.settle_s if self.settle_s is not None else (30.0 if self.quick else 60.0)
+
+    @property
+    def warmup_s(self) -> float:
+        """Seconds of traffic before each measured rollout."""
+        return 45.0 if self.quick else 90.0
+
+
+def options_report(opts: KubeDemoOptions) -> dict[str, Any]:
+    return {
+        "quick": opts.quick,
+        "concurrency": opts.concurrency,
+        "think_s": opts.think_s,
+        "seed": opts.seed,
+        "interval_s": opts.step_interval_s,
+        "settle_s": opts.settle,
+        "warmup_s": opts.warmup_s,
+    }

@@ -1,0 +1,218 @@
+"""The Kubernetes demo's figures, from what the client saw, and its table.
+
+Contract:
+    * Recomputed prompt tokens are prompt tokens minus cached tokens of the
+      successful requests; errors are counted, never dropped.
+    * A rollout's cost is measured beyond the steady state of the same traffic
+      (``excess_recomputed_*``); below it is noise, counted as 0 in the ratios.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dscache_tools.demo.kube.watch import Phase
+from dscache_tools.loadgen import RequestResult, percentile
+
+
+def figures(results: Sequence[tuple[float, RequestResult]]) -> dict[str, Any]:
+    """What the client saw over ``results``."""
+    ok = [r for _, r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    return {
+        "requests": len(results),
+        "errors": sum(not r.ok for _, r in results),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "recomputed_tokens": prompt - cached,
+        "recomputed_share": (prompt - cached) / prompt if prompt else None,
+        "token_hit_ratio": cached / prompt if prompt else None,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+    }
+
+
+def per_step(phase: Phase, label: str) -> list[dict[str, Any]]:
+    """Hit rate of the requests started during each value of ``label`` (weight, pods)."""
+    marks = [(t, v) for t, lab, v in phase.events if lab == label and t >= phase.started]
+    first = [(phase.started, _value_at(phase, label, phase.started)), *marks]
+    out = []
+    for i, (t, value) in enumerate(first):
+        end = first[i + 1][0] if i + 1 < len(first) else float("inf")
+        chunk = [(s, r) for s, r in phase.results if t <= s < end]
+        if not chunk:
+            continue
+        f = figures(chunk)
+        out.append(
+            {
+                label: value,
+                "from_s": round(t - phase.started, 1),
+                "requests": f["requests"],
+                "token_hit_ratio": f["token_hit_ratio"],
+                "ttft_p99_s": f["ttft_p99_s"],
+            }
+        )
+    return out
+
+
+def _value_at(phase: Phase, label: str, t: float) -> Any:
+    value = None
+    for when, lab, v in phase.events:
+        if lab == label and when <= t:
+            value = v
+    return value
+
+
+def phase_report(phase: Phase, label: str) -> dict[str, Any]:
+    f = figures(phase.results)
+    f["rollout_s"] = (
+        round(phase.completed - phase.started, 1) if phase.completed is not None else None
+    )
+    f["window_s"] = round(
+        max((s for s, _ in phase.results), default=phase.started) - phase.started, 1
+    )
+    f["per_step"] = per_step(phase, label)
+    # What the rollout itself cost: recomputation beyond the steady state's share.
+    steady = figures(phase.before)
+    f["steady_recomputed_share"] = steady["recomputed_share"]
+    f["steady_requests"] = steady["requests"]
+    if steady["recomputed_share"] is not None and f["recomputed_share"] is not None:
+        excess = f["recomputed_tokens"] - steady["recomputed_share"] * f["prompt_tokens"]
+        f["excess_recomputed_tokens"] = round(excess)
+        f["excess_recomputed_share"] = excess / f["prompt_tokens"] if f["prompt_tokens"] else None
+    else:
+        f["excess_recomputed_tokens"] = f["excess_recomputed_share"] = None
+    return f
+
+
+def ratios(canary: dict[str, Any], blind: dict[str, Any]) -> dict[str, float | None]:
+    def div(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    def excess(part: dict[str, Any]) -> float | None:
+        # Below the steady state is noise, not a negative cost.
+        x = part["excess_recomputed_share"]
+        return None if x is None else max(0.0, x)
+
+    return {
+        "recomputed_tokens": div(canary["recomputed_tokens"], blind["recomputed_tokens"]),
+        "recomputed_share": div(canary["recomputed_share"], blind["recomputed_share"]),
+        "excess_recomputed_share": div(excess(canary), excess(blind)),
+        "ttft_p99": div(canary["ttft_p99_s"], blind["ttft_p99_s"]),
+    }
+
+
+def timeline(phase: Phase) -> dict[str, Any]:
+    return {
+        "events": [
+            {"t_s": round(t - phase.started, 2), "what": label, "value": value}
+            for t, label, value in phase.events
+        ],
+        "requests": [
+            {
+                "t_s": round(s - phase.started, 2),
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "ttft_s": r.ttft_s,
+                "ok": r.ok,
+            }
+            for s, r in phase.results
+        ],
+    }
+
+
+def restore_started(phase: Phase, label: str) -> float | None:
+    """When a second rolling update began after ``phase`` completed, if one did.
+
+    ``label`` events are (updated, ready, total) pods of the Deployment: a new
+    rollout shows as fewer updated pods than pods.
+    """
+    if phase.completed is None:
+        return None
+    for t, lab, value in phase.events:
+        if lab == label and t > phase.completed and value[0] < value[2]:
+            return t
+    return None
+
+
+TARGETS = {"recomputed_share": 0.3, "ttft_p99": 0.5}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The rollout comparison (markdown)."""
+    a, b = report["warm_canary"], report["blind_rolling"]
+
+    def cell(value: Any, kind: str) -> str:
+        if value is None:
+            return "-"
+        if kind == "s":
+            return f"{value:.2f} s"
+        if kind == "ratio":
+            return f"{value:.3f}"
+        if isinstance(value, float):
+            return f"{value:,.0f}"
+        return f"{value:,}"
+
+    def ratio(x: Any, y: Any) -> str:
+        return f"{x / y:.2f}x" if isinstance(x, (int, float)) and y else "-"
+
+    rows = [
+        ("rollout (revision change to done)", "rollout_s", "s"),
+        ("requests in the window", "requests", "n"),
+        ("prompt tokens", "prompt_tokens", "n"),
+        ("recomputed prompt tokens", "recomputed_tokens", "n"),
+        ("recomputed share", "recomputed_share", "ratio"),
+        ("recomputed share before the change", "steady_recomputed_share", "ratio"),
+        ("recomputed beyond that share", "excess_recomputed_share", "ratio"),
+        ("token hit ratio", "token_hit_ratio", "ratio"),
+        ("TTFT P50", "ttft_p50_s", "s"),
+        ("TTFT P99", "ttft_p99_s", "s"),
+        ("errors", "errors", "n"),
+    ]
+    lines = [
+        "| | warm canary | blind rolling update | canary / blind |",
+        "|---|---:|---:|---:|",
+    ]
+    for title, key, kind in rows:
+        r = ratio(a.get(key), b.get(key)) if key not in ("requests", "rollout_s") else ""
+        if key == "excess_recomputed_share":
+            x = report["ratios"].get(key)
+            r = "-" if x is None else f"{x:.2f}x"
+        lines.append(f"| {title} | {cell(a.get(key), kind)} | {cell(b.get(key), kind)} | {r} |")
+    lines.append("")
+    lines.append("canary steps (requests started at each weight):")
+    for step in a["per_step"]:
+        hr = step["token_hit_ratio"]
+        lines.append(
+            f"  weight {step['weight']}: from {step['from_s']:>6.1f} s, {step['requests']} "
+            f"requests, token hit {'-' if hr is None else f'{hr:.3f}'}"
+        )
+    lines.append("blind rolling update (updated, ready, total pods):")
+    for step in b["per_step"]:
+        label = next(k for k in step if k.endswith("_updated"))
+        hr = step["token_hit_ratio"]
+        lines.append(
+            f"  pods {step[label]}: from {step['from_s']:>6.1f} s, {step['requests']} requests, "
+            f"token hit {'-' if hr is None else f'{hr:.3f}'}"
+        )
+    lines.append("")
+    lines.append(f"good revision promoted: {report['promoted']}")
+    lines.append(f"bad revision rolled back by the gate: {report['bad_revision_rolled_back']}")
+    latency = report.get("router_weight_latency_s")
+    lines.append(
+        "weight change to the router serving it: "
+        + (
+            "-"
+            if latency is None
+            else f"{latency:.2f} s (slowest of {len(report['router_weight_latency_samples_s'])})"
+        )
+    )
+    for key, goal in TARGETS.items():
+        value = report["ratios"].get(key)
+        met = value is not None and value <= goal
+        shown = "-" if value is None else f"{value:.3f}"
+        lines.append(f"target {key} canary/blind <= {goal}: {shown} {'met' if met else 'MISSED'}")
+    return "\n".join(lines)

@@ -1,0 +1,291 @@
+"""``dscache demo``: the finance workload with the cache off, then on, side by side.
+
+What runs (all real processes on loopback, see :mod:`dscache_tools.demo.stack`):
+
+1. *cache off*: two model servers without a sidecar behind NGINX; the workload
+   sample is replayed at a fixed concurrency.
+2. *cache on*: the same two servers, each with its own sidecar (fresh, empty), the
+   company documents prewarmed on each pod (the operator's prewarm job), and the
+   same requests at the same concurrency.
+3. (default run only) *cache on without the prompt-key fallback*: as 2, but the
+   router does not key id-less requests by their prompt, which shows what the
+   fallback is worth for the 40% of requests that lost their session id.
+
+Contract:
+    * Both passes send the same requests in the same order at the same concurrency.
+    * The report's hit ratios are counter deltas read from the servers' /metrics
+      over the timed run only (the prewarm is not counted); the ideal ratio is
+      computed for the same requests after the same prewarm.
+    * Every child is stopped on exit, including on Ctrl-C and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from dscache_tools.demo.output import publish
+from dscache_tools.demo.procs import terminate_on_sigterm
+from dscache_tools.demo.run_report import check_targets, format_table, write_png
+from dscache_tools.demo.stack import LocalStack, Server, StackOptions
+from dscache_tools.loadgen import LoadConfig, LoadReport, run_load
+from dscache_tools.workload import (
+    ChatRequest,
+    WorkloadConfig,
+    generate,
+    ideal_hit_ratio,
+    load_server_tokenizer,
+    prewarm_requests,
+    summary,
+    summary_line,
+)
+
+log = logging.getLogger(__name__)
+
+#: Keys every pass's JSON carries (the documented report).
+REPORT_KEYS = (
+    "token_hit_ratio",
+    "block_hit_ratio",
+    "session_hit_ratio",
+    "recomputed_share",
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "ttft_p99_s",
+    "e2e_p50_s",
+    "e2e_p95_s",
+    "e2e_p99_s",
+    "qps",
+    "requests",
+    "errors",
+    "duration_s",
+)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """Knobs of ``dscache demo``.
+
+    Attributes:
+        quick: the ~2-minute profile (fewer sessions and companies, two passes).
+        model: model preset for both servers.
+        servers: model servers (pods) in the stable track.
+        concurrency: sessions in flight (the same for both passes).
+        sessions: sessions in the workload sample (None: the profile's).
+        companies: companies the sample draws from (None: the profile's).
+        seed: workload seed.
+        max_tokens: completion tokens per request.
+        drop_id_share: share of requests whose session id is dropped.
+        drop_mode: drop per request or per session (see ``WorkloadConfig``).
+        prewarm: send each company's documents to every pod before the cache-on run.
+        fallback_pass: also run cache-on without the router's prompt-key fallback
+            (None: only in the default profile).
+        prometheus: also start Prometheus scraping every server and sidecar.
+        workdir: where children keep files and logs (None: a temp dir, removed
+            after a successful run).
+        threads: torch threads per server.
+    """
+
+    quick: bool = False
+    model: str = "mini-gqa"
+    servers: int = 2
+    concurrency: int = 4
+    sessions: int | None = None
+    companies: int | None = None
+    seed: int = 0
+    max_tokens: int = 8
+    drop_id_share: float = 0.4
+    drop_mode: Literal["request", "session"] = "request"
+    prewarm: bool = True
+    fallback_pass: bool | None = None
+    prometheus: bool = False
+    workdir: Path | None = None
+    threads: int = 1
+
+    def profile(self) -> tuple[int, int, bool]:
+        """(sessions, companies, fallback pass) after applying the profile."""
+        sessions, companies, fallback = (8, 3, False) if self.quick else (40, 6, True)
+        return (
+            self.sessions or sessions,
+            self.companies or companies,
+            fallback if self.fallback_pass is None else self.fallback_pass,
+        )
+
+
+@dataclass
+class PassResult:
+    """One pass: its name, load report and stack facts."""
+
+    name: str
+    report: LoadReport
+    startup_s: float
+    load_avg: float  # the machine's 1-minute load average around the run
+
+    def figures(self) -> dict[str, Any]:
+        """The documented keys plus a few more, JSON-ready."""
+        d = self.report.to_dict(with_results=False)
+        out: dict[str, Any] = {k: d[k] for k in REPORT_KEYS}
+        out["client_token_hit_ratio"] = d["client_token_hit_ratio"]
+        out["prompt_tokens"] = d["prompt_tokens"]
+        out["cached_tokens"] = d["cached_tokens"]
+        out["error_kinds"] = d["error_kinds"]
+        out["startup_s"] = self.startup_s
+        out["load_avg"] = self.load_avg
+        # A cache-off server counts no hits; its hit ratio is 0 by definition.
+        if out["token_hit_ratio"] is None:
+            out["token_hit_ratio"] = 0.0
+        if out["recomputed_share"] is None:
+            out["recomputed_share"] = 1.0
+        return out
+
+
+def build_workload(opts: DemoOptions) -> list[ChatRequest]:
+    """The demo's workload sample."""
+    sessions, companies, _ = opts.profile()
+    return generate(
+        WorkloadConfig(
+            sessions=sessions,
+            seed=opts.seed,
+            companies=companies,
+            max_tokens=opts.max_tokens,
+            drop_id_share=opts.drop_id_share,
+            drop_mode=opts.drop_mode,
+            min_turns=3,
+            max_turns=8,
+        )
+    )
+
+
+def _prewarm(servers: Sequence[Server], warm: Sequence[ChatRequest]) -> None:
+    """Sends every shared prefix to every pod (pods in parallel, each in order)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    def one_pod(server: Server) -> None:
+        with httpx.Client(base_url=server.url, timeout=600.0) as client:
+            for r in warm:
+                body = {"messages": r.messages, "max_tokens": 1, "temperature": 0.0}
+                client.post("/v1/chat/completions", json=body).raise_for_status()
+
+    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+        for future in [pool.submit(one_pod, s) for s in servers]:
+            future.result()
+    # Blocks are stored in the background: give the stores a moment to land.
+    time.sleep(1.0)
+
+
+def _run_pass(
+    name: str,
+    stack: LocalStack,
+    opts: DemoOptions,
+    workload: Sequence[ChatRequest],
+    *,
+    cache: bool,
+    prompt_key: bool = True,
+) -> PassResult:
+    print(f"\n== {name}: starting {opts.servers} model servers ({opts.model}, cache "
+          f"{'on' if cache else 'off'}) ...", flush=True)  # fmt: skip
+    t0 = time.perf_counter()
+    servers = stack.start_servers(opts.servers, cache=cache)
+    router = stack.start_router(servers, prompt_key=prompt_key)
+    if cache and opts.prewarm:
+        _prewarm(servers, prewarm_requests(workload))
+    if opts.prometheus:
+        port = stack.start_prometheus(run_label=name.replace(" ", "_").replace(",", ""))
+        print(f"   Prometheus on http://127.0.0.1:{port} (label run)", flush=True)
+    startup = time.perf_counter() - t0
+    print(f"   ready in {startup:.0f}s; router {router.url}; replaying {len(workload)} "
+          f"requests at concurrency {opts.concurrency}", flush=True)  # fmt: skip
+    cfg = LoadConfig(
+        target=router.url,
+        concurrency=opts.concurrency,
+        metrics_urls=tuple(s.metrics_url for s in servers),
+        timeout_s=600.0,
+    )
+    load_before = os.getloadavg()[0]
+    report = asyncio.run(run_load(cfg, workload))
+    load_after = os.getloadavg()[0]
+    print(f"   done: {report.requests} requests in {report.duration_s:.0f}s, "
+          f"{report.errors} errors", flush=True)  # fmt: skip
+    for server in list(servers):
+        stack.stop_server(server)
+    stack.stop_router()
+    return PassResult(name, report, startup, (load_before + load_after) / 2)
+
+
+def run_demo(opts: DemoOptions) -> dict[str, Any]:
+    """Runs the demo; returns the JSON report (also printed as a table)."""
+    started = time.perf_counter()
+    workload = build_workload(opts)
+    _, _, fallback = opts.profile()
+    warm = prewarm_requests(workload) if opts.prewarm else []
+    tok = load_server_tokenizer()
+    ideal = ideal_hit_ratio(workload, tok, warm=warm)
+    info = summary(workload)
+    print(f"workload: {summary_line(info)}; mean prompt {ideal.mean_prompt_tokens:.0f} "
+          f"tokens; ideal token hit ratio {ideal.token_hit_ratio:.3f}", flush=True)  # fmt: skip
+    own_dir = opts.workdir is None
+    workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="dscache-demo-"))
+    stack = LocalStack(
+        workdir,
+        StackOptions(model=opts.model, threads=opts.threads, max_queue=max(64, opts.concurrency)),
+    )
+    passes: dict[str, PassResult] = {}
+    ok = False
+    try:
+        with terminate_on_sigterm(), stack:
+            passes["cache_off"] = _run_pass("cache off", stack, opts, workload, cache=False)
+            passes["cache_on"] = _run_pass("cache on", stack, opts, workload, cache=True)
+            if fallback:
+                passes["cache_on_no_prompt_key"] = _run_pass(
+                    "cache on, no prompt-key fallback",
+                    stack,
+                    opts,
+                    workload,
+                    cache=True,
+                    prompt_key=False,
+                )
+        ok = True
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: every process stopped; logs in {workdir / 'logs'}", flush=True)
+        raise
+    except Exception:
+        print(f"\nfailed: every process stopped; logs in {workdir / 'logs'}", flush=True)
+        raise
+    finally:
+        if own_dir and ok:
+            shutil.rmtree(workdir, ignore_errors=True)
+    result: dict[str, Any] = {name: p.figures() for name, p in passes.items()}
+    result["ideal_token_hit_ratio"] = ideal.token_hit_ratio
+    result["workload"] = {**info, "mean_prompt_tokens": ideal.mean_prompt_tokens}
+    result["settings"] = {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()
+    }
+    result["targets"] = check_targets(result)
+    result["wall_s"] = time.perf_counter() - started
+    result["latencies"] = {
+        name: {
+            "ttft_s": [r.ttft_s for r in p.report.results if r.ok and r.ttft_s is not None],
+            "e2e_s": [r.e2e_s for r in p.report.results if r.ok],
+        }
+        for name, p in passes.items()
+    }
+    return result
+
+
+def main(opts: DemoOptions, json_out: Path | None, png_out: Path | None) -> int:
+    """Runs the demo, prints the table, writes JSON and PNG; returns the exit code."""
+    try:
+        result = run_demo(opts)
+    except KeyboardInterrupt:
+        return 130
+    publish(result, format_table(result), json_out, png_out, write_png)
+    return 0
