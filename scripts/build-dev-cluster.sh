@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds (or reuses) the dev Kubernetes cluster's binaries: kube-apiserver,
 # kube-controller-manager, kube-scheduler, kubectl, etcd, kwok and helm, from Go
-# modules at the versions pinned in dscache/devcluster/versions.py, into
+# modules at the versions pinned in tools/dscache_tools/devcluster/versions.py, into
 # ${XDG_CACHE_HOME:-~/.cache}/dscache/. Idempotent: a second run takes seconds.
 #
 # Needs only Go (>= 1.26) and a Python 3.11 interpreter; no Python packages, so
@@ -23,14 +23,9 @@ if ! command -v nice >/dev/null 2>&1; then
     apt-get update -qq && apt-get install -y -qq coreutils
 fi
 
-python="${PYTHON:-}"
-if [ -z "$python" ]; then
-    if [ -x "$repo/.venv/bin/python" ]; then
-        python="$repo/.venv/bin/python"
-    else
-        python="$(command -v python3)"
-    fi
-fi
+# shellcheck source=scripts/lib.sh
+source "$repo/scripts/lib.sh"
+python="$(repo_python "$repo")"
 
 echo "[dev cluster build] $(go version); python $("$python" -c 'import sys; print(sys.version.split()[0])')"
 cd "$repo"

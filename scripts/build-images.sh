@@ -16,26 +16,10 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-need_pkgs=()
-for pkg in docker.io debootstrap; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need_pkgs+=("$pkg")
-done
-if [ ${#need_pkgs[@]} -gt 0 ]; then
-  SUDO=""
-  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  echo "[images] installing Debian packages: ${need_pkgs[*]}"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
-fi
-
-python="${PYTHON:-}"
-if [ -z "$python" ]; then
-  if [ -x "$repo/.venv/bin/python" ]; then
-    python="$repo/.venv/bin/python"
-  else
-    python="$(command -v python3)"
-  fi
-fi
+# shellcheck source=scripts/lib.sh
+source "$repo/scripts/lib.sh"
+install_debs images docker.io debootstrap
+python="$(repo_python "$repo")"
 
 cd "$repo"
 # Standard library only: runs before (or without) the project's own install.

@@ -3,8 +3,10 @@
 ``scripts/test.sh`` runs it before and after the cluster tests: the two outputs
 must be equal, because ``DevCluster.stop`` undoes every change (sysctls, links,
 iptables rules and chains, mounts, network namespaces, cgroups). Standard
-library only; counters and timestamps are left out so only real changes show.
-It also lists the dev cluster's kinds of process still running.
+library only (the sysctl list comes from the dev cluster's own
+:mod:`dscache_tools.devcluster.hostnet`, which is too); counters and timestamps
+are left out so only real changes show. It also lists the dev cluster's kinds
+of process still running.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from dscache_tools.devcluster.hostnet import KUBELET_SYSCTLS, NETWORK_SYSCTLS
 
 #: Processes a dev cluster starts; none may outlive it.
 WATCHED = {
@@ -26,18 +31,8 @@ WATCHED = {
     "kwok",
     "prometheus",
 }
-SYSCTLS = (
-    "vm/overcommit_memory",
-    "vm/panic_on_oom",
-    "kernel/panic",
-    "kernel/panic_on_oops",
-    "kernel/keys/root_maxkeys",
-    "kernel/keys/root_maxbytes",
-    "net/ipv4/ip_forward",
-    "net/ipv4/conf/all/route_localnet",
-    "net/bridge/bridge-nf-call-iptables",
-    "net/netfilter/nf_conntrack_max",
-)
+#: What the kubelet and kube-proxy may set, and what the dev cluster sets itself.
+SYSCTLS = (*KUBELET_SYSCTLS, *NETWORK_SYSCTLS)
 
 
 def _lines(*command: str) -> list[str]:
@@ -48,13 +43,23 @@ def _lines(*command: str) -> list[str]:
     return out.splitlines()
 
 
-def snapshot() -> list[str]:
+def _sysctls() -> list[str]:
     out: list[str] = []
     for name in SYSCTLS:
         with contextlib.suppress(OSError):
             out.append(f"sysctl {name} = {(Path('/proc/sys') / name).read_text().strip()}")
-    for line in _lines("ip", "-o", "link", "show"):
-        out.append("link " + line.split(":")[1].strip().split("@")[0])
+    return out
+
+
+def _links() -> list[str]:
+    return [
+        "link " + line.split(":")[1].strip().split("@")[0]
+        for line in _lines("ip", "-o", "link", "show")
+    ]
+
+
+def _iptables() -> list[str]:
+    out: list[str] = []
     for tool in ("iptables-save", "ip6tables-save"):
         table = ""
         for line in _lines(tool):
@@ -69,8 +74,12 @@ def snapshot() -> list[str]:
                     out.append(f"{tool} {table} chain {chain} {policy}")
             elif line.startswith("-"):
                 out.append(f"{tool} {table} {line}")
+    return out
+
+
+def _mounts_netns_cgroups() -> list[str]:
     mounts = Path("/proc/self/mountinfo").read_text().splitlines()
-    out += [f"mount {m.split()[4]}" for m in mounts]
+    out = [f"mount {m.split()[4]}" for m in mounts]
     netns = Path("/var/run/netns")
     if netns.is_dir():
         out += [f"netns {p.name}" for p in netns.iterdir()]
@@ -78,12 +87,22 @@ def snapshot() -> list[str]:
         root = Path("/sys/fs/cgroup") / hierarchy
         if root.is_dir():
             out += [f"cgroup {hierarchy}/{p.name}" for p in root.iterdir() if p.is_dir()]
+    return out
+
+
+def _processes() -> list[str]:
+    out: list[str] = []
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):
             name = Path((proc / "cmdline").read_bytes().split(b"\0")[0].decode()).name
             if name in WATCHED:
                 out.append(f"process {name}")
-    return sorted(out)
+    return out
+
+
+def snapshot() -> list[str]:
+    """Every line of the snapshot, sorted."""
+    return sorted([*_sysctls(), *_links(), *_iptables(), *_mounts_netns_cgroups(), *_processes()])
 
 
 if __name__ == "__main__":

@@ -10,17 +10,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 log() { printf '[setup] %s\n' "$*"; }
 
 # System packages the end-to-end paths use (only when missing; needs root or sudo).
-need_pkgs=()
-for pkg in "$@"; do
-  dpkg -s "$pkg" >/dev/null 2>&1 || need_pkgs+=("$pkg")
-done
-if [ ${#need_pkgs[@]} -gt 0 ]; then
-  SUDO=""
-  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-  log "installing Debian packages: ${need_pkgs[*]}"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
-fi
+# shellcheck source=scripts/lib.sh
+source scripts/lib.sh
+install_debs setup "$@"
 
 if [ ! -x .venv/bin/python ]; then
   log "creating .venv with $($PYTHON --version)"

@@ -131,35 +131,32 @@ def test_unknown_field_is_rejected_under_strict_validation(
     assert got["spec"] == {"size": 2, "mode": "canary"}
 
 
+def _merge_patch(
+    cluster: DevCluster,
+    crd: str,
+    namespace: str,
+    patch: dict[str, object],
+    subresource: str | None = None,
+) -> None:
+    """A JSON merge patch of widget ``st``, of its ``subresource`` when given."""
+    flags = [f"--subresource={subresource}"] if subresource else []
+    cluster.kubectl(
+        "patch", crd, "st", "-n", namespace, *flags, "--type=merge", "-p", json.dumps(patch)
+    )
+
+
 def test_status_subresource(dev_cluster: DevCluster, widget_crd: str, namespace: str) -> None:
     dev_cluster.kubectl(
         "apply", "-n", namespace, "-f", "-", stdin=_widget("st", {"size": 1, "mode": "blueGreen"})
     )
-    dev_cluster.kubectl(
-        "patch",
-        widget_crd,
-        "st",
-        "-n",
-        namespace,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        '{"status": {"phase": "Ready"}}',
-    )
+    _merge_patch(dev_cluster, widget_crd, namespace, {"status": {"phase": "Ready"}}, "status")
     got = dev_cluster.kubectl_json("get", widget_crd, "-n", namespace, "st")
     assert got["status"] == {"phase": "Ready"}
     assert got["metadata"]["generation"] == 1, "a status write does not bump generation"
 
     # Through the main resource, status is ignored and spec changes bump generation.
-    dev_cluster.kubectl(
-        "patch",
-        widget_crd,
-        "st",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"spec": {"size": 5}, "status": {"phase": "Hacked"}}',
+    _merge_patch(
+        dev_cluster, widget_crd, namespace, {"spec": {"size": 5}, "status": {"phase": "Hacked"}}
     )
     got = dev_cluster.kubectl_json("get", widget_crd, "-n", namespace, "st")
     assert got["status"] == {"phase": "Ready"}

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from dscache_tools.devcluster import DevCluster, wait_until
 from dscache_tools.devcluster.nodes import SIMULATED_PLACEMENT
+from kube_objects import apply, deployment
 
 pytestmark = pytest.mark.cluster
 
@@ -23,7 +22,7 @@ def test_deleting_owner_collects_owned_objects(dev_cluster: DevCluster, namespac
             "metadata": {"name": name, "ownerReferences": [owner_ref]},
             "stringData": {"x": name},
         }
-        dev_cluster.kubectl("apply", "-n", ns, "-f", "-", stdin=json.dumps(child))
+        apply(dev_cluster, ns, child)
     dev_cluster.kubectl("create", "secret", "generic", "bystander", "-n", ns, "--from-literal=x=y")
 
     dev_cluster.kubectl("delete", "configmap", "owner", "-n", ns)
@@ -40,24 +39,8 @@ def test_deleting_a_deployment_removes_its_replicasets_and_pods(
     dev_cluster: DevCluster, namespace: str
 ) -> None:
     ns = namespace
-    labels = {"app": "gc"}
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": "gc", "labels": labels},
-        "spec": {
-            "replicas": 2,
-            "selector": {"matchLabels": labels},
-            "template": {
-                "metadata": {"labels": labels},
-                "spec": {
-                    "containers": [{"name": "gc", "image": "registry.local/gc:1"}],
-                    **SIMULATED_PLACEMENT,
-                },
-            },
-        },
-    }
-    dev_cluster.kubectl("apply", "-n", ns, "-f", "-", stdin=json.dumps(deployment))
+    containers = [{"name": "gc", "image": "registry.local/gc:1"}]
+    apply(dev_cluster, ns, deployment("gc", containers, replicas=2, pod=SIMULATED_PLACEMENT))
     dev_cluster.kubectl("rollout", "status", "-n", ns, "deployment/gc", "--timeout=90s")
     assert dev_cluster.kubectl_json("get", "pods", "-n", ns, "-l", "app=gc")["items"]
 

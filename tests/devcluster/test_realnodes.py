@@ -10,7 +10,6 @@ machine.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import urllib.error
 import urllib.request
@@ -21,6 +20,7 @@ from dscache_tools.devcluster import DevCluster, wait_until
 from dscache_tools.devcluster.host import BRIDGE_PREFIX, CHAIN
 from dscache_tools.devcluster.nodes import NODE_KIND_LABEL, SIMULATED_TAINT
 from dscache_tools.devcluster.realnodes import POD_CIDR
+from kube_objects import apply, deployment
 
 pytestmark = pytest.mark.cluster
 
@@ -33,10 +33,6 @@ _SECURITY = {
     "readOnlyRootFilesystem": True,
     "capabilities": {"drop": ["ALL"]},
 }
-
-
-def _apply(cluster: DevCluster, ns: str, obj: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-n", ns, "-f", "-", stdin=json.dumps(obj))
 
 
 def _pod_phase(cluster: DevCluster, ns: str, name: str) -> str:
@@ -88,38 +84,19 @@ def test_real_node_is_ready_and_simulated_nodes_are_tainted(dev_cluster: DevClus
 def test_pods_run_behind_a_service(dev_cluster: DevCluster, namespace: str) -> None:
     ns = namespace
     labels = {"app": "web"}
-    _apply(
-        dev_cluster,
-        ns,
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "web"},
-            "spec": {
-                "replicas": 2,
-                "selector": {"matchLabels": labels},
-                "template": {
-                    "metadata": {"labels": labels},
-                    "spec": {
-                        "automountServiceAccountToken": False,
-                        "containers": [
-                            {
-                                "name": "web",
-                                "image": CORE,
-                                "imagePullPolicy": "Never",
-                                "command": ["python", "-m", "http.server", "8080"],
-                                "workingDir": "/opt",
-                                "ports": [{"containerPort": 8080, "name": "http"}],
-                                "readinessProbe": {"tcpSocket": {"port": "http"}},
-                                "securityContext": _SECURITY,
-                            }
-                        ],
-                    },
-                },
-            },
-        },
-    )
-    _apply(
+    web = {
+        "name": "web",
+        "image": CORE,
+        "imagePullPolicy": "Never",
+        "command": ["python", "-m", "http.server", "8080"],
+        "workingDir": "/opt",
+        "ports": [{"containerPort": 8080, "name": "http"}],
+        "readinessProbe": {"tcpSocket": {"port": "http"}},
+        "securityContext": _SECURITY,
+    }
+    no_token = {"automountServiceAccountToken": False}
+    apply(dev_cluster, ns, deployment("web", [web], replicas=2, pod=no_token))
+    apply(
         dev_cluster,
         ns,
         {
@@ -158,7 +135,7 @@ def test_pods_run_behind_a_service(dev_cluster: DevCluster, namespace: str) -> N
         " headers={'Authorization': 'Bearer ' + open(d + 'token').read()})\n"
         "print('api', u.urlopen(r, context=ctx, timeout=10).status)\n"
     )
-    _apply(dev_cluster, ns, _python_pod("client", code))
+    apply(dev_cluster, ns, _python_pod("client", code))
     assert wait_until("client to finish", lambda: _finished(dev_cluster, ns, "client"), 120) == (
         "Succeeded"
     ), dev_cluster.kubectl("logs", "-n", ns, "client", check=False).stdout
@@ -194,7 +171,7 @@ def test_containers_share_a_unix_socket_in_an_empty_dir(
     pod["spec"]["containers"][0]["volumeMounts"] = mount
     second = {**pod["spec"]["containers"][0], "name": "client", "command": ["python", "-c", client]}
     pod["spec"]["containers"].append(second)
-    _apply(dev_cluster, ns, pod)
+    apply(dev_cluster, ns, pod)
     assert wait_until("pair to finish", lambda: _finished(dev_cluster, ns, "pair"), 120) == (
         "Succeeded"
     )

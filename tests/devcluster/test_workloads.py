@@ -8,44 +8,25 @@ undo`` restores the first template.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
 from dscache_tools.devcluster import DevCluster, wait_until
 from dscache_tools.devcluster.nodes import SIMULATED_PLACEMENT
+from kube_objects import apply, deployment
 
 pytestmark = pytest.mark.cluster
 
 
-def _deployment(image: str) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "apps/v1",
-            "kind": "Deployment",
-            "metadata": {"name": "web", "labels": {"app": "web"}},
-            "spec": {
-                "replicas": 3,
-                "selector": {"matchLabels": {"app": "web"}},
-                "strategy": {
-                    "type": "RollingUpdate",
-                    "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-                },
-                "template": {
-                    "metadata": {"labels": {"app": "web"}},
-                    "spec": {
-                        "containers": [
-                            {
-                                "name": "web",
-                                "image": image,
-                                "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}},
-                            }
-                        ],
-                        **SIMULATED_PLACEMENT,
-                    },
-                },
-            },
-        }
+def _deployment(image: str) -> dict[str, Any]:
+    container = {
+        "name": "web",
+        "image": image,
+        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}},
+    }
+    surge = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    return deployment(
+        "web", [container], replicas=3, pod=SIMULATED_PLACEMENT, spec={"strategy": surge}
     )
 
 
@@ -63,9 +44,17 @@ def _ready(pod: dict[str, Any]) -> bool:
     )
 
 
+def _all_ready_with(cluster: DevCluster, ns: str, image: str) -> bool:
+    """Three pods, all Ready, all running ``image``."""
+    pods = _pods(cluster, ns)
+    return len(pods) == 3 and all(
+        _ready(p) and p["spec"]["containers"][0]["image"] == image for p in pods
+    )
+
+
 def test_deployment_rollout_and_undo(dev_cluster: DevCluster, namespace: str) -> None:
     ns = namespace
-    dev_cluster.kubectl("apply", "-n", ns, "-f", "-", stdin=_deployment("registry.local/web:1"))
+    apply(dev_cluster, ns, _deployment("registry.local/web:1"))
     dev_cluster.kubectl("rollout", "status", "-n", ns, "deployment/web", "--timeout=90s")
 
     replicasets = dev_cluster.kubectl_json("get", "replicasets", "-n", ns)["items"]
@@ -97,13 +86,7 @@ def test_deployment_rollout_and_undo(dev_cluster: DevCluster, namespace: str) ->
     assert images == {"1": ("registry.local/web:1", 0), "2": ("registry.local/web:2", 3)}
     wait_until(
         "three ready pods of the new image",
-        lambda: (
-            len(pods := _pods(dev_cluster, ns)) == 3
-            and all(
-                _ready(p) and p["spec"]["containers"][0]["image"] == "registry.local/web:2"
-                for p in pods
-            )
-        ),
+        lambda: _all_ready_with(dev_cluster, ns, "registry.local/web:2"),
     )
     history = dev_cluster.kubectl("rollout", "history", "-n", ns, "deployment/web").stdout
     revisions = [line.split()[0] for line in history.splitlines() if line[:1].isdigit()]
@@ -111,24 +94,18 @@ def test_deployment_rollout_and_undo(dev_cluster: DevCluster, namespace: str) ->
 
     dev_cluster.kubectl("rollout", "undo", "-n", ns, "deployment/web")
     dev_cluster.kubectl("rollout", "status", "-n", ns, "deployment/web", "--timeout=90s")
-    deployment = dev_cluster.kubectl_json("get", "deployment", "-n", ns, "web")
-    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == (
+    web = dev_cluster.kubectl_json("get", "deployment", "-n", ns, "web")
+    assert web["spec"]["template"]["spec"]["containers"][0]["image"] == (
         "registry.local/web:1"
     )
     # The undo re-used the first ReplicaSet, which now carries revision 3.
     restored = dev_cluster.kubectl_json("get", "replicaset", "-n", ns, first_rs["metadata"]["name"])
     assert restored["spec"]["replicas"] == 3
     assert restored["metadata"]["annotations"]["deployment.kubernetes.io/revision"] == "3"
-    assert deployment["metadata"]["annotations"]["deployment.kubernetes.io/revision"] == "3"
+    assert web["metadata"]["annotations"]["deployment.kubernetes.io/revision"] == "3"
     wait_until(
         "three ready pods of the restored image",
-        lambda: (
-            len(pods := _pods(dev_cluster, ns)) == 3
-            and all(
-                _ready(p) and p["spec"]["containers"][0]["image"] == "registry.local/web:1"
-                for p in pods
-            )
-        ),
+        lambda: _all_ready_with(dev_cluster, ns, "registry.local/web:1"),
     )
 
 

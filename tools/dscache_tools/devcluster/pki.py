@@ -78,44 +78,77 @@ def _name(common_name: str, organization: str | None = None) -> x509.Name:
     return x509.Name(attrs)
 
 
-def _leaf(
+def _certificate(
     *,
     subject: x509.Name,
-    key: ec.EllipticCurvePrivateKey,
-    ca_cert: x509.Certificate,
-    ca_key: ec.EllipticCurvePrivateKey,
-    usage: x509.ObjectIdentifier,
-    san: x509.SubjectAlternativeName | None,
+    public_key: ec.EllipticCurvePublicKey,
+    issuer: x509.Name,
     now: dt.datetime,
-) -> x509.Certificate:
-    builder = (
+    ca: bool,
+) -> x509.CertificateBuilder:
+    """What every certificate here shares: validity, basic constraints, key usage."""
+    return (
         x509.CertificateBuilder()
         .subject_name(subject)
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
+        .issuer_name(issuer)
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + _VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
         .add_extension(
             x509.KeyUsage(
                 digital_signature=True,
                 content_commitment=False,
-                key_encipherment=True,
+                # A leaf's key encrypts (TLS key transport); a CA's key signs certificates.
+                key_encipherment=not ca,
                 data_encipherment=False,
                 key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
+                key_cert_sign=ca,
+                crl_sign=ca,
                 encipher_only=False,
                 decipher_only=False,
             ),
             critical=True,
         )
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
     )
+
+
+#: A CA that signs: its certificate and key.
+_Ca = tuple[x509.Certificate, ec.EllipticCurvePrivateKey]
+
+
+def _issue(
+    ca: _Ca,
+    paths: tuple[Path, Path],
+    *,
+    subject: x509.Name,
+    usage: x509.ObjectIdentifier,
+    san: x509.SubjectAlternativeName | None = None,
+) -> tuple[Path, Path]:
+    """Writes a new key and a leaf certificate for it signed by ``ca``; returns ``paths``.
+
+    Args:
+        ca: The signing CA.
+        paths: ``(certificate, key)`` to write.
+        subject: The certificate's subject.
+        usage: Server or client authentication.
+        san: Subject alternative names (serving certificates).
+    """
+    ca_cert, ca_key = ca
+    key = _key()
+    builder = _certificate(
+        subject=subject,
+        public_key=key.public_key(),
+        issuer=ca_cert.subject,
+        now=dt.datetime.now(dt.UTC),
+        ca=False,
+    ).add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
     if san is not None:
         builder = builder.add_extension(san, critical=False)
-    return builder.sign(ca_key, hashes.SHA256())
+    _write_key(paths[1], key)
+    _write_cert(paths[0], builder.sign(ca_key, hashes.SHA256()))
+    return paths
 
 
 def generate(
@@ -149,27 +182,8 @@ def generate(
     ca_key = _key()
     ca_name = _name("dscache-dev-ca")
     ca_cert = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + _VALIDITY)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
+        _certificate(
+            subject=ca_name, public_key=ca_key.public_key(), issuer=ca_name, now=now, ca=True
         )
         .add_extension(
             x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
@@ -179,7 +193,7 @@ def generate(
     _write_key(pki.ca_key, ca_key)
     _write_cert(pki.ca_cert, ca_cert)
 
-    serving_key = _key()
+    ca = (ca_cert, ca_key)
     san = x509.SubjectAlternativeName(
         [x509.DNSName(name) for name in _SERVICE_NAMES]
         + [
@@ -188,30 +202,19 @@ def generate(
         ]
         + [x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips]
     )
-    serving = _leaf(
+    _issue(
+        ca,
+        (pki.serving_cert, pki.serving_key),
         subject=_name("kube-apiserver"),
-        key=serving_key,
-        ca_cert=ca_cert,
-        ca_key=ca_key,
         usage=ExtendedKeyUsageOID.SERVER_AUTH,
         san=san,
-        now=now,
     )
-    _write_key(pki.serving_key, serving_key)
-    _write_cert(pki.serving_cert, serving)
-
-    admin_key = _key()
-    admin = _leaf(
+    _issue(
+        ca,
+        (pki.admin_cert, pki.admin_key),
         subject=_name("dscache-dev-admin", "system:masters"),
-        key=admin_key,
-        ca_cert=ca_cert,
-        ca_key=ca_key,
         usage=ExtendedKeyUsageOID.CLIENT_AUTH,
-        san=None,
-        now=now,
     )
-    _write_key(pki.admin_key, admin_key)
-    _write_cert(pki.admin_cert, admin)
 
     sa_key = _key()
     _write_key(pki.service_account_key, sa_key)
@@ -233,7 +236,7 @@ class NodeCredentials:
     serving_key: Path
 
 
-def _load_ca(pki: Pki) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def _load_ca(pki: Pki) -> _Ca:
     cert = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
     key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
     if not isinstance(key, ec.EllipticCurvePrivateKey):
@@ -251,8 +254,6 @@ def node_credentials(pki: Pki, directory: Path, node: str, ip: str) -> NodeCrede
         ip: The node's InternalIP, the serving certificate's address.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.UTC)
-    ca_cert, ca_key = _load_ca(pki)
     creds = NodeCredentials(
         client_cert=directory / "kubelet-client.crt",
         client_key=directory / "kubelet-client.key",
@@ -260,20 +261,15 @@ def node_credentials(pki: Pki, directory: Path, node: str, ip: str) -> NodeCrede
         serving_key=directory / "kubelet.key",
     )
     client_credentials(pki, directory, "kubelet-client", f"system:node:{node}", "system:nodes")
-    serving_key = _key()
-    serving = _leaf(
+    _issue(
+        _load_ca(pki),
+        (creds.serving_cert, creds.serving_key),
         subject=_name(node),
-        key=serving_key,
-        ca_cert=ca_cert,
-        ca_key=ca_key,
         usage=ExtendedKeyUsageOID.SERVER_AUTH,
         san=x509.SubjectAlternativeName(
             [x509.DNSName(node), x509.IPAddress(ipaddress.ip_address(ip))]
         ),
-        now=now,
     )
-    _write_key(creds.serving_key, serving_key)
-    _write_cert(creds.serving_cert, serving)
     return creds
 
 
@@ -286,18 +282,9 @@ def client_credentials(
         ``(cert, key)`` paths, ``<directory>/<name>.crt`` and ``.key``.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    ca_cert, ca_key = _load_ca(pki)
-    key = _key()
-    cert = _leaf(
+    return _issue(
+        _load_ca(pki),
+        (directory / f"{name}.crt", directory / f"{name}.key"),
         subject=_name(common_name, organization),
-        key=key,
-        ca_cert=ca_cert,
-        ca_key=ca_key,
         usage=ExtendedKeyUsageOID.CLIENT_AUTH,
-        san=None,
-        now=dt.datetime.now(dt.UTC),
     )
-    paths = (directory / f"{name}.crt", directory / f"{name}.key")
-    _write_key(paths[1], key)
-    _write_cert(paths[0], cert)
-    return paths
