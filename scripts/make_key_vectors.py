@@ -19,22 +19,28 @@ from dscache.keys import (
     tenant_salt,
 )
 
+
+def _tiny_gqa(block_tokens: int) -> dict[str, object]:
+    """The fingerprint of the small GQA test model, with ``block_tokens`` tokens per block."""
+    return {
+        "model_id": "dscache/tiny-gqa",
+        "revision": "seed-0",
+        "layout": {
+            "kind": "gqa",
+            "num_layers": 12,
+            "dtype": "float32",
+            "num_kv_heads": 4,
+            "head_dim": 64,
+            "v_head_dim": 64,
+        },
+        "block_tokens": block_tokens,
+    }
+
+
 CASES = [
     {
         "name": "gqa-fp32-no-tenant",
-        "fingerprint": {
-            "model_id": "dscache/tiny-gqa",
-            "revision": "seed-0",
-            "layout": {
-                "kind": "gqa",
-                "num_layers": 12,
-                "dtype": "float32",
-                "num_kv_heads": 4,
-                "head_dim": 64,
-                "v_head_dim": 64,
-            },
-            "block_tokens": 4,
-        },
+        "fingerprint": _tiny_gqa(block_tokens=4),
         "tenant": None,
         "tokens": list(range(10)),
     },
@@ -59,19 +65,7 @@ CASES = [
     },
     {
         "name": "gqa-hmac-tenant",
-        "fingerprint": {
-            "model_id": "dscache/tiny-gqa",
-            "revision": "seed-0",
-            "layout": {
-                "kind": "gqa",
-                "num_layers": 12,
-                "dtype": "float32",
-                "num_kv_heads": 4,
-                "head_dim": 64,
-                "v_head_dim": 64,
-            },
-            "block_tokens": 2,
-        },
+        "fingerprint": _tiny_gqa(block_tokens=2),
         "tenant": {"id": "tenant-b", "secret": "c2VjcmV0"},
         "tokens": [5, 4, 3, 2, 1],
     },
