@@ -1,4 +1,4 @@
-"""Sync and async clients of the sidecar, with zero-copy reads through mmap.
+"""The client of the sidecar, with zero-copy reads through mmap.
 
 Contract:
     * With ``data_dir`` (the shared cache volume as mounted in this process), reads
@@ -17,13 +17,9 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import mmap
-import os
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,16 +27,33 @@ from types import TracebackType
 from typing import Any
 
 import grpc
-import grpc.aio
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dscache.v1 import kvcache_pb2 as pb
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
 from dscache_sidecar.codec import Codec, CodecPolicy, decode, dtype_name
+from dscache_sidecar.errors import (
+    SidecarError,
+    SidecarFullError,
+    SidecarRejectedError,
+    SidecarUnavailableError,
+    wrap_rpc_error,
+)
+from dscache_sidecar.mapped import MappedSegments
 from dscache_sidecar.segments import checksum
 
 log = logging.getLogger(__name__)
+
+__all__ = [
+    "BlockData",
+    "LoadedBlocks",
+    "SidecarClient",
+    "SidecarError",
+    "SidecarFullError",
+    "SidecarRejectedError",
+    "SidecarUnavailableError",
+]
 
 _CHUNK = 1024 * 1024
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -50,33 +63,12 @@ _OPTIONS = [
 ]
 
 
-class SidecarError(Exception):
-    """Any failure of the cache; callers fall back to recompute."""
-
-
-class SidecarUnavailableError(SidecarError):
-    """The daemon did not answer (down, restarting, or slower than the timeout)."""
-
-
-class SidecarFullError(SidecarError):
-    """The store could not make room (RESOURCE_EXHAUSTED)."""
-
-
-class SidecarRejectedError(SidecarError):
-    """The daemon rejected the request as malformed (INVALID_ARGUMENT)."""
-
-
-def _wrap(exc: grpc.RpcError) -> SidecarError:
-    code = exc.code() if hasattr(exc, "code") else None
-    detail = exc.details() if hasattr(exc, "details") else str(exc)
-    msg = f"{code.name if code else 'ERROR'}: {detail}"
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return SidecarUnavailableError(msg)
-    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return SidecarFullError(msg)
-    if code is grpc.StatusCode.INVALID_ARGUMENT:
-        return SidecarRejectedError(msg)
-    return SidecarError(msg)
+def _call(method: Callable[..., Any], request: Any, timeout_s: float) -> Any:
+    """One unary (or client-streaming) RPC; gRPC failures become ``SidecarError``."""
+    try:
+        return method(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        raise wrap_rpc_error(exc) from exc
 
 
 @dataclass(frozen=True)
@@ -129,103 +121,6 @@ class LoadedBlocks:
         self.release()
 
 
-class _Segments:
-    """Read-only mappings and write descriptors of segment files, opened once.
-
-    Paths are resolved (and checked to stay inside the data directory) once per
-    segment; the size check that guards against SIGBUS on a truncated file is one
-    ``fstat`` of a kept descriptor per segment per load.
-    """
-
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self._root = data_dir.resolve()
-        self._paths: dict[str, Path] = {}
-        self._maps: dict[str, mmap.mmap] = {}
-        self._ro_fds: dict[str, int] = {}
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def _path(self, name: str) -> Path:
-        path = self._paths.get(name)
-        if path is None:
-            path = (self.data_dir / name).resolve()
-            if self._root not in path.parents:
-                raise SidecarError(f"segment {name!r} is outside the data directory")
-            self._paths[name] = path
-        return path
-
-    def _reader(self, name: str) -> tuple[int, mmap.mmap | None]:
-        fd = self._ro_fds.get(name)
-        if fd is None:
-            fd = os.open(self._path(name), os.O_RDONLY)
-            self._ro_fds[name] = fd
-        return fd, self._maps.get(name)
-
-    def size(self, name: str) -> int:
-        """Current size of a segment file."""
-        with self._lock:
-            fd, _ = self._reader(name)
-        try:
-            return os.fstat(fd).st_size
-        except OSError as exc:
-            raise SidecarError(f"segment {name} unreadable: {exc}") from exc
-
-    def view(
-        self, name: str, offset: int, length: int, sizes: dict[str, int] | None = None
-    ) -> memoryview:
-        """A zero-copy view of ``length`` bytes at ``offset``; SidecarError if out of file.
-
-        ``sizes`` caches file sizes for the duration of one load.
-        """
-        with self._lock:
-            fd, m = self._reader(name)
-            if m is not None and offset + length > len(m):
-                # Mapped while the file was shorter (truncated, since extended again by
-                # the daemon): map it anew, or the block stays unreadable for good.
-                self._maps.pop(name)
-                m = None
-            if m is None:
-                m = mmap.mmap(
-                    fd,
-                    os.fstat(fd).st_size,
-                    prot=mmap.PROT_READ,
-                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                )
-                self._maps[name] = m
-        # A truncated file would turn a read into SIGBUS: check before touching.
-        if sizes is None:
-            sizes = {}
-        if name not in sizes:
-            sizes[name] = self.size(name)
-        if offset + length > min(sizes[name], len(m)):
-            raise SidecarError(f"segment {name} is shorter than the block (truncated?)")
-        return memoryview(m)[offset : offset + length]
-
-    def write(self, name: str, offset: int, data: bytes | memoryview) -> None:
-        with self._lock:
-            fd = self._fds.get(name)
-            if fd is None:
-                fd = os.open(self._path(name), os.O_WRONLY)
-                self._fds[name] = fd
-        view = memoryview(data).cast("B")
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-
-    def close(self) -> None:
-        with self._lock:
-            for m in self._maps.values():
-                # Views still alive keep the mapping; it goes with them.
-                with contextlib.suppress(BufferError):
-                    m.close()
-            self._maps.clear()
-            for fd in (*self._fds.values(), *self._ro_fds.values()):
-                os.close(fd)
-            self._fds.clear()
-            self._ro_fds.clear()
-
-
 def _new_block(b: BlockData, codec: Codec, stored: bytes | memoryview) -> pb.NewBlock:
     arr = b.array
     return pb.NewBlock(
@@ -242,7 +137,7 @@ def _new_block(b: BlockData, codec: Codec, stored: bytes | memoryview) -> pb.New
 
 
 def _decode_location(
-    segments: _Segments, loc: pb.BlockLocation, verify: bool, sizes: dict[str, int]
+    segments: MappedSegments, loc: pb.BlockLocation, verify: bool, sizes: dict[str, int]
 ) -> np.ndarray | None:
     info = loc.info
     payload = segments.view(loc.segment, loc.offset, info.stored_bytes, sizes)
@@ -281,8 +176,9 @@ class SidecarClient:
         self._channel = grpc.insecure_channel(self.target, options=_OPTIONS)
         self._stub = pb_grpc.KVCacheStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._segments = _Segments(Path(data_dir)) if data_dir else None
+        self._segments = MappedSegments(Path(data_dir)) if data_dir else None
         self._connected = False
+        self._long_timeout_s = timeout_s * 20
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
 
     def _ready(self) -> None:
@@ -300,7 +196,7 @@ class SidecarClient:
                 health_pb2.HealthCheckRequest(), timeout=max(2.0, 4 * self.timeout_s)
             )
         except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
+            raise wrap_rpc_error(exc) from exc
         self._connected = True
 
     # -- reads
@@ -310,13 +206,8 @@ class SidecarClient:
         if not keys:
             return 0
         self._ready()
-        try:
-            resp = self._stub.Lookup(
-                pb.LookupRequest(tenant=tenant, keys=list(keys), block_tokens=block_tokens),
-                timeout=self.timeout_s,
-            )
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
+        request = pb.LookupRequest(tenant=tenant, keys=list(keys), block_tokens=block_tokens)
+        resp = _call(self._stub.Lookup, request, self.timeout_s)
         return int(resp.hit_blocks)
 
     def load(
@@ -334,18 +225,10 @@ class SidecarClient:
         self._ready()
         if self._segments is None:
             return self._load_streaming(tenant, keys, verify)
-        try:
-            resp = self._stub.Lease(
-                pb.LeaseRequest(
-                    tenant=tenant,
-                    keys=list(keys),
-                    ttl_ms=int(ttl_s * 1000),
-                    block_tokens=block_tokens,
-                ),
-                timeout=self.timeout_s,
-            )
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
+        request = pb.LeaseRequest(
+            tenant=tenant, keys=list(keys), ttl_ms=int(ttl_s * 1000), block_tokens=block_tokens
+        )
+        resp = _call(self._stub.Lease, request, self.timeout_s)
         out = LoadedBlocks([], [], resp.lease_id, self._release)
         corrupt: list[bytes] = []
         sizes: dict[str, int] = {}
@@ -391,7 +274,7 @@ class SidecarClient:
         """One block's array over streaming Get (a copy), or None on a miss."""
         try:
             chunks = self._stub.Get(
-                pb.GetRequest(tenant=tenant, key=key), timeout=self.timeout_s * 20
+                pb.GetRequest(tenant=tenant, key=key), timeout=self._long_timeout_s
             )
             first: pb.GetChunk | None = None
             buf = bytearray()
@@ -402,7 +285,7 @@ class SidecarClient:
                         return None
                 buf += chunk.data
         except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
+            raise wrap_rpc_error(exc) from exc
         if first is None:
             return None
         info = first.info
@@ -434,10 +317,7 @@ class SidecarClient:
             tenant=tenant,
             blocks=[_new_block(b, c, d) for b, (c, d) in zip(blocks, encoded, strict=True)],
         )
-        try:
-            resp = self._stub.Allocate(request, timeout=self.timeout_s * 20)
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
+        resp = _call(self._stub.Allocate, request, self._long_timeout_s)
         writes: list[pb.Written] = []
         # Hash on a second thread while this one writes: pwrite releases the GIL,
         # so the checksum costs (almost) nothing on top of the write.
@@ -461,10 +341,7 @@ class SidecarClient:
             raise SidecarError(f"writing a block failed: {exc}") from exc
         if not writes:
             return 0
-        try:
-            result = self._stub.Commit(pb.CommitRequest(writes=writes), timeout=self.timeout_s * 20)
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
+        result = _call(self._stub.Commit, pb.CommitRequest(writes=writes), self._long_timeout_s)
         return sum(1 for r in result.results if r == pb.COMMIT_OK)
 
     def _encode(self, b: BlockData, compress: bool | None) -> tuple[Codec, bytes | memoryview]:
@@ -486,37 +363,25 @@ class SidecarClient:
             for start in range(_CHUNK, len(view), _CHUNK):
                 yield pb.PutChunk(data=bytes(view[start : start + _CHUNK]))
 
-        try:
-            resp = self._stub.Put(chunks(), timeout=self.timeout_s * 20)
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
+        resp = _call(self._stub.Put, chunks(), self._long_timeout_s)
         return 1 if resp.stored else 0
 
     # -- admin
 
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
-        try:
-            resp = self._stub.Delete(
-                pb.DeleteRequest(tenant=tenant, keys=list(keys)), timeout=self.timeout_s * 20
-            )
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
-        return int(resp.deleted)
+        """Removes blocks (and their cached descendants); returns how many."""
+        request = pb.DeleteRequest(tenant=tenant, keys=list(keys))
+        return int(_call(self._stub.Delete, request, self._long_timeout_s).deleted)
 
     def clear_tenant(self, tenant: str) -> int:
-        try:
-            resp = self._stub.ClearTenant(
-                pb.ClearTenantRequest(tenant=tenant), timeout=self.timeout_s * 20
-            )
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
-        return int(resp.deleted)
+        """Removes every block of ``tenant``; returns how many."""
+        request = pb.ClearTenantRequest(tenant=tenant)
+        return int(_call(self._stub.ClearTenant, request, self._long_timeout_s).deleted)
 
     def stats(self) -> pb.StatsResponse:
-        try:
-            return self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s * 4)
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
+        """The daemon's totals (blocks, bytes, leases, evictions, checksum failures)."""
+        resp: pb.StatsResponse = _call(self._stub.Stats, pb.StatsRequest(), self.timeout_s * 4)
+        return resp
 
     def healthy(self) -> bool:
         """True when the daemon answers its health check as SERVING."""
@@ -537,125 +402,3 @@ class SidecarClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class AsyncSidecarClient:
-    """asyncio client with the same methods and semantics as ``SidecarClient``.
-
-    File I/O and hashing run in a worker thread so the event loop stays free.
-    """
-
-    def __init__(
-        self,
-        socket_path: str | None = None,
-        *,
-        target: str | None = None,
-        data_dir: str | None = None,
-        timeout_s: float = 0.5,
-        codec: CodecPolicy | None = None,
-    ) -> None:
-        if (socket_path is None) == (target is None):
-            raise ValueError("give exactly one of socket_path or target")
-        self.target = f"unix:{socket_path}" if socket_path else str(target)
-        self.timeout_s = timeout_s
-        self.codec = codec if codec is not None else CodecPolicy()
-        self._channel = grpc.aio.insecure_channel(self.target, options=_OPTIONS)
-        self._stub = pb_grpc.KVCacheStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._segments = _Segments(Path(data_dir)) if data_dir else None
-        # Streaming fallback and admin calls reuse the blocking client's logic.
-        self._sync = SidecarClient(
-            target=self.target.removeprefix("unix:") if not socket_path else None,
-            socket_path=socket_path,
-            data_dir=data_dir,
-            timeout_s=timeout_s,
-            codec=self.codec,
-        )
-
-    async def lookup(self, tenant: str, keys: Sequence[bytes], block_tokens: int = 0) -> int:
-        if not keys:
-            return 0
-        try:
-            resp = await self._stub.Lookup(
-                pb.LookupRequest(tenant=tenant, keys=list(keys), block_tokens=block_tokens),
-                timeout=self.timeout_s,
-            )
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
-        return int(resp.hit_blocks)
-
-    async def load(
-        self,
-        tenant: str,
-        keys: Sequence[bytes],
-        *,
-        ttl_s: float = 30.0,
-        verify: bool = True,
-        block_tokens: int = 0,
-    ) -> LoadedBlocks:
-        if not keys:
-            return LoadedBlocks([], [])
-        if self._segments is None:
-            return await asyncio.to_thread(self._sync._load_streaming, tenant, keys, verify)
-        try:
-            resp = await self._stub.Lease(
-                pb.LeaseRequest(
-                    tenant=tenant,
-                    keys=list(keys),
-                    ttl_ms=int(ttl_s * 1000),
-                    block_tokens=block_tokens,
-                ),
-                timeout=self.timeout_s,
-            )
-        except grpc.RpcError as exc:
-            raise _wrap(exc) from exc
-        segments = self._segments
-
-        def decode_all() -> tuple[list[bytes], list[np.ndarray], list[bytes]]:
-            keys_out: list[bytes] = []
-            arrays: list[np.ndarray] = []
-            sizes: dict[str, int] = {}
-            for loc in resp.blocks:
-                try:
-                    arr = _decode_location(segments, loc, verify, sizes)
-                except (SidecarError, ValueError) as exc:
-                    log.warning("cached block unreadable, treated as a miss: %s", exc)
-                    arr = None
-                if arr is None:
-                    return keys_out, arrays, [bytes(loc.key)]
-                keys_out.append(bytes(loc.key))
-                arrays.append(arr)
-            return keys_out, arrays, []
-
-        keys_out, arrays, corrupt = await asyncio.to_thread(decode_all)
-        if corrupt:
-            await asyncio.to_thread(self._sync._report_corrupt, corrupt)
-        return LoadedBlocks(keys_out, arrays, resp.lease_id, self._sync._release)
-
-    async def store(
-        self, tenant: str, blocks: Sequence[BlockData], *, compress: bool | None = None
-    ) -> int:
-        return await asyncio.to_thread(self._sync.store, tenant, blocks, compress=compress)
-
-    async def get(self, tenant: str, key: bytes, *, verify: bool = True) -> np.ndarray | None:
-        return await asyncio.to_thread(self._sync.get, tenant, key, verify=verify)
-
-    async def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
-        return await asyncio.to_thread(self._sync.delete, tenant, keys)
-
-    async def clear_tenant(self, tenant: str) -> int:
-        return await asyncio.to_thread(self._sync.clear_tenant, tenant)
-
-    async def stats(self) -> pb.StatsResponse:
-        return await asyncio.to_thread(self._sync.stats)
-
-    async def healthy(self) -> bool:
-        try:
-            resp = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
-        except grpc.RpcError:
-            return False
-        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
-
-    async def close(self) -> None:
-        await self._channel.close(None)
-        self._sync.close()

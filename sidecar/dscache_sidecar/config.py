@@ -1,5 +1,9 @@
 """The sidecar's settings: one typed object, read from ``DSCACHE_SIDECAR_*`` env vars.
 
+Sizes (``capacity_bytes``, ``segment_bytes``, ``lmdb_map_bytes``) are
+``pydantic.ByteSize``: a plain number of bytes or a number with a unit, binary
+(``512MiB``, ``2GiB``) or decimal (``10G``, ``10GB``).
+
 Command-line flags override environment variables, which override defaults. The
 prefix is long on purpose: Kubernetes injects ``<SERVICE>_PORT`` variables for
 every Service, and a short prefix such as ``KVCACHE_`` would collide.
@@ -8,142 +12,82 @@ every Service, and a short prefix such as ``KVCACHE_`` would collide.
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, ByteSize, Field, TypeAdapter, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 1000,
-    "KB": 1000,
-    "KI": 1024,
-    "KIB": 1024,
-    "M": 1000**2,
-    "MB": 1000**2,
-    "MI": 1024**2,
-    "MIB": 1024**2,
-    "G": 1000**3,
-    "GB": 1000**3,
-    "GI": 1024**3,
-    "GIB": 1024**3,
-    "T": 1000**4,
-    "TB": 1000**4,
-    "TI": 1024**4,
-    "TIB": 1024**4,
-}
-
-
-def parse_size(value: str | int) -> int:
-    """Parses ``4096``, ``512MiB``, ``2GiB``, ``10G`` (decimal) into bytes."""
-    if isinstance(value, int):
-        return value
-    m = _SIZE_RE.match(value)
-    if not m:
-        raise ValueError(f"not a size: {value!r} (examples: 4096, 512MiB, 2GiB)")
-    number, unit = m.group(1), (m.group(2) or "").upper()
-    return int(float(number) * _UNITS[unit])
+#: A size in bytes: an int, or a string such as ``4096``, ``512MiB``, ``2GiB``, ``10G``
+#: (parsed by ``pydantic.ByteSize``); callers may pass a plain int.
+Bytes = Annotated[int, BeforeValidator(TypeAdapter(ByteSize).validate_python)]
 
 
 class SidecarSettings(BaseSettings):
     """Every knob of the sidecar daemon. Units are in the field names or docs."""
 
-    model_config = SettingsConfigDict(env_prefix="DSCACHE_SIDECAR_", extra="forbid")
-
-    data_dir: Path = Field(description="directory of the segment files and the LMDB index")
-    capacity_bytes: int = Field(
-        default=4 * 1024**3, description="bytes of segment space (all segments together)"
-    )
-    segment_bytes: int = Field(
-        default=256 * 1024**2,
-        description="bytes per segment file; capped at capacity; a block never spans two",
-    )
-    socket: Path | None = Field(
-        default=None, description="unix socket path (mode 0600); default <data_dir>/sidecar.sock"
-    )
-    tcp: str | None = Field(
-        default=None,
-        description="optional extra listen address, loopback only, e.g. 127.0.0.1:50051",
-    )
-    metrics_host: str = Field(default="0.0.0.0", description="address of the /metrics HTTP server")
-    metrics_port: int | None = Field(
-        default=9400, description="port of the /metrics HTTP server; 0 = any free port; unset = off"
-    )
-    policy: str = Field(default="", description="eviction policy name; empty = the default policy")
-    high_watermark: float = Field(
-        default=0.95,
-        description="eviction starts when used space would pass this share of capacity",
-    )
-    low_watermark: float = Field(
-        default=0.85, description="eviction frees space down to this share"
-    )
-    durable: bool = Field(
-        default=False,
-        description="fsync block bytes before publishing (survives power loss, not only crashes)",
-    )
-    lease_ttl_s: float = Field(default=30.0, description="default lease lifetime, seconds")
-    max_lease_ttl_s: float = Field(default=120.0, description="longest lease a client may ask for")
-    reservation_ttl_s: float = Field(
-        default=30.0, description="how long an Allocate reservation waits for its Commit, seconds"
-    )
-    restart_quarantine_s: float | None = Field(
-        default=None,
-        description=(
-            "after a restart, space that readers of the previous process may still map is not "
-            "reused for this long; default = max_lease_ttl_s"
-        ),
-    )
-    segment_init: Literal["zero", "fallocate"] = Field(
-        default="zero",
-        description=(
-            "how new segment files are preallocated: zero-filled (block writes are then "
-            "overwrites, about 10x faster on ext4) or posix_fallocate (instant start)"
-        ),
-    )
-    verify_commits: bool = Field(
-        default=False,
-        description=(
-            "re-read and hash each committed block even when the writer sent its checksum "
-            "(readers verify every block anyway)"
-        ),
-    )
-    verify_on_start: Literal["header", "full"] = Field(
-        default="header",
-        description="reconcile checks every block's header (fast) or also its payload checksum",
-    )
-    lmdb_map_bytes: int = Field(
-        default=1024**3, description="LMDB map size (index capacity), bytes"
-    )
-    stats_flush_s: float = Field(
-        default=5.0, description="how often access statistics are written to the index, seconds"
-    )
-    max_keys_per_request: int = Field(
-        default=65536, description="longest chain a request may carry"
-    )
-    grpc_workers: int = Field(default=8, description="gRPC server worker threads")
-    readyz_timeout_s: float = Field(
-        default=2.0, gt=0, description="seconds the /readyz health RPC over the socket may take"
-    )
-    stream_chunk_bytes: int = Field(
-        default=1024**2, description="chunk size of streaming Get, bytes"
+    model_config = SettingsConfigDict(
+        env_prefix="DSCACHE_SIDECAR_", extra="forbid", use_attribute_docstrings=True
     )
 
-    @field_validator("capacity_bytes", "segment_bytes", "lmdb_map_bytes", mode="before")
-    @classmethod
-    def _sizes(cls, v: Any) -> Any:
-        return parse_size(v) if isinstance(v, str) else v
+    data_dir: Path
+    """Directory of the segment files and the LMDB index."""
+    capacity_bytes: Bytes = 4 * 1024**3
+    """Bytes of segment space (all segments together)."""
+    segment_bytes: Bytes = 256 * 1024**2
+    """Bytes per segment file; capped at capacity; a block never spans two."""
+    socket: Path | None = None
+    """Unix socket path (mode 0600); default <data_dir>/sidecar.sock."""
+    tcp: str | None = None
+    """Optional extra listen address, loopback only, e.g. 127.0.0.1:50051."""
+    metrics_host: str = "0.0.0.0"
+    """Address of the /metrics HTTP server."""
+    metrics_port: int | None = 9400
+    """Port of the /metrics HTTP server; 0 = any free port; unset = off."""
+    policy: str = ""
+    """Eviction policy name; empty = the default policy."""
+    high_watermark: float = 0.95
+    """Eviction starts when used space would pass this share of capacity."""
+    low_watermark: float = 0.85
+    """Eviction frees space down to this share of capacity."""
+    durable: bool = False
+    """Fsync block bytes before publishing (survives power loss, not only crashes)."""
+    lease_ttl_s: float = 30.0
+    """Default lease lifetime, seconds."""
+    max_lease_ttl_s: float = 120.0
+    """Longest lease a client may ask for, seconds."""
+    reservation_ttl_s: float = 30.0
+    """How long an Allocate reservation waits for its Commit, seconds."""
+    restart_quarantine_s: float | None = None
+    """Seconds after a restart during which space that readers of the previous
+    process may still map is not reused; default = max_lease_ttl_s."""
+    segment_init: Literal["zero", "fallocate"] = "zero"
+    """How new segment files are preallocated: zero-filled (block writes are then
+    overwrites, about 10x faster on ext4) or posix_fallocate (instant start)."""
+    verify_commits: bool = False
+    """Re-read and hash each committed block even when the writer sent its
+    checksum (readers verify every block anyway)."""
+    verify_on_start: Literal["header", "full"] = "header"
+    """Reconcile checks every block's header (fast) or also its payload checksum."""
+    lmdb_map_bytes: Bytes = 1024**3
+    """LMDB map size (index capacity), bytes."""
+    stats_flush_s: float = 5.0
+    """How often access statistics are written to the index, seconds."""
+    max_keys_per_request: int = 65536
+    """Longest chain a request may carry, blocks."""
+    grpc_workers: int = 8
+    """gRPC server worker threads."""
+    readyz_timeout_s: float = Field(default=2.0, gt=0)
+    """Seconds the /readyz health RPC over the socket may take."""
+    stream_chunk_bytes: int = 1024**2
+    """Chunk size of streaming Get, bytes."""
 
     @model_validator(mode="after")
     def _check(self) -> SidecarSettings:
         if self.capacity_bytes < 64 * 1024:
             raise ValueError("capacity must be at least 64KiB")
-        self.segment_bytes = min(self.segment_bytes, self.capacity_bytes)
-        if self.segment_bytes % 4096:
-            self.segment_bytes -= self.segment_bytes % 4096
+        segment = min(self.segment_bytes, self.capacity_bytes)
+        self.segment_bytes = segment - segment % 4096
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
         if self.tcp is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -247,19 +248,14 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return pb.ClearTenantResponse(deleted=self.store.clear_tenant(self._tenant(request.tenant)))
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
-        g = self.store.gauges()
+        # Every gauge but free_bytes is a Stats field of the same name.
+        gauges = dataclasses.asdict(self.store.gauges())
+        del gauges["free_bytes"]
         return pb.StatsResponse(
-            blocks=g.blocks,
-            used_bytes=g.used_bytes,
-            capacity_bytes=g.capacity_bytes,
-            segments=g.segments,
-            active_leases=g.active_leases,
-            pending_writes=g.pending_writes,
             policy=self.store.policy_name,
             evicted_blocks=self.metrics.evicted_blocks(),
             checksum_failures=self.metrics.checksum_failure_count(),
-            stored_raw_bytes=g.stored_raw_bytes,
-            stored_payload_bytes=g.stored_payload_bytes,
+            **gauges,
         )
 
 

@@ -100,43 +100,10 @@ def _check_hint(capacity_hint: int) -> int:
     return max(1, capacity_hint)
 
 
-class LRUPolicy(Generic[K]):
-    """Least recently used: evicts the block whose last admit or hit is oldest."""
+class _QueuePolicy(Generic[K]):
+    """One queue, oldest first: the victim is at its front (LRU and FIFO)."""
 
-    name: str = "lru"
-
-    def __init__(self, capacity_hint: int = 0) -> None:
-        _check_hint(capacity_hint)
-        # Oldest first; the end is the most recently used.
-        self._order: OrderedDict[K, None] = OrderedDict()
-
-    def admit(self, key: K, size: int = 1) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
-
-    def access(self, key: K) -> None:
-        if key in self._order:
-            self._order.move_to_end(key)
-
-    def remove(self, key: K) -> None:
-        self._order.pop(key, None)
-
-    def victim(self) -> K | None:
-        if not self._order:
-            return None
-        return self._order.popitem(last=False)[0]
-
-    def __len__(self) -> int:
-        return len(self._order)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._order
-
-
-class FIFOPolicy(Generic[K]):
-    """First in, first out: hits change nothing. A baseline, not a contender."""
-
-    name: str = "fifo"
+    name: str = ""
 
     def __init__(self, capacity_hint: int = 0) -> None:
         _check_hint(capacity_hint)
@@ -163,7 +130,49 @@ class FIFOPolicy(Generic[K]):
         return key in self._order
 
 
-class ClockPolicy(Generic[K]):
+class LRUPolicy(_QueuePolicy[K]):
+    """Least recently used: evicts the block whose last admit or hit is oldest."""
+
+    name: str = "lru"
+
+    def admit(self, key: K, size: int = 1) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def access(self, key: K) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+
+class FIFOPolicy(_QueuePolicy[K]):
+    """First in, first out: hits change nothing. A baseline, not a contender."""
+
+    name: str = "fifo"
+
+
+class _CountingPolicy(Generic[K]):
+    """Membership is a hit counter per block, capped at ``max_freq`` (CLOCK, S3-FIFO)."""
+
+    name: str = ""
+
+    def __init__(self, max_freq: int) -> None:
+        self._max_freq = max_freq
+        # Insertion ordered: CLOCK's hand walks it; S3-FIFO only counts in it.
+        self._freq: OrderedDict[K, int] = OrderedDict()
+
+    def access(self, key: K) -> None:
+        f = self._freq.get(key)
+        if f is not None and f < self._max_freq:
+            self._freq[key] = f + 1
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq
+
+
+class ClockPolicy(_CountingPolicy[K]):
     """Frequency-aware second chance (a CLOCK with a small counter per block).
 
     Blocks sit in insertion order with a hit counter capped at ``max_freq``.
@@ -177,19 +186,13 @@ class ClockPolicy(Generic[K]):
 
     def __init__(self, capacity_hint: int = 0, max_freq: int = 3) -> None:
         _check_hint(capacity_hint)
-        self._max_freq = max_freq
-        self._freq: OrderedDict[K, int] = OrderedDict()
+        super().__init__(max_freq)
 
     def admit(self, key: K, size: int = 1) -> None:
         if key in self._freq:
             self.access(key)
             return
         self._freq[key] = 0
-
-    def access(self, key: K) -> None:
-        f = self._freq.get(key)
-        if f is not None and f < self._max_freq:
-            self._freq[key] = f + 1
 
     def remove(self, key: K) -> None:
         self._freq.pop(key, None)
@@ -206,12 +209,6 @@ class ClockPolicy(Generic[K]):
             freq[key] = f - 1
             freq.move_to_end(key)
         return None
-
-    def __len__(self) -> int:
-        return len(self._freq)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._freq
 
 
 class SLRUPolicy(Generic[K]):
@@ -273,7 +270,7 @@ class SLRUPolicy(Generic[K]):
         return key in self._probation or key in self._protected
 
 
-class S3FIFOPolicy(Generic[K]):
+class S3FIFOPolicy(_CountingPolicy[K]):
     """S3-FIFO (Yang et al., SOSP 2023): a small FIFO, a main FIFO and a ghost FIFO.
 
     New blocks enter the small queue (``small_fraction`` of the capacity
@@ -303,11 +300,10 @@ class S3FIFOPolicy(Generic[K]):
         self._small_fraction = small_fraction
         self._small_max = max(1, int(hint * small_fraction))
         self._ghost_max = hint
-        self._max_freq = max_freq
+        super().__init__(max_freq)
         self._small: OrderedDict[K, None] = OrderedDict()
         self._main: OrderedDict[K, None] = OrderedDict()
         self._ghost: OrderedDict[K, None] = OrderedDict()
-        self._freq: dict[K, int] = {}
 
     def resize(self, capacity_hint: int) -> None:
         """Resizes the small and ghost queues to a new capacity estimate."""
@@ -327,11 +323,6 @@ class S3FIFOPolicy(Generic[K]):
             self._main[key] = None
         else:
             self._small[key] = None
-
-    def access(self, key: K) -> None:
-        f = self._freq.get(key)
-        if f is not None and f < self._max_freq:
-            self._freq[key] = f + 1
 
     def remove(self, key: K) -> None:
         if self._freq.pop(key, None) is None:
@@ -366,12 +357,6 @@ class S3FIFOPolicy(Generic[K]):
             del main[key]
             del freq[key]
             return key
-
-    def __len__(self) -> int:
-        return len(self._freq)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._freq
 
 
 class ARCPolicy(Generic[K]):

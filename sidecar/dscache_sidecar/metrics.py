@@ -52,46 +52,45 @@ class SidecarMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
 
-        def by_op_result(name: str, documentation: str) -> Counter:
-            return Counter(name, documentation, ["op", "result"], registry=r)
+        def counter(name: str, documentation: str, *labels: str) -> Counter:
+            return Counter(name, documentation, labels, registry=r)
 
-        self.lookups = by_op_result(
+        self.lookups = counter(
             "dscache_sidecar_lookups_total",
             "Lookup and Lease calls by outcome (hit: every key, partial: some, miss: none)",
+            "op",
+            "result",
         )
-        self.lookup_blocks = by_op_result(
+        self.lookup_blocks = counter(
             "dscache_sidecar_lookup_blocks_total",
             "Blocks asked for in Lookup/Lease, by result (hit or miss)",
+            "op",
+            "result",
         )
-        self.lookup_tokens = by_op_result(
+        self.lookup_tokens = counter(
             "dscache_sidecar_lookup_tokens_total",
             "Tokens asked for in Lookup/Lease (when the client says block_tokens), by result",
+            "op",
+            "result",
         )
-        self.stored_blocks = Counter(
-            "dscache_sidecar_stored_blocks_total", "Blocks published in the index", registry=r
+        self.stored_blocks = counter(
+            "dscache_sidecar_stored_blocks_total", "Blocks published in the index"
         )
-        self.stored_bytes = Counter(
-            "dscache_sidecar_stored_bytes_total",
-            "Payload bytes published (after the codec)",
-            registry=r,
+        self.stored_bytes = counter(
+            "dscache_sidecar_stored_bytes_total", "Payload bytes published (after the codec)"
         )
-        self.evictions = Counter(
-            "dscache_sidecar_evictions_total",
-            "Blocks removed from the index, by reason",
-            ["reason"],
-            registry=r,
+        self.evictions = counter(
+            "dscache_sidecar_evictions_total", "Blocks removed from the index, by reason", "reason"
         )
-        self.checksum_failures = Counter(
+        self.checksum_failures = counter(
             "dscache_sidecar_checksum_failures_total",
             "Blocks whose bytes did not match their checksum, by where it was found",
-            ["where"],
-            registry=r,
+            "where",
         )
-        self.write_rejections = Counter(
+        self.write_rejections = counter(
             "dscache_sidecar_write_rejections_total",
             "Allocate/Put requests refused, by reason",
-            ["reason"],
-            registry=r,
+            "reason",
         )
         self.rpc_latency = Histogram(
             "dscache_sidecar_rpc_duration_seconds",

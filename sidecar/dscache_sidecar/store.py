@@ -215,13 +215,9 @@ class KVStore:
         return hits
 
     def lease(
-        self,
-        tenant: str,
-        keys: Sequence[bytes],
-        ttl_s: float | None = None,
-        block_tokens: int = 0,
+        self, tenant: str, keys: Sequence[bytes], ttl_s: float | None = None, block_tokens: int = 0
     ) -> LeaseGrant:
-        """Pins the leading stored blocks and returns their locations."""
+        """Pins the leading stored blocks (counted as hits) and returns their locations."""
         tid = tenant_bytes(tenant)
         ttl = self._ttl(ttl_s)
         lease_id = ""
