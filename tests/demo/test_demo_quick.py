@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from dscache_tools.demo.procs import StartError
 from dscache_tools.demo.run import REPORT_KEYS
-from dscache_tools.demo.stack import child_env, find_nginx
+from dscache_tools.demo.stack import child_env
+from needs import need_nginx
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,7 @@ DOCUMENTED = (
 
 
 def test_demo_quick_reports_the_cache_paying_off(tmp_path: Path) -> None:
-    try:
-        find_nginx()
-    except StartError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(exc))
+    need_nginx()
     out, png = tmp_path / "demo.json", tmp_path / "demo.png"
     proc = subprocess.run(
         [sys.executable, "-m", "dscache.cli", "demo", "--quick", "--json", str(out),
@@ -82,12 +77,7 @@ def _processes_using(path: Path) -> list[str]:
 
 
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
-    try:
-        find_nginx()
-    except StartError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(exc))
+    need_nginx()
     workdir = tmp_path / "wd"
     proc = subprocess.Popen(
         [sys.executable, "-m", "dscache.cli", "demo", "--quick", "--workdir", str(workdir)],

@@ -24,6 +24,12 @@ def register(
 ) -> None:
     """Adds the workload, load-generator and demo subcommands."""
     del bench  # nothing here is a benchmark of one component
+    _add_workload(sub)
+    _add_load(sub)
+    _add_demo(sub)
+
+
+def _add_workload(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w = sub.add_parser("workload", help="generate a workload file (JSONL of chat requests)")
     wsub = w.add_subparsers(dest="workload_kind", metavar="KIND", required=True)
     f = wsub.add_parser(
@@ -67,6 +73,8 @@ def register(
     )
     f.set_defaults(handler=_run_workload)
 
+
+def _add_load(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ld = sub.add_parser("load", help="replay a workload file against a server or the router")
     ld.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8080")
     ld.add_argument("--workload", required=True, type=Path, help="JSONL from dscache workload")
@@ -76,6 +84,7 @@ def register(
     limit.add_argument(
         "--duration",
         dest="duration_s",
+        metavar="DURATION",
         type=_duration,
         default=None,
         help="stop starting requests after T (90s, 5m)",
@@ -88,11 +97,17 @@ def register(
     )
     ld.add_argument("--json", dest="json_out", type=Path, default=None, help="write the report")
     ld.add_argument(
-        "--timeout", dest="timeout_s", type=float, default=300.0, help="seconds per request (300)"
+        "--timeout",
+        dest="timeout_s",
+        metavar="TIMEOUT",
+        type=float,
+        default=300.0,
+        help="seconds per request (300)",
     )
     ld.add_argument(
         "--think",
         dest="think_s",
+        metavar="THINK",
         type=_duration,
         default=0.0,
         help="mean pause between a session's turns (a user reading and typing; default 0); "
@@ -102,6 +117,8 @@ def register(
     ld.add_argument("--no-progress", action="store_true", help="no progress bar")
     ld.set_defaults(handler=_run_load)
 
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d = sub.add_parser(
         "demo",
         help="run sidecars, two model servers and NGINX locally; replay the finance "
@@ -137,7 +154,10 @@ def register(
     d.add_argument("--threads", type=int, default=1, help="torch threads per server (1)")
     d.set_defaults(handler=_run_demo)
 
-    kinds = d.add_subparsers(dest="demo_kind", metavar="KIND")
+    _add_kube_demo(d.add_subparsers(dest="demo_kind", metavar="KIND"))
+
+
+def _add_kube_demo(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     k = kinds.add_parser(
         "kubernetes",
         help="on a cluster whose pods run: the cache-warmth-aware canary against a blind "
@@ -164,6 +184,7 @@ def register(
     k.add_argument(
         "--think",
         dest="think_s",
+        metavar="THINK",
         type=_duration,
         default=15.0,
         help="mean pause between a session's turns (default 15s)",

@@ -28,6 +28,18 @@ def pyplot() -> Any:
     return plt
 
 
+def cell(value: Any, spec: str) -> str:
+    """A table cell: ``value`` in format ``spec``, a unit after a space; ``-`` for None.
+
+    ``cell(0.25, ".3f")`` is ``0.250``; ``cell(1.5, ".2f s")`` is ``1.50 s``.
+    """
+    if value is None:
+        return "-"
+    fmt, _, unit = spec.partition(" ")
+    text = format(value, fmt)
+    return f"{text} {unit}" if unit else text
+
+
 def publish(
     report: dict[str, Any],
     table: str,

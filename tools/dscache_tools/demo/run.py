@@ -41,12 +41,11 @@ from dscache_tools.workload import (
     ChatRequest,
     WorkloadConfig,
     generate,
-    ideal_hit_ratio,
-    load_server_tokenizer,
     prewarm_requests,
     summary,
     summary_line,
 )
+from dscache_tools.workload.ideal import ideal_hit_ratio, load_server_tokenizer
 
 log = logging.getLogger(__name__)
 

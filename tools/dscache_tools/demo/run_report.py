@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dscache_tools.demo.output import pyplot
+from dscache_tools.demo.output import cell, pyplot
 
 
 def _div(a: float | None, b: float | None) -> float | None:
@@ -45,29 +45,18 @@ def check_targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {n: {"value": v, "goal": g, "met": m} for n, v, g, m in rows}
 
 
-def _fmt(value: Any, kind: str) -> str:
-    if value is None:
-        return "-"
-    if kind == "ratio":
-        return f"{value:.3f}"
-    if kind == "s":
-        return f"{value:.3f} s"
-    if kind == "qps":
-        return f"{value:.2f}"
-    return str(value)
-
-
-_ROWS: tuple[tuple[str, str, str], ...] = (
-    ("token hit ratio", "token_hit_ratio", "ratio"),
-    ("block hit ratio", "block_hit_ratio", "ratio"),
-    ("session hit ratio", "session_hit_ratio", "ratio"),
-    ("recomputed share of prompt tokens", "recomputed_share", "ratio"),
-    ("TTFT P50", "ttft_p50_s", "s"),
-    ("TTFT P99", "ttft_p99_s", "s"),
-    ("end-to-end P99", "e2e_p99_s", "s"),
-    ("QPS", "qps", "qps"),
-    ("requests", "requests", "n"),
-    ("errors", "errors", "n"),
+#: The table's rows: (label, key, cell format, whether "on / off" is shown).
+_ROWS: tuple[tuple[str, str, str, bool], ...] = (
+    ("token hit ratio", "token_hit_ratio", ".3f", False),
+    ("block hit ratio", "block_hit_ratio", ".3f", False),
+    ("session hit ratio", "session_hit_ratio", ".3f", False),
+    ("recomputed share of prompt tokens", "recomputed_share", ".3f", False),
+    ("TTFT P50", "ttft_p50_s", ".3f s", True),
+    ("TTFT P99", "ttft_p99_s", ".3f s", True),
+    ("end-to-end P99", "e2e_p99_s", ".3f s", True),
+    ("QPS", "qps", ".2f", True),
+    ("requests", "requests", "", False),
+    ("errors", "errors", "", False),
 )
 
 
@@ -81,10 +70,10 @@ def format_table(result: dict[str, Any]) -> str:
     }
     header = "| | " + " | ".join(titles[c] for c in cols) + " | on / off |"
     lines = [header, "|---|" + "---:|" * (len(cols) + 1)]
-    for label, key, kind in _ROWS:
-        cells = [_fmt(result[c].get(key), kind) for c in cols]
+    for label, key, spec, compare in _ROWS:
+        cells = [cell(result[c].get(key), spec) for c in cols]
         ratio = ""
-        if kind in ("s", "qps"):
+        if compare:
             r = _div(result["cache_on"].get(key), result["cache_off"].get(key))
             ratio = "-" if r is None else f"{r:.2f}x"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio} |")
@@ -103,7 +92,7 @@ def format_table(result: dict[str, Any]) -> str:
         )
     for name, t in result["targets"].items():
         mark = "met" if t["met"] else "MISSED"
-        lines.append(f"target {name}: {_fmt(t['value'], 'ratio')} (goal {t['goal']}) {mark}")
+        lines.append(f"target {name}: {cell(t['value'], '.3f')} (goal {t['goal']}) {mark}")
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dscache_tools.demo.kube.watch import Phase
+from dscache_tools.demo.output import cell
 from dscache_tools.loadgen import RequestResult, percentile
 
 
@@ -145,43 +146,32 @@ def format_table(report: dict[str, Any]) -> str:
     """The rollout comparison (markdown)."""
     a, b = report["warm_canary"], report["blind_rolling"]
 
-    def cell(value: Any, kind: str) -> str:
-        if value is None:
-            return "-"
-        if kind == "s":
-            return f"{value:.2f} s"
-        if kind == "ratio":
-            return f"{value:.3f}"
-        if isinstance(value, float):
-            return f"{value:,.0f}"
-        return f"{value:,}"
-
     def ratio(x: Any, y: Any) -> str:
         return f"{x / y:.2f}x" if isinstance(x, (int, float)) and y else "-"
 
     rows = [
-        ("rollout (revision change to done)", "rollout_s", "s"),
-        ("requests in the window", "requests", "n"),
-        ("prompt tokens", "prompt_tokens", "n"),
-        ("recomputed prompt tokens", "recomputed_tokens", "n"),
-        ("recomputed share", "recomputed_share", "ratio"),
-        ("recomputed share before the change", "steady_recomputed_share", "ratio"),
-        ("recomputed beyond that share", "excess_recomputed_share", "ratio"),
-        ("token hit ratio", "token_hit_ratio", "ratio"),
-        ("TTFT P50", "ttft_p50_s", "s"),
-        ("TTFT P99", "ttft_p99_s", "s"),
-        ("errors", "errors", "n"),
+        ("rollout (revision change to done)", "rollout_s", ".2f s"),
+        ("requests in the window", "requests", ","),
+        ("prompt tokens", "prompt_tokens", ","),
+        ("recomputed prompt tokens", "recomputed_tokens", ","),
+        ("recomputed share", "recomputed_share", ".3f"),
+        ("recomputed share before the change", "steady_recomputed_share", ".3f"),
+        ("recomputed beyond that share", "excess_recomputed_share", ".3f"),
+        ("token hit ratio", "token_hit_ratio", ".3f"),
+        ("TTFT P50", "ttft_p50_s", ".2f s"),
+        ("TTFT P99", "ttft_p99_s", ".2f s"),
+        ("errors", "errors", ","),
     ]
     lines = [
         "| | warm canary | blind rolling update | canary / blind |",
         "|---|---:|---:|---:|",
     ]
-    for title, key, kind in rows:
+    for title, key, spec in rows:
         r = ratio(a.get(key), b.get(key)) if key not in ("requests", "rollout_s") else ""
         if key == "excess_recomputed_share":
             x = report["ratios"].get(key)
             r = "-" if x is None else f"{x:.2f}x"
-        lines.append(f"| {title} | {cell(a.get(key), kind)} | {cell(b.get(key), kind)} | {r} |")
+        lines.append(f"| {title} | {cell(a.get(key), spec)} | {cell(b.get(key), spec)} | {r} |")
     lines.append("")
     lines.append("canary steps (requests started at each weight):")
     for step in a["per_step"]:
