@@ -1,6 +1,13 @@
-"""The local demo: the whole data path on one machine, driven by the finance workload.
+"""The demos: the whole data path driven by the finance workload.
 
-``stack`` starts real sidecars, model servers, NGINX and Prometheus on loopback;
-``run`` replays the workload with the cache off and on and reports the gain.
+The local demo (``dscache demo``): :mod:`.procs` starts and stops child
+processes, :mod:`.parts` describes and configures each one, :mod:`.stack`
+starts real sidecars, model servers, NGINX and Prometheus on loopback, and
+:mod:`.run` replays the workload with the cache off and on; :mod:`.run_report`
+turns that into the table, the targets and the figure.
+
+The Kubernetes demo (``dscache demo kubernetes``) is the :mod:`.kube` package.
+Both print and write their reports through :mod:`.output`.
+
 Nothing here is imported by ``dscache --help``; the CLI loads it on demand.
 """
