@@ -20,6 +20,7 @@ from dscache_tools.workload.model import Company
 #: The fiscal years every dossier reports.
 YEARS = (2022, 2023, 2024)
 
+
 @dataclass(frozen=True)
 class Financials:
     """Three fiscal years of statements, in millions of the reporting currency."""
