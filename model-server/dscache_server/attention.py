@@ -15,7 +15,7 @@ Contract: ``attend_gqa`` serves Llama-style MHA/GQA modules (``q_proj``,
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -26,14 +26,20 @@ from dscache_server.kv import GqaLayerKV, MlaLayerKV, flash_part, latent_part, m
 RopeFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-def attend_gqa(
-    attn: Any,
-    x: torch.Tensor,
-    rope: tuple[RopeFn, torch.Tensor, torch.Tensor],
-    state: GqaLayerKV,
-) -> torch.Tensor:
-    """MHA/GQA attention of ``x`` over ``state``; ``rope`` is (function, cos, sin)."""
-    rope_fn, cos, sin = rope
+class Rope(NamedTuple):
+    """The rotary embedding of the positions being run: the function and its tables."""
+
+    fn: RopeFn
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q, k)`` rotated."""
+        return self.fn(q, k, self.cos, self.sin)
+
+
+def attend_gqa(attn: Any, x: torch.Tensor, rope: Rope, state: GqaLayerKV) -> torch.Tensor:
+    """MHA/GQA attention of ``x`` over ``state`` (appends the new K/V to it)."""
     n = x.shape[1]
     d = state.head_dim
     q = attn.q_proj(x).view(1, n, -1, d)
@@ -42,7 +48,7 @@ def attend_gqa(
     if hasattr(attn, "q_norm"):
         q = attn.q_norm(q)
         k = attn.k_norm(k)
-    q, k = rope_fn(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    q, k = rope(q.transpose(1, 2), k.transpose(1, 2))
     q = q.contiguous()
     k = k.contiguous()
     v = v.transpose(1, 2).contiguous()
@@ -69,14 +75,8 @@ def attend_gqa(
     return attn.o_proj(out.transpose(1, 2).reshape(1, n, hq * d))  # type: ignore[no-any-return]
 
 
-def attend_mla(
-    attn: Any,
-    x: torch.Tensor,
-    rope: tuple[RopeFn, torch.Tensor, torch.Tensor],
-    state: MlaLayerKV,
-) -> torch.Tensor:
-    """DeepSeek-V3 MLA attention of ``x`` over ``state``; ``rope`` is (function, cos, sin)."""
-    rope_fn, cos, sin = rope
+def attend_mla(attn: Any, x: torch.Tensor, rope: Rope, state: MlaLayerKV) -> torch.Tensor:
+    """DeepSeek-V3 MLA attention of ``x`` over ``state`` (appends the new latent to it)."""
     n = x.shape[1]
     heads = attn.num_heads
     nope, rope_dim = attn.qk_nope_head_dim, attn.qk_rope_head_dim
@@ -92,7 +92,7 @@ def attend_mla(
     c, k_rot = torch.split(compressed, [rank, rope_dim], dim=-1)
     c = attn.kv_a_layernorm(c)
     k_rot = k_rot.view(1, 1, n, rope_dim)
-    q_rot, k_rot = rope_fn(q_rot, k_rot, cos, sin)
+    q_rot, k_rot = rope(q_rot, k_rot)
     prior = state.parts(0)
     state.append(torch.cat([c[0], k_rot[0, 0]], dim=-1))
     w = attn.kv_b_proj.weight.view(heads, nope + vdim, rank)

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from dscache.keys import KVLayout, LayoutKind, ModelFingerprint
-from dscache_server.attention import RopeFn, attend_gqa, attend_mla
+from dscache_server.attention import Rope, RopeFn, attend_gqa, attend_mla
 from dscache_server.kv import LayoutAdapter, MlaLayerKV, SequenceKV
 
 GQA_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -150,7 +150,7 @@ class TransformersEngine:
         positions = torch.arange(seq.length, seq.length + n).unsqueeze(0)
         hidden = embed(ids)
         cos, sin = rotary(hidden, positions)
-        rope = (self._rope_fn, cos, sin)
+        rope = Rope(self._rope_fn, cos, sin)
         for i, layer in enumerate(self._layers):
             normed = layer.input_layernorm(hidden)
             state = seq.layers[i]

@@ -2,6 +2,12 @@
 
 Conventions: prefix ``dscache_server_``, base units, ``_total`` on counters only,
 labels with small fixed value sets only (never a session id, tenant or block key).
+The names other components read come from ``dscache.metricnames``.
+
+The metrics are declared once, in the ``_SPECS`` table (attribute -> kind, name,
+labels, help); ``ServerMetrics`` builds them all against its registry and
+pre-creates every labelled series whose values are fixed, so a scrape shows zeros
+rather than nothing.
 
 Hit levels (label ``level``):
     * ``token``: prompt tokens restored from the cache vs. recomputed;
@@ -12,27 +18,18 @@ Hit levels (label ``level``):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dscache import metricnames as names
 
-_LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-    120.0,
-)
-_CACHE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+P = names.SERVER_PREFIX
+
+#: Request latencies, seconds: 5 ms to 2 min.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+#: Cache operations, seconds: 0.5 ms to 2.5 s.
+CACHE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 FALLBACK_REASONS = (
     "unavailable",
@@ -46,104 +43,149 @@ FALLBACK_REASONS = (
 )
 
 
+class _Spec(NamedTuple):
+    kind: type[Counter] | type[Histogram] | type[Gauge]
+    name: str
+    labels: tuple[str, ...]
+    help: str
+    buckets: tuple[float, ...] = ()
+
+    def build(self, registry: CollectorRegistry) -> Counter | Histogram | Gauge:
+        if self.kind is Histogram:
+            return Histogram(
+                self.name, self.help, self.labels, buckets=self.buckets, registry=registry
+            )
+        return self.kind(self.name, self.help, self.labels, registry=registry)
+
+
+_SPECS: dict[str, _Spec] = {
+    "requests": _Spec(
+        Counter,
+        P + "requests_total",
+        ("endpoint", "code"),
+        "HTTP API requests by endpoint and status code.",
+    ),
+    "ttft": _Spec(
+        Histogram,
+        names.TTFT_SECONDS,
+        ("cache",),
+        "Time from request arrival to the first generated token.",
+        LATENCY_BUCKETS,
+    ),
+    "latency": _Spec(
+        Histogram,
+        P + "request_duration_seconds",
+        ("endpoint",),
+        "End-to-end latency of a completion request.",
+        LATENCY_BUCKETS,
+    ),
+    "queue_wait": _Spec(
+        Histogram,
+        P + "queue_wait_seconds",
+        (),
+        "Time a request waited for a generation slot.",
+        LATENCY_BUCKETS,
+    ),
+    "prompt_tokens": _Spec(
+        Counter,
+        names.PROMPT_TOKENS,
+        (names.SOURCE_LABEL,),
+        "Prompt tokens by source: reused from the cache or recomputed.",
+    ),
+    "generated_tokens": _Spec(
+        Counter, P + "generated_tokens_total", (), "Completion tokens generated."
+    ),
+    "cache_hits": _Spec(
+        Counter,
+        names.CACHE_HITS,
+        (names.LEVEL_LABEL,),
+        "Cache hits at token, block and session level.",
+    ),
+    "cache_misses": _Spec(
+        Counter,
+        names.CACHE_MISSES,
+        (names.LEVEL_LABEL,),
+        "Cache misses at token, block and session level.",
+    ),
+    "fallbacks": _Spec(
+        Counter,
+        P + "cache_fallbacks_total",
+        ("reason",),
+        "Requests that recomputed because the cache failed, by reason.",
+    ),
+    "admission": _Spec(
+        Counter,
+        P + "cache_admission_total",
+        ("decision",),
+        "Cache admission decisions: admit, short (under the minimum), no_gain "
+        "(loading would not beat recompute) or disabled.",
+    ),
+    "cache_op_seconds": _Spec(
+        Histogram,
+        P + "cache_op_seconds",
+        ("op",),
+        "Latency of cache operations (lookup, load, store).",
+        CACHE_BUCKETS,
+    ),
+    "blocks_stored": _Spec(
+        Counter,
+        P + "blocks_stored_total",
+        ("result",),
+        "Blocks written to the cache in the background, by result.",
+    ),
+    "queue_depth": _Spec(Gauge, P + "queue_depth", (), "Requests waiting for a generation slot."),
+    "inflight": _Spec(Gauge, P + "inflight_requests", (), "Requests holding a generation slot."),
+    "store_backlog": _Spec(
+        Gauge, P + "store_backlog", (), "Background store jobs not finished yet."
+    ),
+    "crossover_tokens": _Spec(
+        Gauge,
+        P + "cache_crossover_tokens",
+        (),
+        "Calibrated prompt length above which loading beats recomputing.",
+    ),
+}
+
+#: Labelled series created at start, so they scrape as 0 before the first event.
+_FIXED_SERIES: dict[str, tuple[dict[str, str], ...]] = {
+    "fallbacks": tuple({"reason": r} for r in FALLBACK_REASONS),
+    "cache_hits": tuple({names.LEVEL_LABEL: level} for level in names.HIT_LEVELS),
+    "cache_misses": tuple({names.LEVEL_LABEL: level} for level in names.HIT_LEVELS),
+    "prompt_tokens": tuple(
+        {names.SOURCE_LABEL: s} for s in (names.SOURCE_REUSED, names.SOURCE_RECOMPUTED)
+    ),
+}
+
+
 class ServerMetrics:
-    """The server's metrics; build one per server (tests pass a fresh registry)."""
+    """The server's metrics; build one per server (tests pass a fresh registry).
+
+    Each attribute below is the metric of the same key in ``_SPECS``.
+    """
+
+    registry: CollectorRegistry
+    requests: Counter
+    ttft: Histogram
+    latency: Histogram
+    queue_wait: Histogram
+    prompt_tokens: Counter
+    generated_tokens: Counter
+    cache_hits: Counter
+    cache_misses: Counter
+    fallbacks: Counter
+    admission: Counter
+    cache_op_seconds: Histogram
+    blocks_stored: Counter
+    queue_depth: Gauge
+    inflight: Gauge
+    store_backlog: Gauge
+    crossover_tokens: Gauge
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        p = names.SERVER_PREFIX
-        self.requests = Counter(
-            p + "requests_total",
-            "HTTP API requests by endpoint and status code.",
-            ["endpoint", "code"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            names.TTFT_SECONDS,
-            "Time from request arrival to the first generated token.",
-            ["cache"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.latency = Histogram(
-            p + "request_duration_seconds",
-            "End-to-end latency of a completion request.",
-            ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.queue_wait = Histogram(
-            p + "queue_wait_seconds",
-            "Time a request waited for a generation slot.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            names.PROMPT_TOKENS,
-            "Prompt tokens by source: reused from the cache or recomputed.",
-            [names.SOURCE_LABEL],
-            registry=r,
-        )
-        self.generated_tokens = Counter(
-            p + "generated_tokens_total", "Completion tokens generated.", registry=r
-        )
-        self.cache_hits = Counter(
-            names.CACHE_HITS,
-            "Cache hits at token, block and session level.",
-            [names.LEVEL_LABEL],
-            registry=r,
-        )
-        self.cache_misses = Counter(
-            names.CACHE_MISSES,
-            "Cache misses at token, block and session level.",
-            [names.LEVEL_LABEL],
-            registry=r,
-        )
-        self.fallbacks = Counter(
-            p + "cache_fallbacks_total",
-            "Requests that recomputed because the cache failed, by reason.",
-            ["reason"],
-            registry=r,
-        )
-        self.admission = Counter(
-            p + "cache_admission_total",
-            "Cache admission decisions: admit, short (under the minimum), no_gain "
-            "(loading would not beat recompute) or disabled.",
-            ["decision"],
-            registry=r,
-        )
-        self.cache_op_seconds = Histogram(
-            p + "cache_op_seconds",
-            "Latency of cache operations (lookup, load, store).",
-            ["op"],
-            buckets=_CACHE_BUCKETS,
-            registry=r,
-        )
-        self.blocks_stored = Counter(
-            p + "blocks_stored_total",
-            "Blocks written to the cache in the background, by result.",
-            ["result"],
-            registry=r,
-        )
-        self.queue_depth = Gauge(
-            p + "queue_depth", "Requests waiting for a generation slot.", registry=r
-        )
-        self.inflight = Gauge(
-            p + "inflight_requests", "Requests holding a generation slot.", registry=r
-        )
-        self.store_backlog = Gauge(
-            p + "store_backlog", "Background store jobs not finished yet.", registry=r
-        )
-        self.crossover_tokens = Gauge(
-            p + "cache_crossover_tokens",
-            "Calibrated prompt length above which loading beats recomputing.",
-            registry=r,
-        )
-        for reason in FALLBACK_REASONS:
-            self.fallbacks.labels(reason=reason)
-        for level in ("token", "block", "session"):
-            self.cache_hits.labels(level=level)
-            self.cache_misses.labels(level=level)
-        for source in ("reused", "recomputed"):
-            self.prompt_tokens.labels(source=source)
+        for attr, spec in _SPECS.items():
+            setattr(self, attr, spec.build(self.registry))
+        for attr, series in _FIXED_SERIES.items():
+            metric = getattr(self, attr)
+            for labels in series:
+                metric.labels(**labels)

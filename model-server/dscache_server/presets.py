@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,53 @@ class Preset:
     config: dict[str, Any] = field(default_factory=dict)
 
 
-_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+#: Config keys every preset shares: the DeepSeek vocabulary, 32k positions, default
+#: RoPE, tied embeddings, BOS 0 and EOS 1.
+_COMMON: dict[str, Any] = {
+    "vocab_size": DEEPSEEK_VOCAB_SIZE,
+    "max_position_embeddings": 32768,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
+
+def _llama_gqa(hidden: int, layers: int, heads: int, kv_heads: int) -> dict[str, Any]:
+    """A Llama-style GQA config: head dim 64, MLP three times as wide as the model."""
+    return {
+        **_COMMON,
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": 64,
+    }
+
+
+_DEEPSEEK_V3_MLA_MOE: dict[str, Any] = {
+    **_COMMON,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "moe_intermediate_size": 256,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "n_shared_experts": 1,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.0,
+    "kv_lora_rank": 128,
+    "q_lora_rank": 256,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "rope_interleave": True,
+}
 
 PRESETS: dict[str, Preset] = {
     p.name: p
@@ -53,71 +100,19 @@ PRESETS: dict[str, Preset] = {
             name="tiny-gqa",
             model_type="llama",
             description="Llama/Qwen2-style GQA, 12 layers, 8 query / 4 KV heads, ~104M params",
-            config={
-                "vocab_size": DEEPSEEK_VOCAB_SIZE,
-                "hidden_size": 512,
-                "intermediate_size": 1536,
-                "num_hidden_layers": 12,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 4,
-                "head_dim": 64,
-                "max_position_embeddings": 32768,
-                "rope_parameters": dict(_ROPE),
-                "tie_word_embeddings": True,
-                "bos_token_id": 0,
-                "eos_token_id": 1,
-            },
+            config=_llama_gqa(hidden=512, layers=12, heads=8, kv_heads=4),
         ),
         Preset(
             name="mini-gqa",
             model_type="llama",
             description="the demo model: tiny-gqa's architecture at 4 layers and width 256",
-            config={
-                "vocab_size": DEEPSEEK_VOCAB_SIZE,
-                "hidden_size": 256,
-                "intermediate_size": 768,
-                "num_hidden_layers": 4,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "head_dim": 64,
-                "max_position_embeddings": 32768,
-                "rope_parameters": dict(_ROPE),
-                "tie_word_embeddings": True,
-                "bos_token_id": 0,
-                "eos_token_id": 1,
-            },
+            config=_llama_gqa(hidden=256, layers=4, heads=4, kv_heads=2),
         ),
         Preset(
             name="tiny-deepseek-v3",
             model_type="deepseek_v3",
             description="DeepSeek-V3 architecture (MLA + MoE), 6 layers, 8 heads, latent 128+32",
-            config={
-                "vocab_size": DEEPSEEK_VOCAB_SIZE,
-                "hidden_size": 512,
-                "intermediate_size": 1024,
-                "moe_intermediate_size": 256,
-                "num_hidden_layers": 6,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 8,
-                "n_shared_experts": 1,
-                "n_routed_experts": 8,
-                "num_experts_per_tok": 2,
-                "n_group": 2,
-                "topk_group": 1,
-                "first_k_dense_replace": 1,
-                "routed_scaling_factor": 1.0,
-                "kv_lora_rank": 128,
-                "q_lora_rank": 256,
-                "qk_rope_head_dim": 32,
-                "qk_nope_head_dim": 64,
-                "v_head_dim": 64,
-                "max_position_embeddings": 32768,
-                "rope_parameters": dict(_ROPE),
-                "rope_interleave": True,
-                "tie_word_embeddings": True,
-                "bos_token_id": 0,
-                "eos_token_id": 1,
-            },
+            config=_DEEPSEEK_V3_MLA_MOE,
         ),
     )
 }
@@ -136,7 +131,8 @@ def build_random_model(preset: Preset, seed: int) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(preset.model_type, **preset.config)
+    # A deep copy: transformers may adjust nested dicts (rope_parameters) in place.
+    config = AutoConfig.for_model(preset.model_type, **copy.deepcopy(preset.config))
     # Default attention path: our engine runs its own attention over these weights,
     # but the reference forward (used by tests) must be the plain eager one.
     config._attn_implementation = "eager"

@@ -202,24 +202,24 @@ class ChatChunkChoice(TypedDict):
     finish_reason: str | None
 
 
-class Completion(TypedDict):
-    """A whole (non-streamed) chat or text completion."""
-
+class _Identified(TypedDict):
     id: str
-    object: Literal["chat.completion", "text_completion"]
     created: int
     model: str
+
+
+class Completion(_Identified):
+    """A whole (non-streamed) chat or text completion."""
+
+    object: Literal["chat.completion", "text_completion"]
     choices: list[ChatChoice] | list[TextChoice]
     usage: Usage
 
 
-class Chunk(TypedDict):
+class Chunk(_Identified):
     """One server-sent event of a stream; the last one may carry only ``usage``."""
 
-    id: str
     object: Literal["chat.completion.chunk", "text_completion"]
-    created: int
-    model: str
     choices: list[ChatChunkChoice] | list[TextChoice]
     usage: NotRequired[Usage]
 
