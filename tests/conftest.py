@@ -13,14 +13,17 @@ is a test error, never a skip: real nodes need root and the Debian packages
 named in the error. Component logs stay in pytest's temporary directory
 (``<basetemp>/devcluster*/logs``).
 
-Tests that use it carry ``@pytest.mark.cluster``.
+Tests that use it carry ``@pytest.mark.cluster``; ``namespace`` gives such a
+test a namespace of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 
@@ -29,6 +32,7 @@ from dscache_tools.devcluster import DevCluster, ensure_built, is_built
 from dscache_tools.devcluster.images import image_loader
 
 logger = logging.getLogger(__name__)
+_namespaces = itertools.count()
 
 
 def _terminal_progress(config: pytest.Config) -> Callable[[str], None]:
@@ -74,3 +78,12 @@ def dev_cluster(
         yield cluster
     finally:
         cluster.stop(keep_logs=True)
+
+
+@pytest.fixture
+def namespace(dev_cluster: DevCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A namespace of its own for one test, named after it, deleted afterwards (without waiting)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.removeprefix("test_").lower())
+    name = f"t{os.getpid() % 10000}-{next(_namespaces)}-{slug}"[:63].strip("-")
+    with dev_cluster.temporary_namespace(name):
+        yield name

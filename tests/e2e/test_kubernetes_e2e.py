@@ -42,35 +42,17 @@ ROUTER_LATENCY_BOUND_S = 15.0
 def release(dev_cluster: DevCluster) -> Iterator[str]:
     """The chart installed as a user would: the operator as two peered pods."""
     assert dev_cluster.prometheus_url, "the session cluster runs Prometheus"
-    dev_cluster.helm(
-        "upgrade",
-        "--install",
-        "dscache",
-        str(ROOT / "charts" / "dscache"),
-        "--namespace",
-        OPERATOR_NS,
-        "--create-namespace",
-        "--set",
-        f"operator.prometheusUrl={dev_cluster.prometheus_url}",
-        "--set",
-        "operator.tickSeconds=2",
-        "--set",
-        "operator.peeringLifetimeSeconds=10",
-        "--wait",
-        "--timeout",
-        "300s",
+    values = {
+        "operator.prometheusUrl": dev_cluster.prometheus_url,
+        "operator.tickSeconds": 2,
+        "operator.peeringLifetimeSeconds": 10,
+    }
+    dev_cluster.install_chart(
+        "dscache", ROOT / "charts" / "dscache", OPERATOR_NS, values, timeout="300s"
     )
     yield OPERATOR_NS
     # The operator modules run their own operator process: leave no replica acting.
     dev_cluster.helm("uninstall", "dscache", "--namespace", OPERATOR_NS, "--wait", check=False)
-
-
-@pytest.fixture
-def namespace(dev_cluster: DevCluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    name = f"e2e-{os.getpid() % 10000}-{request.node.name[5:30].replace('_', '-').strip('-')}"
-    dev_cluster.kubectl("create", "namespace", name)
-    yield name
-    dev_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 def _resource(name: str, **spec: Any) -> dict[str, Any]:

@@ -9,15 +9,20 @@ Contract:
     * :meth:`ClusterAccess.kubectl` and :meth:`ClusterAccess.helm` capture the
       output and, with ``check``, raise :class:`ToolError`, whose message
       includes what the tool printed.
+    * :meth:`ClusterAccess.install_chart` is ``helm upgrade --install`` that
+      creates the namespace and waits for the release's resources;
+      :meth:`ClusterAccess.temporary_namespace` deletes its namespace on exit
+      without waiting for it to go.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,3 +111,44 @@ class ClusterAccess:
         if check and done.returncode != 0:
             raise ToolError(done.returncode, done.args, output=done.stdout, stderr=done.stderr)
         return done
+
+    def install_chart(
+        self,
+        release: str,
+        chart: Path,
+        namespace: str,
+        values: Mapping[str, object] | None = None,
+        timeout: str = "120s",
+    ) -> None:
+        """Installs or upgrades ``chart`` as ``release`` and waits until its resources are ready.
+
+        Args:
+            release: The release name.
+            chart: The chart's directory.
+            namespace: Created when missing.
+            values: ``--set`` values (``{"operator.replicas": 0}``).
+            timeout: helm's ``--timeout`` for the wait.
+        """
+        sets = [arg for key, value in (values or {}).items() for arg in ("--set", f"{key}={value}")]
+        self.helm(
+            "upgrade",
+            "--install",
+            release,
+            str(chart),
+            "--namespace",
+            namespace,
+            "--create-namespace",
+            *sets,
+            "--wait",
+            "--timeout",
+            timeout,
+        )
+
+    @contextlib.contextmanager
+    def temporary_namespace(self, name: str) -> Iterator[str]:
+        """Creates namespace ``name`` for the ``with`` block, deletes it (without waiting) after."""
+        self.kubectl("create", "namespace", name)
+        try:
+            yield name
+        finally:
+            self.kubectl("delete", "namespace", name, "--wait=false", check=False)
