@@ -31,6 +31,8 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+from cachetools import LRUCache, TTLCache
+
 from dscache_operator import KIND
 from dscache_operator.analysis import Step, analyse
 from dscache_operator.conditions import set_condition
@@ -72,7 +74,7 @@ from dscache_operator.status import (
 
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
-_MONITORING_TTL_S = 10.0  # one discovery GET per period, not per resource
+_MONITORING_TTL_S = 10.0
 
 
 def observe_track(deployment: Obj | None) -> TrackObservation:
@@ -146,9 +148,17 @@ class Reconciler:
         self.clock = clock
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
-        self._monitoring: tuple[float, bool] | None = None
-        self._applied: dict[tuple[str, str, str], tuple[str, float]] = {}
-        self._router_pods_at: dict[str, str] = {}  # uid -> config hash the router pods carry
+        # One discovery GET per period, not per resource.
+        self._monitoring: TTLCache[str, bool] = TTLCache(
+            maxsize=1, ttl=_MONITORING_TTL_S, timer=time.monotonic
+        )
+        # (owner uid, kind, name) -> what was last written there; an entry lives
+        # reapply_seconds, so an unchanged object is re-applied (drift repaired)
+        # at most that often. Deleted resources' entries age out on their own.
+        self._applied: TTLCache[tuple[str, str, str], str] = TTLCache(
+            maxsize=10000, ttl=settings.reapply_seconds, timer=time.monotonic
+        )
+        self._router_pods_at: LRUCache[str, str] = LRUCache(maxsize=10000)  # uid -> config hash
 
     def _lock(self, uid: str) -> threading.Lock:
         with self._locks_guard:
@@ -225,15 +235,10 @@ class Reconciler:
         meta = obj["metadata"]
         key = (meta["ownerReferences"][0]["uid"], obj["kind"], meta["name"])
         digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-        now = time.monotonic()
-        last = self._applied.get(key)
-        if last is not None and last[0] == digest and now - last[1] < self.settings.reapply_seconds:
+        if self._applied.get(key) == digest:
             return
         self.kube.apply(obj)
-        if len(self._applied) > 10000:  # deleted resources' entries
-            horizon = now - self.settings.reapply_seconds
-            self._applied = {k: v for k, v in self._applied.items() if v[1] > horizon}
-        self._applied[key] = (digest, now)
+        self._applied[key] = digest
 
     def _create(self, obj: Obj) -> None:
         meta = obj["metadata"]
@@ -262,16 +267,12 @@ class Reconciler:
             except ApiError as exc:
                 if exc.status != 404:
                     raise
-        if len(self._router_pods_at) > 10000:  # deleted resources' entries
-            self._router_pods_at.clear()
         self._router_pods_at[owner.uid] = digest
 
     def _label_frozen(self, owner: Owner, slot: str, track: str) -> None:
         name = f"{owner.name}-{slot}"
         key = (owner.uid, "Deployment/labels", name)
-        now = time.monotonic()
-        last = self._applied.get(key)
-        if last is not None and last[0] == track and now - last[1] < self.settings.reapply_seconds:
+        if self._applied.get(key) == track:
             return
         patch = {"metadata": {"labels": {TRACK: track}}}
         try:
@@ -279,7 +280,7 @@ class Reconciler:
         except ApiError as exc:
             if exc.status != 404:
                 raise
-        self._applied[key] = (track, now)
+        self._applied[key] = track
 
     def _observe(
         self,
@@ -356,11 +357,11 @@ class Reconciler:
         return tuple(pod_address(ip, port) for ip in ready_pod_ips(pods))
 
     def _monitoring_available(self) -> bool:
-        now = time.monotonic()
-        if self._monitoring is None or now - self._monitoring[0] > _MONITORING_TTL_S:
-            ok = self.kube.has_api("monitoring.coreos.com/v1", "servicemonitors")
-            self._monitoring = (now, ok)
-        return self._monitoring[1]
+        available = self._monitoring.get("servicemonitors")
+        if available is None:
+            available = self.kube.has_api("monitoring.coreos.com/v1", "servicemonitors")
+            self._monitoring["servicemonitors"] = available
+        return available
 
     def _write_status(
         self, owner: Owner, meta: Mapping[str, Any], status: DeepSeekCacheDeploymentStatus

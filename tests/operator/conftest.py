@@ -8,7 +8,7 @@
   process against the dev cluster (a 1 s tick), restartable and killable.
 * ``prometheus``: Debian's ``prometheus`` binary on a loopback port, scraping a
   fake model-server ``/metrics`` every second whose figures the test sets.
-* ``ns``: a fresh namespace per test.
+* ``ns``: a fresh namespace per test; ``rig``: all of the above for one test.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import pytest
 from dscache_tools.devcluster import DevCluster
 from fakes.server_metrics import FakeServerMetrics
-from operator_harness import ROOT, OperatorProcess, PrometheusProcess
+from operator_harness import ROOT, OperatorProcess, PrometheusProcess, Rig
 
 CHART_NS = "dscache-system"
 _counter = itertools.count()
@@ -83,3 +83,15 @@ def ns(dev_cluster: DevCluster) -> Iterator[str]:
     dev_cluster.kubectl("create", "namespace", name)
     yield name
     dev_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture
+def rig(
+    dev_cluster: DevCluster,
+    operator: OperatorProcess,
+    prometheus: PrometheusProcess,
+    server_metrics: FakeServerMetrics,
+    ns: str,
+) -> Rig:
+    """A rollout test's namespace with the shared operator, Prometheus and fake metrics."""
+    return Rig(dev_cluster, ns, operator, prometheus, server_metrics)

@@ -8,36 +8,36 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
+import httpx
 import yaml
 from dscache_tools.devcluster import DevCluster, wait_until
 from dscache_tools.devcluster.nodes import NODE_KIND_LABEL, SIMULATED_TAINT
 from dscache_tools.net import free_port
 from fakes.server_metrics import FakeServerMetrics, Figures
+from needs import need_binary
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The shared operator re-applies unchanged children this often (the default
+#: is 60 s), so a test watching a few seconds sees several re-applies.
+REAPPLY_SECONDS = 1
 
 
-def _need(binary: str, package: str) -> str:
-    path = shutil.which(binary) or (
-        f"/usr/bin/{binary}" if Path(f"/usr/bin/{binary}").exists() else None
-    )
-    if path is None:
-        message = f"needs `{binary}` (apt-get install {package})"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class PrometheusProcess:
@@ -59,7 +59,7 @@ class PrometheusProcess:
         self._log = self.log.open("w")
         self.proc = subprocess.Popen(
             [
-                _need("prometheus", "prometheus"),
+                need_binary("prometheus", "prometheus"),
                 f"--config.file={config}",
                 f"--storage.tsdb.path={workdir / 'tsdb'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
@@ -69,28 +69,20 @@ class PrometheusProcess:
             stderr=subprocess.STDOUT,
         )
         # Ready, and the target scraped once (discovery applies targets every 5 s).
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if self._scraped():
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"prometheus did not start: {self.log.read_text()[-2000:]}")
+        try:
+            wait_until("prometheus scraped its target", self._scraped, 60, 0.2)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}: {self.log.read_text()[-2000:]}") from exc
 
     def _scraped(self) -> bool:
-        url = f"{self.url}/api/v1/query?query=up"
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return bool(json.loads(r.read())["data"]["result"])
+        try:
+            r = httpx.get(f"{self.url}/api/v1/query", params={"query": "up"}, timeout=2)
+            return bool(r.json()["data"]["result"])
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False  # not serving yet
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _stop(self.proc)
         self._log.close()
 
 
@@ -131,6 +123,7 @@ class OperatorProcess:
 
     def start(self) -> None:
         env = self.cluster.env()
+        env["DSCACHE_OPERATOR_REAPPLY_SECONDS"] = str(REAPPLY_SECONDS)
         env.update(self.extra_env)
         if self.kubeconfig is not None:
             env["KUBECONFIG"] = str(self.kubeconfig)
@@ -169,12 +162,7 @@ class OperatorProcess:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            _stop(self.proc)
             self.proc = None
 
     def tail(self) -> str:
@@ -183,16 +171,15 @@ class OperatorProcess:
     def reconciles(self) -> float:
         """``dscache_operator_reconciles_total`` over every result (0 before the first)."""
         assert self.metrics_port, "started without metrics=True"
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                text = r.read().decode()
-        except OSError:
+            r = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5)
+        except httpx.HTTPError:
             return 0.0  # not serving yet
         return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("dscache_operator_reconciles_total{")
+            sample.value
+            for family in text_string_to_metric_families(r.text)
+            for sample in family.samples
+            if sample.name == "dscache_operator_reconciles_total"
         )
 
 
@@ -335,3 +322,64 @@ def router_conf(c: DevCluster, ns: str, name: str) -> str:
     cm = c.kubectl_json("get", "configmap", f"{name}-router", "-n", ns)
     text: str = cm["data"]["nginx.conf"]
     return text
+
+
+@dataclass(frozen=True)
+class Rig:
+    """What a rollout test drives: its namespace, the shared operator, Prometheus and metrics."""
+
+    c: DevCluster
+    ns: str
+    op: OperatorProcess
+    prom: PrometheusProcess
+    metrics: FakeServerMetrics
+
+    def deploy(self, name: str, extra: dict[str, Any] | None = None, **rollout: Any) -> str:
+        """Creates resource ``name`` (``rollout`` settings, ``extra`` spec fields), waits for
+        Available and returns its stable revision."""
+        doc = spec_doc(name, self.prom, **rollout)
+        apply(self.c, self.ns, [{**doc, "spec": {**doc["spec"], **(extra or {})}}])
+        revision: str = self.available(name)["stableRevision"]
+        return revision
+
+    def available(self, name: str) -> dict[str, Any]:
+        return available(self.c, self.ns, name, self.op)
+
+    def rollout(self, name: str, revision: str, figures: Figures | None = GOOD) -> tuple[str, str]:
+        """:func:`start_rollout` of ``name`` to model revision ``revision``."""
+        return start_rollout(self.c, self.ns, name, self.op, self.metrics, revision, figures)
+
+    def wait(
+        self, name: str, what: str, ok: Callable[[dict[str, Any]], bool], timeout: float = 90.0
+    ) -> dict[str, Any]:
+        return wait_for(self.c, self.ns, name, what, ok, self.op, timeout)
+
+    def status(self, name: str) -> dict[str, Any]:
+        return status(self.c, self.ns, name)
+
+    def events(self, name: str) -> list[str]:
+        return events(self.c, self.ns, name)
+
+    def deployment(self, name: str) -> dict[str, Any]:
+        out: dict[str, Any] = self.c.kubectl_json("get", "deployment", name, "-n", self.ns)
+        return out
+
+    def weights_until_promoted(
+        self, name: str, canary: str, timeout: float, on_change: Callable[[dict[str, Any]], None]
+    ) -> list[tuple[str, int]]:
+        """Every (phase, weight) the status shows until ``canary`` is stable and Available."""
+        seen: list[tuple[str, int]] = []
+
+        def promoted() -> bool:
+            st = self.status(name)
+            key = (st["phase"], st["weight"])
+            if not seen or seen[-1] != key:
+                seen.append(key)
+                on_change(st)
+            return st.get("stableRevision") == canary and st["phase"] == "Available"
+
+        try:
+            wait_until(f"{name} promoted", promoted, timeout, 0.3)
+        except TimeoutError as exc:
+            raise AssertionError(f"no promotion: {seen}\n{self.op.tail()}") from exc
+        return seen

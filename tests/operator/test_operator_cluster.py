@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import yaml
 from dscache_tools.devcluster import DevCluster, ToolError, wait_until
-from fakes.server_metrics import FakeServerMetrics
 from operator_harness import (
     BAD,
     GOOD,
+    REAPPLY_SECONDS,
     OperatorProcess,
-    PrometheusProcess,
+    Rig,
     apply,
     apply_example,
     available,
@@ -32,9 +32,6 @@ from operator_harness import (
     events,
     get,
     router_conf,
-    spec_doc,
-    start_rollout,
-    status,
     wait_for,
 )
 
@@ -216,28 +213,33 @@ def test_examples_create_owned_hardened_children(
     # Printer columns.
     table = c.kubectl("get", "dscd", name, "-n", ns).stdout
     assert table.split()[:7] == ["NAME", "PHASE", "STABLE", "CANARY", "WEIGHT", "HITRATE", "AGE"]
-    # Re-applying is a no-op: nothing changes on the next ticks.
-    before = c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)["metadata"][
-        "resourceVersion"
-    ]
-    time.sleep(3)
-    after = c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)["metadata"][
-        "resourceVersion"
-    ]
-    assert before == after
+
+    # Re-applying is a no-op: the operator server-side applies every child again
+    # each REAPPLY_SECONDS (a tick a second), and across several such intervals
+    # no child is written: neither its resourceVersion nor the operator's
+    # managedFields entry (whose time moves on any change) moves.
+    def writes() -> dict[str, tuple[str, str]]:
+        seen: dict[str, tuple[str, str]] = {}
+        for kind in kinds:
+            listed = c.kubectl_json("get", kind, "-n", ns, "-l", sel, "--show-managed-fields")
+            for i in listed["items"]:
+                m = i["metadata"]
+                ours = [f for f in m["managedFields"] if f["manager"] == "dscache-operator"]
+                assert ours, f"{kind}/{m['name']} not applied by the operator"
+                seen[f"{kind}/{m['name']}"] = (m["resourceVersion"], json.dumps(ours))
+        return seen
+
+    before = writes()
+    time.sleep(4 * REAPPLY_SECONDS + 1)
+    assert writes() == before
 
 
 # ----------------------------------------------------------------------------- rollouts
 
 
-def test_good_figures_promote_through_every_step(
-    dev_cluster: DevCluster,
-    operator: OperatorProcess,
-    prometheus: PrometheusProcess,
-    server_metrics: FakeServerMetrics,
-    ns: str,
-) -> None:
-    c, name = dev_cluster, "good"
+def test_good_figures_promote_through_every_step(rig: Rig) -> None:
+    c, ns, name = rig.c, rig.ns, "good"
+    prompts = {"prompts.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n'}
     apply(
         c,
         ns,
@@ -246,44 +248,29 @@ def test_good_figures_promote_through_every_step(
                 "apiVersion": "v1",
                 "kind": "ConfigMap",
                 "metadata": {"name": "prompts"},
-                "data": {"prompts.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n'},
-            },
-            {
-                **spec_doc(name, prometheus),
-                "spec": {
-                    **spec_doc(name, prometheus)["spec"],
-                    "prewarm": {"prompts": {"name": "prompts"}},
-                },
-            },
+                "data": prompts,
+            }
         ],
     )
-    available(c, ns, name, operator)
-    stable, canary = start_rollout(c, ns, name, operator, server_metrics, "2")
-    seen: list[tuple[str, int]] = []
+    stable = rig.deploy(name, extra={"prewarm": {"prompts": {"name": "prompts"}}})
+    _, canary = rig.rollout(name, "2")
     confs: dict[int, str] = {}
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        st = status(c, ns, name)
-        key = (st["phase"], st["weight"])
-        if not seen or seen[-1] != key:
-            seen.append(key)
-            if st["phase"] == "Progressing" and st["weight"] not in confs:
-                confs[st["weight"]] = router_conf(c, ns, name)
-        if st.get("stableRevision") == canary and st["phase"] == "Available":
-            break
-        time.sleep(0.3)
-    else:
-        raise AssertionError(f"no promotion: {seen}\n{operator.tail()}")
+
+    def keep_conf(st: dict[str, Any]) -> None:
+        if st["phase"] == "Progressing" and st["weight"] not in confs:
+            confs[st["weight"]] = router_conf(c, ns, name)
+
+    seen = rig.weights_until_promoted(name, canary, 120, keep_conf)
     weights = [w for p, w in seen if p == "Progressing"]
     assert weights == [10, 25, 50, 100], seen
     assert ("Prewarming", 0) in seen
     # New sessions split by weight onto the canary's track (green; blue is stable).
     assert "10% green;" in confs[10] and "25% green;" in confs[25] and "50% green;" in confs[50]
     assert "default green;" in confs[100]
-    st = status(c, ns, name)
+    st = rig.status(name)
     assert (st["stableSlot"], st["previousSlot"], st["weight"]) == ("green", "blue", 0)
     assert st["lastAnalysis"]["result"] == "Pass" and st["hitRate"] == "0.950"
-    reasons = events(c, ns, name)
+    reasons = rig.events(name)
     assert reasons.count("StepStarted") == 4 and "Prewarmed" in reasons and "Promoted" in reasons
     job = c.kubectl_json("get", "job", f"{name}-prewarm-{canary}", "-n", ns)
     assert job["status"].get("succeeded") == 1
@@ -326,12 +313,10 @@ def test_good_figures_promote_through_every_step(
         )
 
     wait_until("router pods annotated with the config hash", router_pods_current, 30)
-    router = c.kubectl_json("get", "deployment", f"{name}-router", "-n", ns)
-    template_meta = router["spec"]["template"]["metadata"]
+    template_meta = rig.deployment(f"{name}-router")["spec"]["template"]["metadata"]
     assert "dscache.io/router-config-hash" not in (template_meta.get("annotations") or {})
     # The old track stays warm; the labels say who is who.
-    blue = c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)
-    green = c.kubectl_json("get", "deployment", f"{name}-green", "-n", ns)
+    blue, green = rig.deployment(f"{name}-blue"), rig.deployment(f"{name}-green")
     assert (
         blue["spec"]["replicas"] == 2
         and blue["metadata"]["labels"]["dscache.io/track"] == "previous"
@@ -340,21 +325,14 @@ def test_good_figures_promote_through_every_step(
     assert stable != canary
 
 
-def test_bad_hit_rate_at_25_rolls_back_within_one_interval(
-    dev_cluster: DevCluster,
-    operator: OperatorProcess,
-    prometheus: PrometheusProcess,
-    server_metrics: FakeServerMetrics,
-    ns: str,
-) -> None:
-    c, name = dev_cluster, "bad"
-    apply(c, ns, [spec_doc(name, prometheus, interval="6s")])
-    available(c, ns, name, operator)
-    _, canary = start_rollout(c, ns, name, operator, server_metrics, "2")
-    st = wait_for(c, ns, name, "weight 25", lambda s: s.get("weight") == 25, operator)
-    server_metrics.set(ns, canary, BAD)
+def test_bad_hit_rate_at_25_rolls_back_within_one_interval(rig: Rig) -> None:
+    name = "bad"
+    rig.deploy(name, interval="6s")
+    _, canary = rig.rollout(name, "2")
+    st = rig.wait(name, "weight 25", lambda s: s.get("weight") == 25)
+    rig.metrics.set(rig.ns, canary, BAD)
     step_started = datetime.fromisoformat(st["stepStartedAt"])
-    st = wait_for(c, ns, name, "rolled back", lambda s: s.get("phase") == "RolledBack", operator)
+    st = rig.wait(name, "rolled back", lambda s: s.get("phase") == "RolledBack")
     rolled_back = datetime.fromisoformat(condition(st, "RolledBack")["lastTransitionTime"])
     # One interval (6 s) after the step began, plus a tick and whole-second timestamps.
     assert (rolled_back - step_started).total_seconds() <= 6 + 3
@@ -363,53 +341,39 @@ def test_bad_hit_rate_at_25_rolls_back_within_one_interval(
     assert (rb["status"], rb["reason"]) == ("True", "AnalysisFailed")
     assert "hit rate 0.4" in rb["message"] and "25%" in rb["message"]
     assert st["lastAnalysis"]["result"] == "Fail"
-    assert "default stable;" in router_conf(c, ns, name)
-    green = c.kubectl_json("get", "deployment", f"{name}-green", "-n", ns)
-    assert green["spec"]["replicas"] == 0
+    assert "default stable;" in router_conf(rig.c, rig.ns, name)
+    assert rig.deployment(f"{name}-green")["spec"]["replicas"] == 0
     time.sleep(3)  # not retried while the spec asks for the same revision
-    assert status(c, ns, name)["phase"] == "RolledBack"
-    assert "AnalysisFailed" in events(c, ns, name)
+    assert rig.status(name)["phase"] == "RolledBack"
+    assert "AnalysisFailed" in rig.events(name)
 
 
-def test_no_data_pauses_and_data_resumes(
-    dev_cluster: DevCluster,
-    operator: OperatorProcess,
-    prometheus: PrometheusProcess,
-    server_metrics: FakeServerMetrics,
-    ns: str,
-) -> None:
-    c, name = dev_cluster, "nodata"
-    apply(c, ns, [spec_doc(name, prometheus, interval="3s")])
-    available(c, ns, name, operator)
-    _, canary = start_rollout(c, ns, name, operator, server_metrics, "2", figures=None)
-    st = wait_for(c, ns, name, "paused", lambda s: s.get("phase") == "Paused", operator)
+def test_no_data_pauses_and_data_resumes(rig: Rig) -> None:
+    name = "nodata"
+    rig.deploy(name, interval="3s")
+    _, canary = rig.rollout(name, "2", figures=None)
+    st = rig.wait(name, "paused", lambda s: s.get("phase") == "Paused")
     prog = condition(st, "Progressing")
     assert (prog["status"], prog["reason"]) == ("False", "AnalysisNoData")
     assert st["weight"] == 10 and st["lastAnalysis"]["result"] == "NoData"
     time.sleep(7)  # two more intervals: never promoted blind
-    assert (status(c, ns, name)["weight"], status(c, ns, name)["phase"]) == (10, "Paused")
-    server_metrics.set(ns, canary, GOOD)
-    wait_for(c, ns, name, "resumed", lambda s: s.get("weight", 0) >= 25, operator)
+    st = rig.status(name)
+    assert (st["weight"], st["phase"]) == (10, "Paused")
+    rig.metrics.set(rig.ns, canary, GOOD)
+    rig.wait(name, "resumed", lambda s: s.get("weight", 0) >= 25)
 
 
-def test_annotations_pause_promote_and_abort(
-    dev_cluster: DevCluster,
-    operator: OperatorProcess,
-    prometheus: PrometheusProcess,
-    server_metrics: FakeServerMetrics,
-    ns: str,
-) -> None:
-    c, name = dev_cluster, "steer"
-    apply(c, ns, [spec_doc(name, prometheus, interval="1h")])  # nothing advances by itself
-    available(c, ns, name, operator)
-    start_rollout(c, ns, name, operator, server_metrics, "2")
-    wait_for(c, ns, name, "weight 10", lambda s: s.get("weight") == 10, operator)
+def test_annotations_pause_promote_and_abort(rig: Rig) -> None:
+    c, ns, name = rig.c, rig.ns, "steer"
+    rig.deploy(name, interval="1h")  # nothing advances by itself
+    rig.rollout(name, "2")
+    rig.wait(name, "weight 10", lambda s: s.get("weight") == 10)
 
     def annotate(*kv: str) -> None:
         c.kubectl("annotate", "--overwrite", "dscd", name, "-n", ns, *kv)
 
     annotate("dscache.io/promote=next")
-    st = wait_for(c, ns, name, "promoted a step", lambda s: s.get("weight") == 25, operator)
+    st = rig.wait(name, "promoted a step", lambda s: s.get("weight") == 25)
     assert st["lastAction"]["type"] == "promote"
     wait_until(
         "promote annotation cleared",
@@ -418,104 +382,74 @@ def test_annotations_pause_promote_and_abort(
     )
 
     annotate("dscache.io/pause=true")
-    st = wait_for(c, ns, name, "paused", lambda s: s.get("phase") == "Paused", operator)
+    st = rig.wait(name, "paused", lambda s: s.get("phase") == "Paused")
     assert condition(st, "Progressing")["reason"] == "Paused" and st["weight"] == 25
     annotate("dscache.io/pause-")
-    wait_for(c, ns, name, "resumed", lambda s: s.get("phase") == "Progressing", operator)
+    rig.wait(name, "resumed", lambda s: s.get("phase") == "Progressing")
 
     annotate("dscache.io/abort=true")
-    st = wait_for(c, ns, name, "aborted", lambda s: s.get("phase") == "RolledBack", operator)
+    st = rig.wait(name, "aborted", lambda s: s.get("phase") == "RolledBack")
     assert st["weight"] == 0 and condition(st, "RolledBack")["reason"] == "Aborted"
 
     # A new revision, promoted fully at once, then aborted inside the rollback window:
     # traffic goes straight back to the warm old track.
-    _, rev3 = start_rollout(c, ns, name, operator, server_metrics, "3")
-    wait_for(c, ns, name, "weight 10", lambda s: s.get("weight") == 10, operator)
+    _, rev3 = rig.rollout(name, "3")
+    rig.wait(name, "weight 10", lambda s: s.get("weight") == 10)
     annotate("dscache.io/promote=full")
-    st = wait_for(c, ns, name, "full", lambda s: s.get("stableRevision") == rev3, operator)
+    st = rig.wait(name, "full", lambda s: s.get("stableRevision") == rev3)
     assert st["phase"] == "Available" and st["previousSlot"] == "blue"
     annotate("dscache.io/abort=true")
-    st = wait_for(c, ns, name, "switched back", lambda s: s.get("stableSlot") == "blue", operator)
+    st = rig.wait(name, "switched back", lambda s: s.get("stableSlot") == "blue")
     assert condition(st, "RolledBack")["reason"] == "RolledBackToPrevious"
-    reasons = events(c, ns, name)
-    assert {"Promoted", "Aborted", "RolledBackToPrevious"} <= set(reasons)
+    assert {"Promoted", "Aborted", "RolledBackToPrevious"} <= set(rig.events(name))
 
 
-def test_kubectl_rollout_undo_is_honoured(
-    dev_cluster: DevCluster,
-    operator: OperatorProcess,
-    prometheus: PrometheusProcess,
-    server_metrics: FakeServerMetrics,
-    ns: str,
-) -> None:
-    c, name = dev_cluster, "undo"
-    apply(c, ns, [spec_doc(name, prometheus, interval="1h")])
-    first = available(c, ns, name, operator)["stableRevision"]
-    # Revision 2 promoted to green; revision 3 then reuses blue, which had revision 1.
-    _, rev2 = start_rollout(c, ns, name, operator, server_metrics, "2")
-    c.kubectl("annotate", "dscd", name, "-n", ns, "dscache.io/promote=full")
-    wait_for(c, ns, name, "rev 2 stable", lambda s: s.get("stableRevision") == rev2, operator)
-    _, rev3 = start_rollout(c, ns, name, operator, server_metrics, "3")
-    st = wait_for(c, ns, name, "weight 10", lambda s: s.get("weight") == 10, operator)
-    assert st["canarySlot"] == "blue"
-    wait_until(
-        "blue at revision 3",
-        lambda: (
-            c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)["spec"]["template"][
-                "metadata"
-            ]["labels"]["dscache.io/revision"]
-            == rev3
-        ),
-    )
-    c.kubectl("rollout", "undo", f"deployment/{name}-blue", "-n", ns)
-    st = wait_for(c, ns, name, "undo recorded", lambda s: s.get("phase") == "RolledBack", operator)
-    rb = condition(st, "RolledBack")
-    assert (rb["reason"], st["weight"], st["slots"]["blue"]["frozen"]) == ("RolloutUndo", 0, True)
-    assert st["lastAction"]["type"] == "undo" and "RolloutUndo" in events(c, ns, name)
-    assert "default stable;" in router_conf(c, ns, name)
+def test_kubectl_rollout_undo_is_honoured(rig: Rig) -> None:
+    c, ns, name = rig.c, rig.ns, "undo"
+    first = rig.deploy(name, interval="1h")
 
     def blue_revision() -> str:
-        dep = c.kubectl_json("get", "deployment", f"{name}-blue", "-n", ns)
+        dep = rig.deployment(f"{name}-blue")
         rev: str = dep["spec"]["template"]["metadata"]["labels"]["dscache.io/revision"]
         return rev
 
+    # Revision 2 promoted to green; revision 3 then reuses blue, which had revision 1.
+    _, rev2 = rig.rollout(name, "2")
+    c.kubectl("annotate", "dscd", name, "-n", ns, "dscache.io/promote=full")
+    rig.wait(name, "rev 2 stable", lambda s: s.get("stableRevision") == rev2)
+    _, rev3 = rig.rollout(name, "3")
+    st = rig.wait(name, "weight 10", lambda s: s.get("weight") == 10)
+    assert st["canarySlot"] == "blue"
+    wait_until("blue at revision 3", lambda: blue_revision() == rev3)
+    c.kubectl("rollout", "undo", f"deployment/{name}-blue", "-n", ns)
+    st = rig.wait(name, "undo recorded", lambda s: s.get("phase") == "RolledBack")
+    rb = condition(st, "RolledBack")
+    assert (rb["reason"], st["weight"], st["slots"]["blue"]["frozen"]) == ("RolloutUndo", 0, True)
+    assert st["lastAction"]["type"] == "undo" and "RolloutUndo" in rig.events(name)
+    assert "default stable;" in router_conf(c, ns, name)
     assert blue_revision() == first
     time.sleep(4)  # several ticks: the operator does not fight the undo
     assert blue_revision() == first
     # A new spec gives the track a new revision again.
-    _, rev4 = start_rollout(c, ns, name, operator, server_metrics, "4")
+    _, rev4 = rig.rollout(name, "4")
     wait_until("blue overwritten", lambda: blue_revision() == rev4, 30)
 
 
-def test_operator_restarted_mid_ramp_resumes(
-    dev_cluster: DevCluster,
-    operator: OperatorProcess,
-    prometheus: PrometheusProcess,
-    server_metrics: FakeServerMetrics,
-    ns: str,
-) -> None:
-    c, name = dev_cluster, "restart"
-    apply(c, ns, [spec_doc(name, prometheus, interval="5s")])
-    available(c, ns, name, operator)
-    _, canary = start_rollout(c, ns, name, operator, server_metrics, "2")
-    wait_for(c, ns, name, "weight 25", lambda s: s.get("weight") == 25, operator)
-    operator.kill()
+def test_operator_restarted_mid_ramp_resumes(rig: Rig) -> None:
+    name = "restart"
+    rig.deploy(name, interval="5s")
+    _, canary = rig.rollout(name, "2")
+    rig.wait(name, "weight 25", lambda s: s.get("weight") == 25)
+    rig.op.kill()
     try:
         time.sleep(7)  # the step's interval runs out while no operator runs
-        assert status(c, ns, name)["weight"] == 25
+        assert rig.status(name)["weight"] == 25
     finally:
-        operator.start()
-    seen: list[int] = []
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        st = status(c, ns, name)
-        if not seen or seen[-1] != st["weight"]:
-            seen.append(st["weight"])
-        if st.get("stableRevision") == canary:
-            break
-        time.sleep(0.3)
-    assert seen[:3] == [25, 50, 100], (seen, operator.tail())
-    assert events(c, ns, name).count("StepStarted") == 4  # no step repeated or skipped
+        rig.op.start()
+    seen = rig.weights_until_promoted(name, canary, 90, lambda st: None)
+    weights = [w for _, w in seen]
+    assert weights[:3] == [25, 50, 100], (seen, rig.op.tail())
+    assert rig.events(name).count("StepStarted") == 4  # no step repeated or skipped
 
 
 def test_deleting_the_resource_garbage_collects_everything(
