@@ -29,10 +29,11 @@ from typing import Any
 
 import pytest
 from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
-from dscache_tools.devcluster import images
+from dscache_tools.devcluster import images, wait_until
 from dscache_tools.devcluster.images import IMAGES, ImageArchive, PrivateDocker
 from dscache_tools.devcluster.images.builder import ca_bundle
 from dscache_tools.devcluster.images.load import containerd_name
+from dscache_tools.devcluster.polling import poll
 from dscache_tools.net import free_port
 
 from dscache import __version__
@@ -361,16 +362,19 @@ def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 120) ->
         return text
 
 
-def _wait_http(url: str, timeout: float, why: Callable[[], str]) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            _http(url, timeout=2)
-            return
-        except OSError:  # refused, or 503 while the model loads
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{url} not ready in {timeout:.0f} s:\n{why()}") from None
-            time.sleep(0.5)
+def _get_or_none(url: str) -> str | None:
+    """The body of a GET, or None while the server refuses or answers an error."""
+    try:
+        return _http(url, timeout=2)
+    except OSError:  # refused, or 503 while the model loads
+        return None
+
+
+def _wait_http(url: str, timeout: float, why: Callable[[], str]) -> str:
+    body = poll(lambda: _get_or_none(url), timeout, interval=0.5)
+    if body is None:
+        raise AssertionError(f"{url} not ready in {timeout:.0f} s:\n{why()}")
+    return body
 
 
 @pytest.mark.images
@@ -408,11 +412,14 @@ def test_sidecar_and_server_images_share_the_cache_like_a_pod(
         }
         first = json.loads(_http(f"{base}/v1/chat/completions", chat))
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        deadline = time.monotonic() + 30  # blocks are stored after the response
         metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        while "dscache_sidecar_stored_blocks_total 0.0" in _http(metrics):
-            assert time.monotonic() < deadline, "no block stored"
-            time.sleep(0.5)
+        # Blocks are stored after the response.
+        wait_until(
+            "a stored block",
+            lambda: "dscache_sidecar_stored_blocks_total 0.0" not in _http(metrics),
+            timeout=30,
+            interval=0.5,
+        )
         second = json.loads(_http(f"{base}/v1/chat/completions", chat))
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256
         for name in reversed(names):  # SIGTERM: both stop cleanly
@@ -466,17 +473,8 @@ def test_router_serves_a_rendered_config_as_10001_on_a_read_only_root(
         ]
     )
     try:
-        body = ""
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(
-                    f"http://127.0.0.1:{port}/dscache/router/health", timeout=2
-                ) as response:
-                    body = response.read().decode()
-                break
-            except OSError:
-                time.sleep(0.2)
+        health = f"http://127.0.0.1:{port}/dscache/router/health"
+        body = _wait_http(health, 30, lambda: docker.run(["logs", name], check=False))
         assert body == "ok\n", docker.run(["logs", name], check=False)
         docker.run(["stop", "--time", "20", name])
         state = json.loads(docker.run(["inspect", "--format", "{{json .State}}", name]))
