@@ -58,16 +58,18 @@ def dev_cluster(
     """A ready dev cluster: ``.kubeconfig``, ``.env()``, ``.kubectl()``, ``.helm()``."""
     progress = None if is_built() else _terminal_progress(request.config)
     binaries = ensure_built(progress=progress)
-    loader = image_loader(progress=_terminal_progress(request.config))
+    # DSCACHE_TEST_REAL_NODES=0: KWOK nodes only, so a second session can run
+    # beside one that holds the host's real node (tests that run pods then fail);
+    # its pods run no process, so it needs no images either.
+    real_nodes = int(os.environ.get("DSCACHE_TEST_REAL_NODES", "1"))
+    loader = image_loader(progress=_terminal_progress(request.config)) if real_nodes else None
     prometheus = shutil.which("prometheus") or shutil.which("prometheus", path="/usr/bin")
     if prometheus is None:
         pytest.fail("the cluster tests need Debian's Prometheus: apt-get install prometheus")
     cluster = DevCluster.start(
         tmp_path_factory.mktemp("devcluster"),
         node_count=3,
-        # DSCACHE_TEST_REAL_NODES=0: KWOK nodes only, so a second session can run
-        # beside one that holds the host's real node (tests that run pods then fail).
-        real_nodes=int(os.environ.get("DSCACHE_TEST_REAL_NODES", "1")),
+        real_nodes=real_nodes,
         load_images=loader,
         prometheus_binary=prometheus,
         binaries=binaries,
