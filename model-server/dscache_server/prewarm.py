@@ -21,7 +21,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,40 @@ class PrewarmResult:
     failed: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+
+    def add(self, usage: dict[str, Any] | None) -> None:
+        """Counts one answer's ``usage``, or a failure (None)."""
+        if usage is None:
+            self.failed += 1
+            return
+        self.sent += 1
+        self.prompt_tokens += int(usage.get("prompt_tokens", 0))
+        details = usage.get("prompt_tokens_details") or {}
+        self.cached_tokens += int(details.get("cached_tokens", 0))
+
+
+@dataclass(frozen=True)
+class PrewarmOptions:
+    """How prompts are sent.
+
+    Attributes:
+        headers: extra request headers (tenant, API key).
+        concurrency: requests in flight per target.
+        timeout_s: seconds per request.
+        model: model name to send (default: the server's).
+    """
+
+    headers: dict[str, str] = field(default_factory=dict)
+    concurrency: int = 1
+    timeout_s: float = 300.0
+    model: str | None = None
+
+    def body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        """The request body of one chat: a one-token greedy completion."""
+        body: dict[str, Any] = {"messages": messages, "max_tokens": 1, "temperature": 0}
+        if self.model:
+            body["model"] = self.model
+        return body
 
 
 def read_prompts(path: Path) -> list[list[dict[str, Any]]]:
@@ -82,11 +116,8 @@ def parse_targets(values: list[str]) -> list[str]:
 def prewarm(
     target: str,
     chats: list[list[dict[str, Any]]],
+    options: PrewarmOptions | None = None,
     *,
-    headers: dict[str, str] | None = None,
-    concurrency: int = 1,
-    timeout_s: float = 300.0,
-    model: str | None = None,
     progress: bool = True,
     on_sent: Callable[[], None] | None = None,
 ) -> PrewarmResult:
@@ -95,69 +126,56 @@ def prewarm(
     Args:
         target: the server's base URL.
         chats: the chats to send.
-        headers: extra request headers (tenant, API key).
-        concurrency: requests in flight.
-        timeout_s: seconds per request.
-        model: model name to send (default: the server's).
+        options: headers, concurrency, timeout and model (default: ``PrewarmOptions()``).
         progress: show a progress bar (when ``on_sent`` is not given).
         on_sent: called once per chat answered or failed, instead of an own progress bar.
     """
+    opts = options or PrewarmOptions()
     result = PrewarmResult()
     url = target.rstrip("/") + "/v1/chat/completions"
-    with httpx.Client(timeout=timeout_s, headers=headers or {}) as client:
-
-        def send(messages: list[dict[str, Any]]) -> dict[str, Any] | None:
-            body: dict[str, Any] = {"messages": messages, "max_tokens": 1, "temperature": 0}
-            if model:
-                body["model"] = model
-            try:
-                resp = client.post(url, json=body)
-            except httpx.HTTPError as exc:
-                log.warning("prewarm request to %s failed: %s", target, exc)
-                return None
-            if resp.status_code != 200:
-                log.warning(
-                    "prewarm request to %s got %d: %s", target, resp.status_code, resp.text[:200]
-                )
-                return None
-            data: dict[str, Any] = resp.json()
-            return data
-
-        bar = None
-        if on_sent is None:
-            bar = tqdm(total=len(chats), desc="prewarm", unit="prompt", disable=not progress)
-        with ThreadPoolExecutor(max_workers=max(concurrency, 1)) as pool:
-            for data in pool.map(send, chats):
-                if bar is not None:
-                    bar.update(1)
-                elif on_sent is not None:
-                    on_sent()
-                if data is None:
-                    result.failed += 1
-                    continue
-                result.sent += 1
-                usage = data.get("usage", {})
-                result.prompt_tokens += int(usage.get("prompt_tokens", 0))
-                details = usage.get("prompt_tokens_details") or {}
-                result.cached_tokens += int(details.get("cached_tokens", 0))
-        if bar is not None:
-            bar.close()
+    bar = None
+    tick: Callable[[], object]
+    if on_sent is None:
+        bar = tqdm(total=len(chats), desc="prewarm", unit="prompt", disable=not progress)
+        tick = bar.update
+    else:
+        tick = on_sent
+    with (
+        httpx.Client(timeout=opts.timeout_s, headers=opts.headers) as client,
+        ThreadPoolExecutor(max_workers=max(opts.concurrency, 1)) as pool,
+    ):
+        for usage in pool.map(lambda messages: _send(client, url, opts.body(messages)), chats):
+            tick()
+            result.add(usage)
+    if bar is not None:
+        bar.close()
     return result
+
+
+def _send(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The answer's ``usage`` (``{}`` if it has none), or None when the request failed."""
+    try:
+        resp = client.post(url, json=body)
+    except httpx.HTTPError as exc:
+        log.warning("prewarm request to %s failed: %s", url, exc)
+        return None
+    if resp.status_code != 200:
+        log.warning("prewarm request to %s got %d: %s", url, resp.status_code, resp.text[:200])
+        return None
+    usage: dict[str, Any] = resp.json().get("usage") or {}
+    return usage
 
 
 def prewarm_targets(
     targets: list[str],
     chats: list[list[dict[str, Any]]],
+    options: PrewarmOptions | None = None,
     *,
-    headers: dict[str, str] | None = None,
-    concurrency: int = 1,
-    timeout_s: float = 300.0,
-    model: str | None = None,
     progress: bool = True,
 ) -> dict[str, PrewarmResult]:
     """Sends every chat to every target, all targets at once; returns totals per target.
 
-    ``concurrency`` requests are in flight per target, as with one target.
+    ``options.concurrency`` requests are in flight per target, as with one target.
     """
     bar = tqdm(total=len(chats) * len(targets), desc="prewarm", unit="prompt", disable=not progress)
     lock = threading.Lock()  # one bar, advanced from every target's thread
@@ -168,22 +186,21 @@ def prewarm_targets(
 
     try:
         with ThreadPoolExecutor(max_workers=max(len(targets), 1)) as pool:
-            futures = {
-                t: pool.submit(
-                    prewarm,
-                    t,
-                    chats,
-                    headers=headers,
-                    concurrency=concurrency,
-                    timeout_s=timeout_s,
-                    model=model,
-                    on_sent=sent,
-                )
-                for t in targets
-            }
+            futures = {t: pool.submit(prewarm, t, chats, options, on_sent=sent) for t in targets}
             return {t: f.result() for t, f in futures.items()}
     finally:
         bar.close()
+
+
+def _options(args: argparse.Namespace) -> PrewarmOptions:
+    headers: dict[str, str] = {}
+    if args.tenant:
+        headers["X-Dscache-Tenant"] = args.tenant
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    return PrewarmOptions(
+        headers=headers, concurrency=args.concurrency, timeout_s=args.timeout, model=args.model
+    )
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -203,20 +220,7 @@ def run_cli(args: argparse.Namespace) -> int:
             log.error("--top-n must be at least 1, got %d", args.top_n)
             return 2
         chats = chats[: args.top_n]
-    headers: dict[str, str] = {}
-    if args.tenant:
-        headers["X-Dscache-Tenant"] = args.tenant
-    if args.api_key:
-        headers["Authorization"] = f"Bearer {args.api_key}"
-    results = prewarm_targets(
-        targets,
-        chats,
-        headers=headers,
-        concurrency=args.concurrency,
-        timeout_s=args.timeout,
-        model=args.model,
-        progress=not args.quiet,
-    )
+    results = prewarm_targets(targets, chats, _options(args), progress=not args.quiet)
     dead = []
     for target, r in results.items():
         print(

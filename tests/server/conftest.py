@@ -9,11 +9,12 @@ whole folder stays cheap on CPU; the big figures belong to ``dscache bench ttft`
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from dscache_server.tokenizer import DeepSeekTokenizer
-from srv_helpers import LiveServer, SidecarDaemon, make_runtime
+from srv_helpers import LiveServer, SidecarDaemon, make_runtime, write_prompts
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +46,13 @@ def live_server(
     yield make
     for srv in servers:
         srv.stop()
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path, tokenizer: DeepSeekTokenizer) -> Callable[..., Path]:
+    """Factory ``(seed, n=3) -> path`` of a ``dscache prewarm`` prompts file."""
+
+    def write(seed: int, n: int = 3) -> Path:
+        return write_prompts(tmp_path / f"prompts-{seed}.jsonl", tokenizer, seed, n)
+
+    return write

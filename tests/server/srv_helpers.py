@@ -5,6 +5,7 @@ A module with a unique name: ``conftest`` is a name every test folder has.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from dscache_server.runtime import Runtime, build_runtime
 from dscache_server.tokenizer import DeepSeekTokenizer
 from dscache_sidecar.client import SidecarClient
 from dscache_tools.net import free_port
+from tenacity import Retrying, retry_if_not_result, stop_after_delay, wait_fixed
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_TOKENS = 32
@@ -142,11 +144,14 @@ class LiveServer:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.05)
+        poll = Retrying(
+            stop=stop_after_delay(30),
+            wait=wait_fixed(0.05),
+            retry=retry_if_not_result(bool),
+            retry_error_callback=lambda _state: False,
+        )
+        if not poll(lambda: self.server.started):
+            raise RuntimeError("server did not start")
 
     def metric(self, name: str, **labels: str) -> float:
         value = self.runtime.metrics.registry.get_sample_value(name, labels)
@@ -169,3 +174,18 @@ def random_text(tokenizer: DeepSeekTokenizer, min_tokens: int, seed: int) -> str
         )
         text += ". "
     return text
+
+
+def write_prompts(path: Path, tokenizer: DeepSeekTokenizer, seed: int, n: int) -> Path:
+    """A prewarm prompts file: ``n`` one-message chats of >= 80 tokens (seeds ``seed``...)."""
+    chats = [
+        {"messages": [{"role": "user", "content": random_text(tokenizer, 80, seed=seed + i)}]}
+        for i in range(n)
+    ]
+    path.write_text("\n".join(json.dumps(c) for c in chats) + "\n")
+    return path
+
+
+def read_chats(path: Path) -> list[list[dict[str, Any]]]:
+    """The chats of a prompts file, as ``prewarm`` takes them."""
+    return [json.loads(line)["messages"] for line in path.read_text().splitlines()]

@@ -12,7 +12,7 @@ import openai
 import pytest
 from dscache_server.prewarm import prewarm
 from dscache_server.tokenizer import DeepSeekTokenizer
-from srv_helpers import LiveServer, random_text
+from srv_helpers import LiveServer, random_text, read_chats
 
 from dscache.cli import main
 
@@ -247,18 +247,13 @@ def test_session_header_is_echoed_on_errors_and_streams(
 
 
 def test_prewarm_command_stores_prefixes(
-    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer, tmp_path: Path
+    live_server: Callable[..., LiveServer], prompts_file: Callable[..., Path], tmp_path: Path
 ) -> None:
     srv = live_server()
-    prompts = tmp_path / "prompts.jsonl"
-    chats = [
-        {"messages": [{"role": "user", "content": random_text(tokenizer, 80, seed=50 + i)}]}
-        for i in range(2)
-    ]
-    prompts.write_text("\n".join(json.dumps(c) for c in chats) + "\n")
+    prompts = prompts_file(seed=50, n=2)
     assert main(["prewarm", "--target", srv.url, "--prompts", str(prompts)]) == 0
     wait_stored(srv)
-    again = prewarm(srv.url, [c["messages"] for c in chats], progress=False)
+    again = prewarm(srv.url, read_chats(prompts), progress=False)
     assert again.sent == 2 and again.failed == 0
     assert again.cached_tokens >= 2 * 64
     bad = tmp_path / "bad.jsonl"

@@ -8,14 +8,13 @@ as two pods of one track would be, and check per-pod results.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from dscache_server.prewarm import parse_targets, prewarm
 from dscache_server.tokenizer import DeepSeekTokenizer
-from srv_helpers import LiveServer, SidecarDaemon, free_port, make_runtime, random_text
+from srv_helpers import LiveServer, SidecarDaemon, free_port, make_runtime, read_chats
 
 from dscache.cli import main
 
@@ -38,33 +37,19 @@ def pods(
             s.stop()
 
 
-def _prompts(tmp_path: Path, tokenizer: DeepSeekTokenizer, seed: int, n: int = 3) -> Path:
-    path = tmp_path / "prompts.jsonl"
-    chats = [
-        {"messages": [{"role": "user", "content": random_text(tokenizer, 80, seed=seed + i)}]}
-        for i in range(n)
-    ]
-    path.write_text("\n".join(json.dumps(c) for c in chats) + "\n")
-    return path
-
-
 def _cached_tokens(srv: LiveServer, prompts: Path) -> int:
     """What a second pass finds cached on ``srv`` (after its background stores finished)."""
     assert srv.runtime.cache.wait_stored(30)
-    chats = [json.loads(line)["messages"] for line in prompts.read_text().splitlines()]
-    again = prewarm(srv.url, chats, progress=False)
+    again = prewarm(srv.url, read_chats(prompts), progress=False)
     assert again.failed == 0
     return again.cached_tokens
 
 
 def test_every_prompt_reaches_every_target(
-    pods: list[LiveServer],
-    tokenizer: DeepSeekTokenizer,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    pods: list[LiveServer], prompts_file: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     a, b = pods
-    prompts = _prompts(tmp_path, tokenizer, seed=300)
+    prompts = prompts_file(seed=300)
     rc = main(
         ["prewarm", "--target", f"{a.url},{b.url}", "--prompts", str(prompts)]
         + ["--concurrency", "2", "--quiet"]
@@ -78,13 +63,10 @@ def test_every_prompt_reaches_every_target(
 
 
 def test_repeated_targets_and_top_n(
-    pods: list[LiveServer],
-    tokenizer: DeepSeekTokenizer,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    pods: list[LiveServer], prompts_file: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     a, b = pods
-    prompts = _prompts(tmp_path, tokenizer, seed=400)
+    prompts = prompts_file(seed=400)
     args = ["prewarm", "--target", a.url, "--target", f"{b.url}/", "--target", a.url]
     assert main([*args, "--prompts", str(prompts), "--top-n", "1", "--quiet"]) == 0
     out = capsys.readouterr().out
@@ -94,14 +76,11 @@ def test_repeated_targets_and_top_n(
 
 
 def test_a_target_that_takes_nothing_fails_the_run(
-    pods: list[LiveServer],
-    tokenizer: DeepSeekTokenizer,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    pods: list[LiveServer], prompts_file: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     a, _ = pods
     dead = f"http://127.0.0.1:{free_port()}"
-    prompts = _prompts(tmp_path, tokenizer, seed=500, n=2)
+    prompts = prompts_file(seed=500, n=2)
     rc = main(
         ["prewarm", "--target", f"{a.url},{dead}", "--prompts", str(prompts), "--quiet"]
         + ["--timeout", "5"]
