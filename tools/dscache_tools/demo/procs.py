@@ -27,13 +27,10 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
-from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
+from dscache_tools.devcluster.polling import poll
 
 log = logging.getLogger(__name__)
-
-_V = TypeVar("_V")
 
 
 class StartError(RuntimeError):
@@ -152,22 +149,6 @@ class ProcessGroup:
         self.stop_all()
 
 
-def poll(probe: Callable[[], _V], *, timeout_s: float, interval_s: float) -> _V | None:
-    """Calls ``probe`` every ``interval_s`` until it returns a truthy value.
-
-    Returns that value, or None once ``timeout_s`` has passed; an exception from
-    ``probe`` ends the wait and propagates.
-    """
-    retrying: Retrying = Retrying(
-        stop=stop_after_delay(timeout_s),
-        wait=wait_fixed(interval_s),
-        retry=retry_if_result(lambda value: not value),
-        retry_error_callback=lambda _state: None,
-    )
-    result: _V | None = retrying(probe)
-    return result
-
-
 def wait_until(
     check: Callable[[], bool],
     *,
@@ -188,7 +169,7 @@ def wait_until(
             )
         return False
 
-    if not poll(ready, timeout_s=timeout_s, interval_s=interval_s):
+    if not poll(ready, timeout_s, interval_s):
         raise StartError(
             f"{child.name} not {what} after {timeout_s:.0f}s; log {child.log_path}:\n{child.tail()}"
         )

@@ -35,7 +35,8 @@ from dscache_tools.demo.parts import (
     render_router,
     worker_pids,
 )
-from dscache_tools.demo.procs import Child, ProcessGroup, StartError, http_ok, poll, wait_until
+from dscache_tools.demo.procs import Child, ProcessGroup, StartError, http_ok, wait_until
+from dscache_tools.devcluster.polling import poll
 from dscache_tools.net import free_port
 
 __all__ = [
@@ -235,7 +236,7 @@ class LocalStack:
             now = set(worker_pids(router.child.pid))
             return bool(now) and not now & before
 
-        if not poll(reloaded, timeout_s=30, interval_s=0.05):
+        if not poll(reloaded, timeout=30, interval=0.05):
             raise StartError(f"nginx did not reload; log {router.child.log_path}")
 
     def stop_router(self) -> None:

@@ -5,8 +5,6 @@ Contract:
       cluster with a real node, or a new one it stops on exit.
     * ``kubectl`` and ``helm`` change things (as a person would); polling goes
       through :class:`Api` (one HTTP client, no process per poll).
-    * :func:`wait_for` polls with tenacity and raises TimeoutError naming what it
-      waited for.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from dscache_tools.demo.kube.options import CHART, EXAMPLE, NAME, KubeDemoOptions
-from dscache_tools.demo.procs import poll
 from dscache_tools.workload import ChatRequest, prompts_jsonl
 
 
@@ -238,14 +235,6 @@ def install(cluster: Cluster, opts: KubeDemoOptions, say: Callable[[str], None])
         "5m",
     )
     cluster.kubectl("create", "namespace", opts.namespace, check=False)
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float, interval: float = 1.0) -> Any:
-    """The first truthy value of ``probe`` (polled every ``interval`` s), or TimeoutError."""
-    value = poll(probe, timeout_s=timeout, interval_s=interval)
-    if not value:
-        raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-    return value
 
 
 def available(api: Api, ns: str, not_revision: str | None = None) -> bool:

@@ -1,10 +1,14 @@
 """The Kubernetes demo's run: install, then the three rollouts in turn.
 
 See :mod:`dscache_tools.demo.kube` for what each part shows and the report's keys.
+Waits poll the API with tenacity (:mod:`dscache_tools.devcluster.polling`) and
+raise TimeoutError naming what they waited for; a part that times out is
+reported as not promoted or not rolled back, and the run goes on.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +26,6 @@ from dscache_tools.demo.kube.cluster import (
     patch_revision,
     prewarm_configmap,
     resource,
-    wait_for,
 )
 from dscache_tools.demo.kube.options import (
     NAME,
@@ -41,6 +44,7 @@ from dscache_tools.demo.kube.report import (
 from dscache_tools.demo.kube.watch import LoadThread, Phase, Watcher
 from dscache_tools.demo.output import publish
 from dscache_tools.demo.procs import terminate_on_sigterm
+from dscache_tools.devcluster.polling import wait_until
 from dscache_tools.workload import (
     ChatRequest,
     WorkloadConfig,
@@ -48,6 +52,9 @@ from dscache_tools.workload import (
     prewarm_requests,
     sessions_of,
 )
+
+#: Rollout waits poll the API once a second (a probe makes up to three GETs).
+wait_for = functools.partial(wait_until, interval=1.0)
 
 
 def run_kubernetes_demo(opts: KubeDemoOptions, say: Callable[[str], None]) -> dict[str, Any]:
