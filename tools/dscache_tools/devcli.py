@@ -115,10 +115,13 @@ def _build(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from dscache_tools.devcluster import BuildError, ClusterError, DevCluster, ensure_built
+    from dscache_tools.devcluster.cluster import refuse_if_running
     from dscache_tools.devcluster.images import ImageError, image_loader
     from dscache_tools.devcluster.realnodes import real_nodes_default
 
+    state_dir = _state_dir(args)
     try:
+        refuse_if_running(state_dir)  # before minutes of building
         real = args.real_nodes
         if real is None:
             real, reason = real_nodes_default()
@@ -129,7 +132,7 @@ def _up(args: argparse.Namespace) -> int:
         prometheus = _prometheus_binary(args.prometheus) if real else None
         started = time.monotonic()
         cluster = DevCluster.start(
-            _state_dir(args),
+            state_dir,
             node_count=args.nodes,
             real_nodes=real,
             load_images=loader,

@@ -67,6 +67,13 @@ class Binaries:
         """Directories to put first on PATH for the matching kubectl and helm."""
         return (self.kubectl.parent, self.helm.parent)
 
+    def missing(self, with_node_agents: bool = True) -> list[Path]:
+        """The executables that are not there (the node agents only when asked)."""
+        node_agents = () if with_node_agents else (self.kubelet, self.kube_proxy)
+        return [
+            p for p in self.all_executables() if p not in node_agents and not os.access(p, os.X_OK)
+        ]
+
     def all_executables(self) -> tuple[Path, ...]:
         """Every executable, for existence checks."""
         return (

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Mapping
@@ -67,7 +66,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ClusterError", "DevCluster", "ImageLoader", "ProcessRecord", "ToolError"]
+__all__ = [
+    "ClusterError",
+    "DevCluster",
+    "ImageLoader",
+    "ProcessRecord",
+    "ToolError",
+    "refuse_if_running",
+]
 
 STATE_FILE = "state.json"
 DEFAULT_NODES = 3
@@ -193,7 +199,12 @@ class DevCluster(ClusterAccess):
         shapes = nodes.node_shapes(node_count)
         user_kubeconfig = _claim_state_dir(state_dir, kubeconfig)
         bins = binaries or build.locate(PINNED)
-        _check_binaries(bins, with_node_agents=real_nodes > 0)
+        missing = bins.missing(with_node_agents=real_nodes > 0)
+        if missing:
+            raise ClusterError(
+                "dev cluster binaries are missing (run `dscache dev cluster build`): "
+                + ", ".join(str(p) for p in missing)
+            )
         plans = realnodes.plan(real_nodes, state_dir, cache_root())
         if plans:
             if load_images is None:
@@ -282,12 +293,9 @@ class DevCluster(ClusterAccess):
             address=address,
             real_nodes=real_nodes,
         )
-        client = ApiClient(
-            ports["apiserver"],
-            material.ca_cert,
-            (material.admin_cert, material.admin_key),
-            host=address,
-        )
+        client = controlplane.admin_client(self.server, self.state_dir / "pki")
+        if client is None:  # the PKI was just written
+            raise ClusterError(f"no admin certificate in {self.state_dir / 'pki'}")
         self.supervisor.launch("etcd", commands["etcd"])
         self.supervisor.launch("kube-apiserver", commands["kube-apiserver"])
         self.supervisor.wait(
@@ -354,6 +362,24 @@ class DevCluster(ClusterAccess):
         atomic_write(self.state_dir / STATE_FILE, json.dumps(state, indent=2) + "\n")
 
 
+def refuse_if_running(state_dir: Path) -> DevCluster | None:
+    """The stopped cluster recorded in ``state_dir``, if any.
+
+    Cheap: callers check this before slow preparations (building images).
+
+    Raises:
+        ClusterError: A cluster runs from ``state_dir``.
+    """
+    existing = DevCluster.load(state_dir)
+    alive = existing.running() if existing is not None else []
+    if alive:
+        raise ClusterError(
+            f"a dev cluster already runs from {state_dir} ({', '.join(alive)}); "
+            "stop it first with `dscache dev cluster down`"
+        )
+    return existing
+
+
 def _claim_state_dir(state_dir: Path, user_kubeconfig: Path | None) -> Path | None:
     """Checks that a cluster may start in ``state_dir``; clears a stale one.
 
@@ -364,14 +390,8 @@ def _claim_state_dir(state_dir: Path, user_kubeconfig: Path | None) -> Path | No
         ClusterError: A cluster runs there, the directory is someone else's,
             or the kubeconfig path holds a kubeconfig we did not write.
     """
-    existing = DevCluster.load(state_dir)
+    existing = refuse_if_running(state_dir)
     if existing is not None:
-        alive = existing.running()
-        if alive:
-            raise ClusterError(
-                f"a dev cluster already runs from {state_dir} ({', '.join(alive)}); "
-                "stop it first with `dscache dev cluster down`"
-            )
         logger.info("removing the stale state of a stopped cluster in %s", state_dir)
         existing.stop()
     elif state_dir.exists() and any(state_dir.iterdir()):
@@ -381,17 +401,3 @@ def _claim_state_dir(state_dir: Path, user_kubeconfig: Path | None) -> Path | No
     if resolved is not None and resolved.exists() and not kubeconfig.is_ours(resolved):
         raise ClusterError(f"refusing to overwrite {resolved}: it is not a dev cluster kubeconfig")
     return resolved
-
-
-def _check_binaries(bins: build.Binaries, with_node_agents: bool) -> None:
-    needed = [
-        p
-        for p in bins.all_executables()
-        if with_node_agents or p not in (bins.kubelet, bins.kube_proxy)
-    ]
-    missing = [str(p) for p in needed if not os.access(p, os.X_OK)]
-    if missing:
-        raise ClusterError(
-            "dev cluster binaries are missing (run `dscache dev cluster build`): "
-            + ", ".join(missing)
-        )
