@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,6 +31,7 @@ from dscache_operator.schema import InvalidSpecError
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
 from dscache_tools.net import free_port
+from needs import need_nginx
 
 OWNER = Owner("chat", "prod", "0c5f0e38-8a7a-4f5b-9d63-2c1d3d1c2a11")
 T0 = datetime(2026, 11, 30, 12, tzinfo=UTC)
@@ -392,9 +392,7 @@ def test_prometheus_rule_without_a_floor_alerts_on_a_drop(
 def test_the_operators_router_config_passes_nginx_t(
     spec: DeepSeekCacheDeploymentSpec, tmp_path: Path
 ) -> None:
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not Path(nginx).exists() or not all(Path(m).exists() for m in DEBIAN_LUA_MODULES):
-        pytest.skip("needs nginx-light + libnginx-mod-http-lua")
+    nginx = need_nginx()
     objs = _all(spec)
     (cm,) = [o for o in objs if o["kind"] == "ConfigMap"]
     text = cm["data"]["nginx.conf"]

@@ -8,26 +8,19 @@ prompt-keyed routing of requests that carry no session id.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import shutil
 import signal
 import subprocess
-import threading
-import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 from dscache_operator.nginx import DEBIAN_LUA_MODULES, PromptKey, RouterConfig, render_nginx_conf
 from dscache_tools.net import free_port
+from needs import need_nginx
 from pydantic import ValidationError
-
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-HAS_LUA = all(Path(m).exists() for m in DEBIAN_LUA_MODULES)
-
+from router_helpers import Pod, call, stop, wait_for
 
 # --------------------------------------------------------------------------- text
 
@@ -133,49 +126,11 @@ def test_values_that_could_inject_directives_are_rejected(bad: dict[str, object]
 # --------------------------------------------------------------------------- real NGINX
 
 
-class _Upstream:
-    """A loopback HTTP server answering with its name and the session header it got."""
-
-    def __init__(self, name: str) -> None:
-        seen: list[str] = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length:
-                    self.rfile.read(length)
-                sid = self.headers.get("X-Session-ID", "")
-                seen.append(sid)
-                body = json.dumps({"pod": name, "sid": sid}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = _answer  # noqa: N815 - the stdlib's handler names
-            do_POST = _answer  # noqa: N815
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self.name = name
-        self.seen = seen
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 class _Nginx:
     """Real NGINX on a loopback port, reconfigured by restarting it on a new config."""
 
-    def __init__(self, workdir: Path) -> None:
-        assert NGINX is not None
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary = binary
         self.workdir = workdir
         self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -199,10 +154,9 @@ class _Nginx:
         return path
 
     def check(self, cfg: RouterConfig) -> subprocess.CompletedProcess[str]:
-        assert NGINX is not None
         path = self.write(cfg)
         return subprocess.run(
-            [NGINX, "-t", "-q", "-p", str(self.workdir), "-c", str(path), "-e", "stderr"],
+            [self.binary, "-t", "-q", "-p", str(self.workdir), "-c", str(path), "-e", "stderr"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -210,21 +164,16 @@ class _Nginx:
         )
 
     def start(self, cfg: RouterConfig) -> None:
-        assert NGINX is not None
         self.stop()
         path = self.write(cfg)
-        self.proc = subprocess.Popen(
-            [NGINX, "-p", str(self.workdir), "-c", str(path), "-e", "stderr", "-g", "daemon off;"],
-            stderr=subprocess.PIPE,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                if self.get("/dscache/router/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise AssertionError(f"nginx did not start: {self.proc.stderr and self.proc.stderr.read()}")
+        log = self.workdir / "stderr.log"
+        with log.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [self.binary, "-p", str(self.workdir), "-c", str(path), "-e", "stderr"]
+                + ["-g", "daemon off;"],
+                stderr=err,
+            )
+        wait_for("nginx serving", lambda: self.get("/dscache/router/health")[0] == 200, 10, log)
 
     def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
         return self.request("GET", path, None, headers)
@@ -232,56 +181,45 @@ class _Nginx:
     def request(
         self, method: str, path: str, body: bytes | None, headers: dict[str, str] | None = None
     ) -> tuple[int, dict[str, str]]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        try:
-            conn.request(method, path, body=body, headers=headers or {})
-            resp = conn.getresponse()
-            payload = resp.read()
-            out = {k.lower(): v for k, v in resp.getheaders()}
-            if payload.startswith(b"{"):
-                out.update({"x-" + k: v for k, v in json.loads(payload).items()})
-            return resp.status, out
-        finally:
-            conn.close()
+        """Status and headers (lowercase), the upstream's JSON answer as ``x-<key>`` headers."""
+        resp = call(self.port, path, headers, method=method, body=body)
+        if resp is None:
+            return 0, {}
+        out = {k.lower(): v for k, v in resp.headers.items()}
+        if resp.content.startswith(b"{"):
+            out.update({"x-" + k: v for k, v in resp.json().items()})
+        return resp.status_code, out
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.send_signal(signal.SIGQUIT)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            if self.proc.stderr:
-                self.proc.stderr.close()
+            stop(self.proc, signal.SIGQUIT)  # graceful: workers finish their requests
             self.proc = None
 
 
 @pytest.fixture
 def nginx(tmp_path: Path) -> Iterator[_Nginx]:
-    if NGINX is None or not HAS_LUA:
-        pytest.skip("needs Debian's nginx-light + libnginx-mod-http-lua (apt-get install)")
+    binary = need_nginx()
     os.chmod(tmp_path, 0o755)  # NGINX's workers may drop to 'nobody'
-    n = _Nginx(tmp_path)
+    n = _Nginx(binary, tmp_path)
     yield n
     n.stop()
 
 
 @pytest.fixture
-def pods() -> Iterator[dict[str, _Upstream]]:
-    ups = {n: _Upstream(n) for n in ("s0", "s1", "s2", "c0", "c1")}
+def pods() -> Iterator[dict[str, Pod]]:
+    ups = {n: Pod(n) for n in ("s0", "s1", "s2", "c0", "c1")}
     yield ups
     for u in ups.values():
         u.close()
 
 
-def _tracks(pods: dict[str, _Upstream]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _tracks(pods: dict[str, Pod]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     stable = tuple(pods[n].address for n in ("s0", "s1", "s2"))
     canary = tuple(pods[n].address for n in ("c0", "c1"))
     return stable, canary
 
 
-def test_nginx_accepts_every_rendering(nginx: _Nginx, pods: dict[str, _Upstream]) -> None:
+def test_nginx_accepts_every_rendering(nginx: _Nginx, pods: dict[str, Pod]) -> None:
     stable, canary = _tracks(pods)
     for kwargs in (
         {"stable": stable, "canary": canary, "canary_weight": 37.5},
@@ -294,9 +232,7 @@ def test_nginx_accepts_every_rendering(nginx: _Nginx, pods: dict[str, _Upstream]
         assert result.returncode == 0, result.stderr
 
 
-def test_sessions_stick_and_new_ones_get_a_cookie(
-    nginx: _Nginx, pods: dict[str, _Upstream]
-) -> None:
+def test_sessions_stick_and_new_ones_get_a_cookie(nginx: _Nginx, pods: dict[str, Pod]) -> None:
     stable, canary = _tracks(pods)
     nginx.start(nginx.config(stable=stable, canary=canary, canary_weight=30))
     for i in range(20):
@@ -321,7 +257,7 @@ def test_sessions_stick_and_new_ones_get_a_cookie(
 
 
 def test_canary_sessions_stay_on_the_canary_as_the_weight_grows(
-    nginx: _Nginx, pods: dict[str, _Upstream]
+    nginx: _Nginx, pods: dict[str, Pod]
 ) -> None:
     stable, canary = _tracks(pods)
     sids = [f"user-{i}" for i in range(300)]
@@ -347,7 +283,7 @@ def _chat(system: str, turns: list[str]) -> bytes:
 
 
 def test_requests_without_any_id_are_routed_by_their_prompt(
-    nginx: _Nginx, pods: dict[str, _Upstream]
+    nginx: _Nginx, pods: dict[str, Pod]
 ) -> None:
     stable, _ = _tracks(pods)
     nginx.start(nginx.config(stable=stable))

@@ -11,27 +11,17 @@ pass through the router, and a sidecar crash costing no request.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from dscache_tools.demo.procs import StartError
-from dscache_tools.demo.stack import LocalStack, Server, StackOptions, find_nginx
+from dscache_tools.demo.stack import LocalStack, Server, StackOptions
 from dscache_tools.loadgen import LoadConfig, LoadReport, RequestResult, parse_counters, run_load
 from dscache_tools.workload import ChatRequest, WorkloadConfig, generate
+from needs import need_nginx
 
 pytestmark = pytest.mark.slow
-
-
-def _need_nginx() -> None:
-    try:
-        find_nginx()
-    except StartError as exc:
-        if os.environ.get("CI"):
-            raise  # CI installs it (scripts/setup.sh); a skip there would hide a gap
-        pytest.skip(str(exc))
 
 
 class Pods:
@@ -57,7 +47,7 @@ class Pods:
 
 @pytest.fixture(scope="module")
 def pods(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pods]:
-    _need_nginx()
+    need_nginx()
     workdir: Path = tmp_path_factory.mktemp("e2e")
     with LocalStack(workdir, StackOptions(model="mini-gqa", threads=1)) as stack:
         stable = stack.start_servers(2, cache=True, prefix="stable")

@@ -11,44 +11,24 @@ good config, and the next good one is picked up again.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
 from dscache_tools.net import free_port
+from needs import need_binary, need_nginx
+from router_helpers import Pod, call, stop, wait_for
 
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-HAS_LUA = all(Path(m).exists() for m in DEBIAN_LUA_MODULES)
 NOBODY = 65534
 PICKUP_S = 10.0  # what a user may wait for a weight change; the watcher looks every second
-
-
-class _Pod(ThreadingHTTPServer):
-    def __init__(self) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"ok")
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.address = f"127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
 class _ConfigMapVolume:
@@ -85,8 +65,8 @@ class _ConfigMapVolume:
 
 
 class _Router:
-    def __init__(self, workdir: Path, stable: str, canary: str) -> None:
-        assert NGINX is not None
+    def __init__(self, nginx: str, workdir: Path, stable: str, canary: str) -> None:
+        self.nginx = nginx
         root = os.geteuid() == 0
         # Master and workers under one user, as in the container: a worker may signal
         # its master only then (as root, NGINX's workers would drop to nobody).
@@ -118,9 +98,8 @@ class _Router:
         )
 
     def start(self, weight: float) -> None:
-        assert NGINX is not None
         self.volume.publish(self.render(weight))
-        cmd = [NGINX, "-p", str(self.workdir), "-e", "stderr", "-c", str(self.volume.path)]
+        cmd = [self.nginx, "-p", str(self.workdir), "-e", "stderr", "-c", str(self.volume.path)]
         cmd += ["-g", "daemon off;"]
         if self.owner is not None:
             cmd = [
@@ -132,50 +111,33 @@ class _Router:
             ]
         with self.log.open("wb") as err:
             self.proc = subprocess.Popen(cmd, stderr=err)
-        deadline = time.monotonic() + 15
-        while self.track("probe") is None:
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.05)
+        proc = self.proc
+
+        def serving() -> bool:
+            assert proc.poll() is None, self.log.read_text()
+            return self.track("probe") is not None
+
+        wait_for("the router serving", serving, 15, self.log)
+
+    def _header(self, session: str, header: str) -> str | None:
+        resp = call(self.port, "/v1/models", {"X-Session-ID": session})
+        return resp.headers.get(header) if resp is not None and resp.status_code == 200 else None
 
     def track(self, session: str) -> str | None:
         """The track the router sends ``session`` to; None if it does not answer."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-        try:
-            conn.request("GET", "/v1/models", headers={"X-Session-ID": session})
-            resp = conn.getresponse()
-            resp.read()
-            return resp.getheader("X-Dscache-Track") if resp.status == 200 else None
-        except OSError:
-            return None
-        finally:
-            conn.close()
+        return self._header(session, "X-Dscache-Track")
 
-    def upstream(self, session: str, headers: dict[str, str] | None = None) -> str | None:
+    def upstream(self, session: str) -> str | None:
         """The pod address the router sends ``session`` to (None: no answer)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-        try:
-            conn.request("GET", "/v1/models", headers={"X-Session-ID": session, **(headers or {})})
-            resp = conn.getresponse()
-            resp.read()
-            return resp.getheader("X-Dscache-Upstream") if resp.status == 200 else None
-        except OSError:
-            return None
-        finally:
-            conn.close()
+        return self._header(session, "X-Dscache-Upstream")
 
     def status(self) -> dict[str, Any] | None:
         """What ``/dscache/router/status`` says the running config is."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-        try:
-            conn.request("GET", "/dscache/router/status")
-            resp = conn.getresponse()
-            body = resp.read()
-            return json.loads(body) if resp.status == 200 else None
-        except (OSError, ValueError):
+        resp = call(self.port, "/dscache/router/status")
+        if resp is None or resp.status_code != 200:
             return None
-        finally:
-            conn.close()
+        out: dict[str, Any] = resp.json()
+        return out
 
     def publish_and_wait(self, weight: float, **tracks: Any) -> None:
         """Publishes a config and returns once only workers with it serve.
@@ -187,10 +149,12 @@ class _Router:
         want = json.loads(text.split("return 200 '", 1)[1].split("\\n'", 1)[0])
         before = self.workers()
         self.volume.publish(text)
-        deadline = time.monotonic() + PICKUP_S
-        while self.status() != want or self.workers() & before:
-            assert time.monotonic() < deadline, (self.status(), want, self.log.read_text()[-2000:])
-            time.sleep(0.1)
+        wait_for(
+            f"only workers serving {want}",
+            lambda: self.status() == want and not self.workers() & before,
+            PICKUP_S,
+            self.log,
+        )
 
     def tracks(self) -> set[str | None]:
         return {self.track(f"session-{i}") for i in range(40)}
@@ -198,9 +162,7 @@ class _Router:
     def wait_all_on(self, track: str) -> float:
         """Seconds until every session goes to ``track`` (fails past :data:`PICKUP_S`)."""
         start = time.monotonic()
-        while (seen := self.tracks()) != {track}:
-            assert time.monotonic() - start < PICKUP_S, (seen, self.log.read_text()[-3000:])
-            time.sleep(0.1)
+        wait_for(f"every session on {track}", lambda: self.tracks() == {track}, PICKUP_S, self.log)
         return time.monotonic() - start
 
     def workers(self) -> set[int]:
@@ -217,31 +179,24 @@ class _Router:
         return out
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop(self.proc)
 
 
 @pytest.fixture
 def router() -> Iterator[_Router]:
-    if NGINX is None or not HAS_LUA:
-        pytest.skip("needs Debian's nginx-light + libnginx-mod-http-lua (apt-get install)")
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
-        pytest.skip("running as root needs setpriv (util-linux) to run NGINX as one user")
+    nginx = need_nginx()
+    if os.geteuid() == 0:  # to run NGINX's master and workers as one user
+        need_binary("setpriv", "util-linux")
     # Not under pytest's tmp_path: its parents are private to root, and NGINX runs as nobody.
     workdir = Path(tempfile.mkdtemp(prefix="dscache-router-watch-"))
     os.chmod(workdir, 0o755)
-    stable, canary = _Pod(), _Pod()
-    r = _Router(workdir, stable.address, canary.address)
+    stable, canary = Pod("stable"), Pod("canary")
+    r = _Router(nginx, workdir, stable.address, canary.address)
     yield r
     r.stop()
     for pod in (stable, canary):
-        pod.shutdown()
-        pod.server_close()
+        pod.close()
     shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -262,10 +217,12 @@ def test_a_new_weight_is_served_within_seconds_without_a_restart(router: _Router
     # An invalid file (a new id, so the watcher does signal): the master rejects it
     # and keeps serving the last good config.
     router.volume.publish("# dscache-config-id: 00000000deadbeef\nthis is not nginx {\n")
-    deadline = time.monotonic() + PICKUP_S
-    while "unknown directive" not in router.log.read_text():
-        assert time.monotonic() < deadline, router.log.read_text()[-3000:]
-        time.sleep(0.1)
+    wait_for(
+        "the master rejecting it",
+        lambda: "unknown directive" in router.log.read_text(),
+        PICKUP_S,
+        router.log,
+    )
     assert router.proc.poll() is None
     assert router.tracks() == {"canary"}
 
