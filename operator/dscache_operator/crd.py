@@ -58,46 +58,55 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
         return _structural(merged, defs)
     if "anyOf" in node:
-        options = [o for o in node["anyOf"] if o.get("type") != "null"]
-        rest = {k: v for k, v in node.items() if k != "anyOf"}
-        if rest.get("default", "") is None:
-            del rest["default"]
-        if {o.get("type") for o in options} == {"integer", "string"}:
-            return {**_keep(rest), "x-kubernetes-int-or-string": True}
-        if len(options) != 1:
-            raise ValueError(f"cannot express {node} in a structural schema")
-        return _structural({**options[0], **rest}, defs)
+        return _any_of(node, defs)
     out = _keep(node)
     if "enum" in node and "type" not in node:
         out["type"] = "string"
     if "const" in node:
         out["enum"] = [node["const"]]
         out["type"] = "string"
-    kind = node.get("type")
-    if kind == "object" or "properties" in node:
-        out["type"] = "object"
-        props = node.get("properties", {})
-        if props:
-            out["properties"] = {k: _structural(v, defs) for k, v in props.items()}
-            for name, prop in out["properties"].items():
-                nested = prop.get("type") == "object" and "properties" in prop
-                optional = any(o.get("type") == "null" for o in props[name].get("anyOf", []))
-                required = name in node.get("required", [])
-                if nested and "default" not in prop and not optional and not required:
-                    # The default is the object as defaulting would fill it: the
-                    # API server checks a default against the object's CEL rules.
-                    prop["default"] = {
-                        k: v["default"] for k, v in prop["properties"].items() if "default" in v
-                    }
-        if node.get("required"):
-            out["required"] = list(node["required"])
-        extra = node.get("additionalProperties")
-        if isinstance(extra, dict):
-            out["additionalProperties"] = _structural(extra, defs)
-        if not props and not isinstance(extra, dict):
-            out["x-kubernetes-preserve-unknown-fields"] = True
-    if kind == "array":
+    if node.get("type") == "object" or "properties" in node:
+        out.update(_object(node, defs))
+    if node.get("type") == "array":
         out["items"] = _structural(node["items"], defs)
+    return out
+
+
+def _any_of(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    # Pydantic's ``X | None`` and ``int | str``; nothing else has a structural form.
+    options = [o for o in node["anyOf"] if o.get("type") != "null"]
+    rest = {k: v for k, v in node.items() if k != "anyOf"}
+    if rest.get("default", "") is None:
+        del rest["default"]
+    if {o.get("type") for o in options} == {"integer", "string"}:
+        return {**_keep(rest), "x-kubernetes-int-or-string": True}
+    if len(options) != 1:
+        raise ValueError(f"cannot express {node} in a structural schema")
+    return _structural({**options[0], **rest}, defs)
+
+
+def _object(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "object"}
+    props = node.get("properties", {})
+    if props:
+        out["properties"] = {k: _structural(v, defs) for k, v in props.items()}
+        for name, prop in out["properties"].items():
+            nested = prop.get("type") == "object" and "properties" in prop
+            optional = any(o.get("type") == "null" for o in props[name].get("anyOf", []))
+            required = name in node.get("required", [])
+            if nested and "default" not in prop and not optional and not required:
+                # The default is the object as defaulting would fill it: the
+                # API server checks a default against the object's CEL rules.
+                prop["default"] = {
+                    k: v["default"] for k, v in prop["properties"].items() if "default" in v
+                }
+    if node.get("required"):
+        out["required"] = list(node["required"])
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):
+        out["additionalProperties"] = _structural(extra, defs)
+    if not props and not isinstance(extra, dict):
+        out["x-kubernetes-preserve-unknown-fields"] = True
     return out
 
 
@@ -132,59 +141,72 @@ def build_crd() -> dict[str, Any]:
     status = _root_schema(
         DeepSeekCacheDeploymentStatus, "Observed state, written by the dscache operator."
     )
+    names = {
+        "kind": KIND,
+        "listKind": f"{KIND}List",
+        "plural": PLURAL,
+        "singular": SINGULAR,
+        "shortNames": list(SHORT_NAMES),
+        "categories": ["dscache", "all"],
+    }
+    schema = {
+        "type": "object",
+        "description": "A DeepSeek-class model served with prefix KV-cache "
+        "reuse: model tracks with a KV sidecar per pod, a session-aware "
+        "router, prewarming and cache-aware canary or blue-green rollouts.",
+        "required": ["spec"],
+        "x-kubernetes-validations": [
+            {
+                # Children are named <name>-green, <name>-prewarm-<rev>,
+                # and Service names are DNS-1035 labels (<= 63).
+                "rule": "self.metadata.name.size() <= 40 && "
+                "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+                "message": "metadata.name must be at most 40 characters, "
+                "start with a letter and hold only a-z, 0-9 and '-'",
+            }
+        ],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+    }
+    version = {
+        "name": VERSION,
+        "served": True,
+        "storage": True,
+        "subresources": {"status": {}},
+        "additionalPrinterColumns": PRINTER_COLUMNS,
+    }
+    return custom_resource_definition(GROUP, names, "Namespaced", version, schema)
+
+
+def custom_resource_definition(
+    group: str, names: dict[str, Any], scope: str, version: dict[str, Any], schema: dict[str, Any]
+) -> dict[str, Any]:
+    """A one-version CustomResourceDefinition, labelled part of dscache.
+
+    Args:
+        group: the API group.
+        names: ``spec.names`` (``plural`` names the CRD ``<plural>.<group>``).
+        scope: ``Namespaced`` or ``Cluster``.
+        version: the version's fields but its schema (name, served, storage, ...).
+        schema: its ``openAPIV3Schema``.
+    """
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": f"{PLURAL}.{GROUP}",
+            "name": f"{names['plural']}.{group}",
             "labels": {"app.kubernetes.io/part-of": "dscache"},
         },
         "spec": {
-            "group": GROUP,
-            "scope": "Namespaced",
-            "names": {
-                "kind": KIND,
-                "listKind": f"{KIND}List",
-                "plural": PLURAL,
-                "singular": SINGULAR,
-                "shortNames": list(SHORT_NAMES),
-                "categories": ["dscache", "all"],
-            },
-            "versions": [
-                {
-                    "name": VERSION,
-                    "served": True,
-                    "storage": True,
-                    "subresources": {"status": {}},
-                    "additionalPrinterColumns": PRINTER_COLUMNS,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": "A DeepSeek-class model served with prefix KV-cache "
-                            "reuse: model tracks with a KV sidecar per pod, a session-aware "
-                            "router, prewarming and cache-aware canary or blue-green rollouts.",
-                            "required": ["spec"],
-                            "x-kubernetes-validations": [
-                                {
-                                    # Children are named <name>-green, <name>-prewarm-<rev>,
-                                    # and Service names are DNS-1035 labels (<= 63).
-                                    "rule": "self.metadata.name.size() <= 40 && "
-                                    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
-                                    "message": "metadata.name must be at most 40 characters, "
-                                    "start with a letter and hold only a-z, 0-9 and '-'",
-                                }
-                            ],
-                            "properties": {
-                                "apiVersion": {"type": "string"},
-                                "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
-                                "spec": spec,
-                                "status": status,
-                            },
-                        }
-                    },
-                }
-            ],
+            "group": group,
+            "scope": scope,
+            "names": names,
+            "versions": [{**version, "schema": {"openAPIV3Schema": schema}}],
         },
     }
 
@@ -206,47 +228,24 @@ def build_peering_crd(*, clusterwide: bool) -> dict[str, Any]:
     kind = "ClusterKopfPeering" if clusterwide else "KopfPeering"
     plural = kind.lower() + "s"
     where = "every namespace" if clusterwide else "the namespace it is in"
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {
-            "name": f"{plural}.{PEERING_GROUP}",
-            "labels": {"app.kubernetes.io/part-of": "dscache"},
-        },
-        "spec": {
-            "group": PEERING_GROUP,
-            "scope": "Cluster" if clusterwide else "Namespaced",
-            "names": {
-                "kind": kind,
-                "listKind": f"{kind}List",
-                "plural": plural,
-                "singular": kind.lower(),
-            },
-            "versions": [
-                {
-                    "name": "v1",
-                    "served": True,
-                    "storage": True,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": f"kopf peering of operators serving {where}: the "
-                            "running replicas keep themselves alive in it, and only the one "
-                            "with the highest priority acts.",
-                            "properties": {
-                                "status": {
-                                    "type": "object",
-                                    "description": "One entry per running operator: its "
-                                    "priority, lifetime and last keep-alive (written by kopf).",
-                                    "x-kubernetes-preserve-unknown-fields": True,
-                                }
-                            },
-                        }
-                    },
-                }
-            ],
+    names = {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": kind.lower()}
+    schema = {
+        "type": "object",
+        "description": f"kopf peering of operators serving {where}: the "
+        "running replicas keep themselves alive in it, and only the one "
+        "with the highest priority acts.",
+        "properties": {
+            "status": {
+                "type": "object",
+                "description": "One entry per running operator: its "
+                "priority, lifetime and last keep-alive (written by kopf).",
+                "x-kubernetes-preserve-unknown-fields": True,
+            }
         },
     }
+    scope = "Cluster" if clusterwide else "Namespaced"
+    version = {"name": "v1", "served": True, "storage": True}
+    return custom_resource_definition(PEERING_GROUP, names, scope, version, schema)
 
 
 def render_files() -> dict[str, str]:

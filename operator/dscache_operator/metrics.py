@@ -4,35 +4,31 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+_PREFIX = "dscache_operator_"
+
 
 class OperatorMetrics:
     """Build one per process; tests pass a fresh registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        p = "dscache_operator_"
-        self.reconciles = Counter(
-            p + "reconciles_total",
-            "Reconciles by result: ok, invalid_spec, api_error.",
-            ["result"],
-            registry=r,
+        self.reconciles = self._counter(
+            "reconciles_total", "Reconciles by result: ok, invalid_spec, api_error.", "result"
         )
         self.reconcile_seconds = Histogram(
-            p + "reconcile_seconds",
+            f"{_PREFIX}reconcile_seconds",
             "Time of one reconcile, API calls and analysis included.",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
-            registry=r,
+            registry=self.registry,
         )
-        self.rollout_events = Counter(
-            p + "rollout_events_total",
+        self.rollout_events = self._counter(
+            "rollout_events_total",
             "Rollout transitions by reason (StepStarted, Promoted, AnalysisFailed, ...).",
-            ["reason"],
-            registry=r,
+            "reason",
         )
-        self.analyses = Counter(
-            p + "analyses_total",
-            "Analysis verdicts: Pass, Fail, NoData, Skipped.",
-            ["result"],
-            registry=r,
+        self.analyses = self._counter(
+            "analyses_total", "Analysis verdicts: Pass, Fail, NoData, Skipped.", "result"
         )
+
+    def _counter(self, name: str, documentation: str, label: str) -> Counter:
+        return Counter(_PREFIX + name, documentation, [label], registry=self.registry)

@@ -37,6 +37,7 @@ weight 0.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -166,16 +167,8 @@ class _Work:
             self.promote("analysis passed at every step")
 
     def record(self, v: Verdict) -> None:
-        self.s.last_analysis = AnalysisResult(
-            at=self.now,
-            weight=self.s.weight,
-            result=v.result,
-            hit_rate=v.hit_rate,
-            stable_hit_rate=v.stable_hit_rate,
-            ttft_p99_seconds=v.ttft_p99_seconds,
-            stable_ttft_p99_seconds=v.stable_ttft_p99_seconds,
-            message=v.message,
-        )
+        # A verdict's fields are the analysis record's, less when and at what weight.
+        self.s.last_analysis = AnalysisResult(at=self.now, weight=self.s.weight, **asdict(v))
         if v.hit_rate is not None:
             self.s.hit_rate = f"{v.hit_rate:.3f}"
 

@@ -251,14 +251,7 @@ class DeepSeekCacheDeploymentSpec(SpecModel):
 
     def revision_source(self) -> RevisionSource:
         """The part of the spec that defines the model pods."""
-        return RevisionSource(
-            model=self.model,
-            server=self.server,
-            sidecar=self.sidecar,
-            cache=self.cache,
-            tenant_salt=self.tenant_salt,
-            scheduling=self.scheduling,
-        )
+        return RevisionSource(**{name: getattr(self, name) for name in RevisionSource.model_fields})
 
 
 def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:

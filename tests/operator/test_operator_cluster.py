@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from dscache_operator.crd import custom_resource_definition
 from dscache_tools.devcluster import DevCluster, ToolError, wait_until
 from operator_harness import (
     BAD,
@@ -452,12 +453,10 @@ def test_operator_restarted_mid_ramp_resumes(rig: Rig) -> None:
     assert rig.events(name).count("StepStarted") == 4  # no step repeated or skipped
 
 
-def test_deleting_the_resource_garbage_collects_everything(
-    dev_cluster: DevCluster, operator: OperatorProcess, ns: str
-) -> None:
-    c = dev_cluster
+def test_deleting_the_resource_garbage_collects_everything(rig: Rig) -> None:
+    c, ns = rig.c, rig.ns
     apply_example(c, ns, "01-minimal")
-    available(c, ns, "chat", operator)
+    rig.available("chat")
     c.kubectl("delete", "dscd", "chat", "-n", ns, "--wait=true", "--timeout=60s")
     sel = "app.kubernetes.io/instance=chat"
 
@@ -512,37 +511,16 @@ def test_a_spec_the_schema_admits_but_the_operator_cannot_run_says_why(
 
 def _stub_crd(plural: str, kind: str) -> dict[str, Any]:
     """A stand-in for a Prometheus Operator CRD: same group, kind and scope, open schema."""
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
-        "spec": {
-            "group": "monitoring.coreos.com",
-            "scope": "Namespaced",
-            "names": {"plural": plural, "kind": kind, "singular": kind.lower()},
-            "versions": [
-                {
-                    "name": "v1",
-                    "served": True,
-                    "storage": True,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "x-kubernetes-preserve-unknown-fields": True,
-                        }
-                    },
-                }
-            ],
-        },
-    }
+    names = {"plural": plural, "kind": kind, "singular": kind.lower()}
+    version = {"name": "v1", "served": True, "storage": True}
+    schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    return custom_resource_definition("monitoring.coreos.com", names, "Namespaced", version, schema)
 
 
-def test_monitoring_objects_appear_once_their_crds_exist(
-    dev_cluster: DevCluster, operator: OperatorProcess, ns: str
-) -> None:
-    c = dev_cluster
+def test_monitoring_objects_appear_once_their_crds_exist(rig: Rig) -> None:
+    c, ns = rig.c, rig.ns
     apply_example(c, ns, "01-minimal")
-    available(c, ns, "chat", operator)
+    rig.available("chat")
     assert not c.kubectl("api-resources", "--api-group=monitoring.coreos.com").stdout.count(
         "servicemonitors"
     )

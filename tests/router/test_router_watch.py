@@ -246,24 +246,42 @@ def test_an_unchanged_file_causes_no_reload(router: _Router) -> None:
 MEMORY = 600  # seconds a session is remembered after its last request
 
 
+#: Blue stable, green canary, sessions remembered.
+NAMES = {"stable_name": "blue", "canary_name": "green", "session_memory_s": MEMORY}
+
+
 def _where(router: _Router, sessions: list[str]) -> dict[str, str | None]:
     return {s: router.upstream(s) for s in sessions}
+
+
+def _pods(router: _Router, sessions: list[str]) -> set[str | None]:
+    """The pods serving ``sessions``."""
+    return set(_where(router, sessions).values())
+
+
+def _remembering(router: _Router, weight: float) -> None:
+    """Starts the router, then serves :data:`NAMES` at ``weight``."""
+    router.start(weight=0)
+    router.publish_and_wait(weight, **NAMES)
+
+
+def _only(router: _Router, pod: str, name: str) -> None:
+    """Serves one track, ``pod`` named ``name``: the other tracks left the config."""
+    router.publish_and_wait(0, stable=(pod,), stable_name=name, canary=(), session_memory_s=MEMORY)
 
 
 def test_a_live_session_keeps_its_track_through_a_whole_rollout(router: _Router) -> None:
     """New sessions follow the weight; a session already running finishes where it started."""
     blue, green = router.stable, router.canary
-    names = {"stable_name": "blue", "canary_name": "green", "session_memory_s": MEMORY}
-    router.start(weight=0)
-    router.publish_and_wait(0, **names)
+    _remembering(router, 0)
     old = [f"old-{i}" for i in range(60)]
-    assert set(_where(router, old).values()) == {blue}
+    assert _pods(router, old) == {blue}
 
     # The canary takes every new session; the running ones stay on stable.
-    router.publish_and_wait(100, **names)
-    assert set(_where(router, old).values()) == {blue}
+    router.publish_and_wait(100, **NAMES)
+    assert _pods(router, old) == {blue}
     new = [f"new-{i}" for i in range(30)]
-    assert set(_where(router, new).values()) == {green}
+    assert _pods(router, new) == {green}
 
     # Promoted: green is stable, blue is the warm previous track. It takes no new
     # session, but keeps those it has; green keeps its own.
@@ -277,41 +295,35 @@ def test_a_live_session_keeps_its_track_through_a_whole_rollout(router: _Router)
         "session_memory_s": MEMORY,
     }
     router.publish_and_wait(0, **promoted)
-    assert set(_where(router, old).values()) == {blue}
-    assert set(_where(router, new).values()) == {green}
-    assert set(_where(router, [f"later-{i}" for i in range(30)]).values()) == {green}
+    assert _pods(router, old) == {blue}
+    assert _pods(router, new) == {green}
+    assert _pods(router, [f"later-{i}" for i in range(30)]) == {green}
     assert router.track("old-1") == "previous" and router.track("new-1") == "stable"
 
     # The previous track retired: its sessions move, once, to the stable track.
-    router.publish_and_wait(
-        0, stable=(green,), stable_name="green", canary=(), session_memory_s=MEMORY
-    )
-    assert set(_where(router, old + new).values()) == {green}
+    _only(router, green, "green")
+    assert _pods(router, old + new) == {green}
 
 
 def test_an_aborted_canary_hands_its_sessions_back(router: _Router) -> None:
     blue, green = router.stable, router.canary
-    names = {"stable_name": "blue", "canary_name": "green", "session_memory_s": MEMORY}
-    router.start(weight=0)
-    router.publish_and_wait(50, **names)
+    _remembering(router, 50)
     sessions = [f"s-{i}" for i in range(80)]
     first = _where(router, sessions)
     on_green = {s for s, pod in first.items() if pod == green}
     assert 15 <= len(on_green) <= 65  # about half
     # Abort: the canary leaves the config; its sessions go to stable at once.
-    router.publish_and_wait(
-        0, stable=(blue,), stable_name="blue", canary=(), session_memory_s=MEMORY
-    )
-    assert set(_where(router, sessions).values()) == {blue}
+    _only(router, blue, "blue")
+    assert _pods(router, sessions) == {blue}
 
 
 def test_without_memory_a_session_follows_the_weight(router: _Router) -> None:
     blue, green = router.stable, router.canary
     router.start(weight=0)
     sessions = [f"f-{i}" for i in range(40)]
-    assert set(_where(router, sessions).values()) == {blue}
+    assert _pods(router, sessions) == {blue}
     router.publish_and_wait(100)
-    assert set(_where(router, sessions).values()) == {green}
+    assert _pods(router, sessions) == {green}
 
 
 def test_the_status_endpoint_says_what_is_served(router: _Router) -> None:

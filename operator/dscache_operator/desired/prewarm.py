@@ -8,17 +8,8 @@ that moment, and never re-applies it.
 
 from __future__ import annotations
 
-from dscache_operator.desired.common import (
-    REVISION,
-    SLOT,
-    TMP,
-    Obj,
-    Owner,
-    container,
-    labels,
-    meta,
-    pod_spec,
-)
+from dscache_operator.desired import common
+from dscache_operator.desired.common import REVISION, SLOT, TMP, Obj, Owner
 from dscache_operator.schema import parse_duration
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
@@ -58,11 +49,11 @@ def prewarm_job(
     args = ["prewarm", "--target", f"$({PREWARM_TARGETS_ENV})"]
     args += ["--prompts", "/prewarm/prompts.jsonl", "--top-n", str(p.top_n)]
     args += ["--concurrency", str(p.concurrency), "--quiet"]
-    lbls = {**labels(owner, "prewarm", "canary"), SLOT: slot, REVISION: revision}
+    lbls = {**common.labels(owner, "prewarm", "canary"), SLOT: slot, REVISION: revision}
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": meta(owner, prewarm_job_name(owner, revision), lbls),
+        "metadata": common.meta(owner, prewarm_job_name(owner, revision), lbls),
         "spec": {
             "backoffLimit": 2,
             "activeDeadlineSeconds": max(1, int(parse_duration(p.timeout))),
@@ -70,11 +61,11 @@ def prewarm_job(
             "template": {
                 "metadata": {"labels": lbls},
                 "spec": {
-                    **pod_spec(spec.scheduling),
+                    **common.pod_spec(spec.scheduling),
                     "restartPolicy": "Never",
                     "containers": [
                         {
-                            **container("prewarm", p.image, ["dscache"], args),
+                            **common.container("prewarm", p.image, ["dscache"], args),
                             "env": [{"name": PREWARM_TARGETS_ENV, "value": urls}],
                             "resources": {
                                 "requests": {"cpu": "50m", "memory": "128Mi"},

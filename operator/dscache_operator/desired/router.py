@@ -11,17 +11,8 @@ from __future__ import annotations
 
 import hashlib
 
-from dscache_operator.desired.common import (
-    TMP,
-    Obj,
-    Owner,
-    container,
-    labels,
-    meta,
-    pod_spec,
-    resources,
-    selector_labels,
-)
+from dscache_operator.desired import common
+from dscache_operator.desired.common import TMP, Obj, Owner, meta, selector_labels
 from dscache_operator.nginx import PromptKey, RouterConfig, render_nginx_conf
 from dscache_operator.schema import parse_duration
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
@@ -83,7 +74,7 @@ def router_configmap(owner: Owner, config: RouterConfig) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": meta(owner, f"{owner.name}-router", labels(owner, "router", "all")),
+        "metadata": meta(owner, f"{owner.name}-router", common.labels(owner, "router", "all")),
         "data": {"nginx.conf": render_nginx_conf(config)},
     }
 
@@ -101,11 +92,11 @@ def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
     probe = {"httpGet": {"path": "/dscache/router/health", "port": "http"}, "periodSeconds": 5}
     args = ["-p", TMP, "-e", "stderr", "-c", ROUTER_CONF, "-g", "daemon off;"]
     nginx = {
-        **container("nginx", r.image, ["nginx"], args),
+        **common.container("nginx", r.image, ["nginx"], args),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "livenessProbe": probe,
         "readinessProbe": probe,
-        "resources": resources(r.resources),
+        "resources": common.resources(r.resources),
         "volumeMounts": [
             {"name": "config", "mountPath": ROUTER_CONF_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": TMP},
@@ -114,14 +105,14 @@ def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": meta(owner, f"{owner.name}-router", labels(owner, "router", "all")),
+        "metadata": meta(owner, f"{owner.name}-router", common.labels(owner, "router", "all")),
         "spec": {
             "replicas": r.replicas,
             "selector": {"matchLabels": sel},
             "template": {
                 "metadata": {"labels": sel},
                 "spec": {
-                    **pod_spec(spec.scheduling, spread=sel),
+                    **common.pod_spec(spec.scheduling, spread=sel),
                     "containers": [nginx],
                     "volumes": [
                         {"name": "config", "configMap": {"name": f"{owner.name}-router"}},
@@ -138,7 +129,7 @@ def router_service(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": meta(owner, owner.name, labels(owner, "router", "all")),
+        "metadata": meta(owner, owner.name, common.labels(owner, "router", "all")),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(owner, "router"),
