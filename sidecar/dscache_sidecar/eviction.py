@@ -100,6 +100,14 @@ def _check_hint(capacity_hint: int) -> int:
     return max(1, capacity_hint)
 
 
+def _discard(key: K, *queues: OrderedDict[K, None]) -> None:
+    """Removes ``key`` from the first of ``queues`` that holds it (they are disjoint)."""
+    for queue in queues:
+        if key in queue:
+            del queue[key]
+            return
+
+
 class _QueuePolicy(Generic[K]):
     """One queue, oldest first: the victim is at its front (LRU and FIFO)."""
 
@@ -252,9 +260,7 @@ class SLRUPolicy(Generic[K]):
             self._probation[demoted] = None
 
     def remove(self, key: K) -> None:
-        if self._probation.pop(key, 0) is None:
-            return
-        self._protected.pop(key, None)
+        _discard(key, self._probation, self._protected)
 
     def victim(self) -> K | None:
         if self._probation:
@@ -327,9 +333,7 @@ class S3FIFOPolicy(_CountingPolicy[K]):
     def remove(self, key: K) -> None:
         if self._freq.pop(key, None) is None:
             return
-        if self._small.pop(key, 0) is None:
-            return
-        self._main.pop(key, None)
+        _discard(key, self._small, self._main)
 
     def victim(self) -> K | None:
         small, main, freq = self._small, self._main, self._freq
@@ -405,9 +409,7 @@ class ARCPolicy(Generic[K]):
             self._t2[key] = None
 
     def remove(self, key: K) -> None:
-        if self._t1.pop(key, 0) is None:
-            return
-        self._t2.pop(key, None)
+        _discard(key, self._t1, self._t2)
 
     def victim(self) -> K | None:
         if self._t1 and (len(self._t1) > self._p or not self._t2):

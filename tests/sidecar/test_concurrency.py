@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 from dscache_sidecar.client import BlockData, SidecarClient, SidecarFullError
 from sidecar_helpers import BLOCK_SHAPE, Sidecar, block_array, blocks_for, chain, prompt
 
@@ -40,6 +41,21 @@ def assert_no_leaked_space(sc: Sidecar) -> None:
     assert st.active_leases == 0 and st.pending_writes == 0
     live = sum(sc.store.record(k).extent_bytes for k in sc.store.keys())
     assert st.used_bytes == live, f"{st.used_bytes - live} bytes leaked"
+
+
+@pytest.fixture
+def sc(make_sidecar: Callable[..., Sidecar]) -> Sidecar:
+    """A sidecar of 32 extents, with the default policy."""
+    return make_sidecar(**SMALL)
+
+
+def run_threads(target: Callable[[int], None], n: int, join_s: float = WAIT_S) -> None:
+    """Runs ``target(0..n-1)`` on ``n`` threads at once and waits for them."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
 
 
 def fill_with_new_chains(sc: Sidecar, first_seed: int, n_chains: int) -> None:
@@ -75,10 +91,7 @@ def test_leased_blocks_are_not_evicted_and_their_space_is_reused_after_release(
     assert_no_leaked_space(sc)
 
 
-def test_deleted_leased_block_keeps_its_bytes_until_release(
-    make_sidecar: Callable[..., Sidecar],
-) -> None:
-    sc = make_sidecar(**SMALL)
+def test_deleted_leased_block_keeps_its_bytes_until_release(sc: Sidecar) -> None:
     ch = chain()
     hot = ch.keys(prompt(4, 1))
     sc.c.store(ch.tenant, blocks_for(hot))
@@ -99,10 +112,7 @@ def test_deleted_leased_block_keeps_its_bytes_until_release(
     assert_no_leaked_space(sc)
 
 
-def test_two_writers_of_one_key_at_once_exactly_one_commit_wins(
-    make_sidecar: Callable[..., Sidecar],
-) -> None:
-    sc = make_sidecar(**SMALL)
+def test_two_writers_of_one_key_at_once_exactly_one_commit_wins(sc: Sidecar) -> None:
     ch = chain()
     key = ch.keys(prompt(1, 7))[0]
     versions = [block_array(key), -block_array(key)]
@@ -114,11 +124,7 @@ def test_two_writers_of_one_key_at_once_exactly_one_commit_wins(
         with SidecarClient(sc.running.socket_path, data_dir=str(sc.data_dir)) as c:
             results[i] = c.store(ch.tenant, [BlockData(key, b"", versions[i])])
 
-    threads = [threading.Thread(target=write, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S)
+    run_threads(write, 2)
     sc.store.set_hook("commit.verified", None)
     assert sorted(results) == [0, 1], results
     winner = versions[results.index(1)]
@@ -130,10 +136,7 @@ def test_two_writers_of_one_key_at_once_exactly_one_commit_wins(
     assert_no_leaked_space(sc)
 
 
-def test_get_racing_delete_and_rewrite_returns_consistent_bytes(
-    make_sidecar: Callable[..., Sidecar],
-) -> None:
-    sc = make_sidecar(**SMALL)
+def test_get_racing_delete_and_rewrite_returns_consistent_bytes(sc: Sidecar) -> None:
     ch = chain()
     key = ch.keys(prompt(1, 3))[0]
     old, new = block_array(key), block_array(key) * 2
@@ -167,12 +170,9 @@ def test_get_racing_delete_and_rewrite_returns_consistent_bytes(
     assert_no_leaked_space(sc)
 
 
-def test_late_write_of_an_expired_reservation_is_never_served(
-    make_sidecar: Callable[..., Sidecar],
-) -> None:
+def test_late_write_of_an_expired_reservation_is_never_served(sc: Sidecar) -> None:
     """A writer whose reservation ran out writes late, into an extent that now
     belongs to another writer: that block must not be published with those bytes."""
-    sc = make_sidecar(**SMALL)
     ch = chain()
     stale_key, key = ch.keys(prompt(2, 5))
     stale = block_array(stale_key)
@@ -217,10 +217,7 @@ def test_late_write_of_an_expired_reservation_is_never_served(
     assert_no_leaked_space(sc)
 
 
-def test_many_threads_lookup_load_store_get_at_once(
-    make_sidecar: Callable[..., Sidecar],
-) -> None:
-    sc = make_sidecar(**SMALL)
+def test_many_threads_lookup_load_store_get_at_once(sc: Sidecar) -> None:
     ch = chain()
     chains = [ch.keys(prompt(4, seed)) for seed in range(24)]  # 96 blocks, 32 fit
     stop = time.monotonic() + 3.0
@@ -228,7 +225,8 @@ def test_many_threads_lookup_load_store_get_at_once(
     counts = {"loaded": 0, "got": 0, "stored": 0}
     lock = threading.Lock()
 
-    def worker(seed: int, streaming: bool) -> None:
+    def worker(seed: int) -> None:
+        streaming = seed == 3  # one of the four streams over Get instead of mapping
         rnd = random.Random(seed)
         client = SidecarClient(
             sc.running.socket_path, data_dir=None if streaming else str(sc.data_dir), timeout_s=5
@@ -255,11 +253,7 @@ def test_many_threads_lookup_load_store_get_at_once(
         finally:
             client.close()
 
-    threads = [threading.Thread(target=worker, args=(i, i == 3)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_threads(worker, 4, join_s=30)
     assert not errors, errors[0]
     assert counts["loaded"] > 50 and counts["got"] > 10 and counts["stored"] > 50, counts
     assert sc.c.stats().evicted_blocks > 0

@@ -124,6 +124,13 @@ def test_truncated_segment_is_a_miss_plus_cleanup_and_the_daemon_keeps_serving(
     assert sc.c.healthy()
 
 
+def flip_while_stopped(sc: Sidecar, key: bytes, at: int) -> None:
+    """Stops the daemon and flips the byte ``at`` bytes into ``key``'s extent."""
+    path, offset = segment_path(sc, key)
+    sc.stop()
+    flip(path, offset + at)
+
+
 def assert_one_dropped_at_start(sc: Sidecar, tenant: str, keys: list[bytes], kept: int) -> None:
     """The start found one bad block: it is counted, and the chain hits up to it."""
     assert sc.metric(FAILURES, where="start") == 1
@@ -134,17 +141,12 @@ def assert_one_dropped_at_start(sc: Sidecar, tenant: str, keys: list[bytes], kep
         assert_prefix(keys, got.keys, got.arrays)
 
 
-def test_flipped_header_byte_is_dropped_and_counted_at_restart(
-    make_sidecar: Callable[..., Sidecar],
-) -> None:
-    sc = make_sidecar()
-    ch = chain()
+def test_flipped_header_byte_is_dropped_and_counted_at_restart(sidecar: Sidecar) -> None:
+    sc, ch = sidecar, chain()
     keys = ch.keys(prompt(4, 1))
     other = ch.keys(prompt(4, 2))
     sc.c.store(ch.tenant, blocks_for(keys) + blocks_for(other))
-    path, offset = segment_path(sc, keys[1])
-    sc.stop()
-    flip(path, offset + 40)  # inside the header's shape/size fields
+    flip_while_stopped(sc, keys[1], 40)  # inside the header's shape/size fields
     sc.start()
     with sc.c.load(ch.tenant, other) as got:
         assert len(got) == 4
@@ -152,16 +154,11 @@ def test_flipped_header_byte_is_dropped_and_counted_at_restart(
     assert_one_dropped_at_start(sc, ch.tenant, keys, kept=1)
 
 
-def test_verify_on_start_full_catches_a_flipped_payload_byte(
-    make_sidecar: Callable[..., Sidecar],
-) -> None:
-    sc = make_sidecar()
-    ch = chain()
+def test_verify_on_start_full_catches_a_flipped_payload_byte(sidecar: Sidecar) -> None:
+    sc, ch = sidecar, chain()
     keys = ch.keys(prompt(4, 1))
     sc.c.store(ch.tenant, blocks_for(keys))
-    path, offset = segment_path(sc, keys[2])
-    sc.stop()
-    flip(path, offset + HEADER_BYTES + 5)
+    flip_while_stopped(sc, keys[2], HEADER_BYTES + 5)
     sc.start()  # the header check alone cannot see a payload byte
     assert sc.metric(FAILURES, where="start") == 0
     assert sc.c.lookup(ch.tenant, keys) == 4

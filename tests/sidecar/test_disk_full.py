@@ -65,6 +65,23 @@ def fill_disk(path: Path) -> int:
         os.close(fd)
 
 
+#: Starts a daemon (2 MiB of 256 KiB segments) on a tmpfs of the given size.
+OnTmpfs = Callable[[int], tuple[Path, DaemonProcess]]
+
+
+@pytest.fixture
+def daemon_on_tmpfs(
+    tmpfs: Callable[[int], Path], daemon_factory: Callable[..., DaemonProcess]
+) -> OnTmpfs:
+    def start(fs_bytes: int) -> tuple[Path, DaemonProcess]:
+        fs = tmpfs(fs_bytes)
+        d = daemon_factory(fs, "--capacity", "2MiB", "--segment-size", "256KiB")
+        d.start()
+        return fs, d
+
+    return start
+
+
 def client_for(d: DaemonProcess) -> SidecarClient:
     return SidecarClient(d.socket, data_dir=str(d.data_dir), timeout_s=5)
 
@@ -78,11 +95,9 @@ def assert_reads_back(c: SidecarClient, tenant: str, keys: list[bytes], n: int) 
 
 
 def test_filesystem_smaller_than_capacity_starts_with_the_segments_that_fit(
-    tmpfs: Callable[[int], Path], daemon_factory: Callable[..., DaemonProcess]
+    daemon_on_tmpfs: OnTmpfs,
 ) -> None:
-    fs = tmpfs(1 * MiB)
-    d = daemon_factory(fs, "--capacity", "2MiB", "--segment-size", "256KiB")
-    d.start()
+    _, d = daemon_on_tmpfs(1 * MiB)
     assert "running with" in d.log.read_text()
     with client_for(d) as c:
         st = c.stats()
@@ -99,12 +114,8 @@ def test_filesystem_smaller_than_capacity_starts_with_the_segments_that_fit(
     assert d.terminate() == 0
 
 
-def test_full_disk_refuses_writes_keeps_reads_and_recovers(
-    tmpfs: Callable[[int], Path], daemon_factory: Callable[..., DaemonProcess]
-) -> None:
-    fs = tmpfs(4 * MiB)
-    d = daemon_factory(fs, "--capacity", "2MiB", "--segment-size", "256KiB")
-    d.start()
+def test_full_disk_refuses_writes_keeps_reads_and_recovers(daemon_on_tmpfs: OnTmpfs) -> None:
+    fs, d = daemon_on_tmpfs(4 * MiB)
     ch = chain()
     kept = ch.keys(prompt(8, 1))
     with client_for(d) as c:

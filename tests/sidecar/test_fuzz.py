@@ -4,11 +4,12 @@ sequences never return bytes that differ from what was stored for a key."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import numpy as np
+import pytest
 from dscache_sidecar.client import BlockData, SidecarFullError
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -159,7 +160,21 @@ def internal_errors(sc: Sidecar) -> float:
     return total
 
 
-def assert_round_trip(sc: Sidecar, seed: int) -> None:
+@pytest.fixture
+def sc(make_sidecar: Callable[..., Sidecar]) -> Sidecar:
+    return make_sidecar(**SMALL)
+
+
+@pytest.fixture
+def channel(sc: Sidecar) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(f"unix:{sc.running.socket_path}") as ch:
+        yield ch
+
+
+def assert_still_serving(sc: Sidecar, seed: int) -> None:
+    """No call got INTERNAL, and a chain still stores and loads back whole."""
+    assert sc.c.healthy()
+    assert internal_errors(sc) == 0
     ch = chain()
     keys = ch.keys(prompt(3, seed))
     blocks = [BlockData(k, keys[i - 1] if i else b"", block_array(k)) for i, k in enumerate(keys)]
@@ -171,10 +186,8 @@ def assert_round_trip(sc: Sidecar, seed: int) -> None:
 
 
 def test_fuzzed_requests_get_normal_answers_and_never_kill_the_daemon(
-    make_sidecar: Callable[..., Sidecar],
+    sc: Sidecar, channel: grpc.Channel
 ) -> None:
-    sc = make_sidecar(**SMALL)
-    channel = grpc.insecure_channel(f"unix:{sc.running.socket_path}")
     stub = pb_grpc.KVCacheStub(channel)
 
     @settings(max_examples=150, deadline=None, database=None)
@@ -186,17 +199,13 @@ def test_fuzzed_requests_get_normal_answers_and_never_kill_the_daemon(
         assert sc.c.healthy()
 
     run()
-    assert internal_errors(sc) == 0
-    assert_round_trip(sc, 1)
-    channel.close()
+    assert_still_serving(sc, 1)
 
 
 def test_allocate_commit_with_wrong_ids_and_sums_is_never_internal(
-    make_sidecar: Callable[..., Sidecar],
+    sc: Sidecar, channel: grpc.Channel
 ) -> None:
     """Real reservations committed with repeated, unknown and wrong-checksum ids."""
-    sc = make_sidecar(**SMALL)
-    channel = grpc.insecure_channel(f"unix:{sc.running.socket_path}")
     stub = pb_grpc.KVCacheStub(channel)
     nbytes = int(np.prod(BLOCK_SHAPE)) * 4
     info = pb.BlockInfo(
@@ -230,19 +239,13 @@ def test_allocate_commit_with_wrong_ids_and_sums_is_never_internal(
         assert sc.c.stats().pending_writes == 0
 
     run()
-    assert internal_errors(sc) == 0
     st_ = sc.c.stats()
     assert (st_.blocks, st_.used_bytes) == (0, 0), "reservations leaked space"
-    assert_round_trip(sc, 2)
-    channel.close()
+    assert_still_serving(sc, 2)
 
 
-def test_malformed_wire_messages_are_invalid_argument(
-    make_sidecar: Callable[..., Sidecar],
-) -> None:
+def test_malformed_wire_messages_are_invalid_argument(sc: Sidecar, channel: grpc.Channel) -> None:
     """Bytes that are not the request message (or carry bad UTF-8 in a string)."""
-    sc = make_sidecar(**SMALL)
-    channel = grpc.insecure_channel(f"unix:{sc.running.socket_path}")
     methods = ["Lookup", "Lease", "Release", "Allocate", "Commit", "Abort", "Get", "Delete"]
     unary = {
         m: channel.unary_unary(
@@ -280,10 +283,7 @@ def test_malformed_wire_messages_are_invalid_argument(
         assert code in NORMAL, f"{method} -> {code}"
 
     run()
-    assert sc.c.healthy()
-    assert internal_errors(sc) == 0
-    assert_round_trip(sc, 3)
-    channel.close()
+    assert_still_serving(sc, 3)
 
 
 # ---------------------------------------------------------------- model-based
@@ -306,13 +306,10 @@ def versioned(key: bytes, v: int) -> np.ndarray:
     return block_array(key) + np.float32(v)
 
 
-def test_random_operations_never_return_other_bytes_than_stored(
-    make_sidecar: Callable[..., Sidecar],
-) -> None:
+def test_random_operations_never_return_other_bytes_than_stored(sc: Sidecar) -> None:
     """Against a model: for each key, the versions it may hold (stores add one,
     delete/clear empty it; eviction may drop any). Reads must match one of them,
     and a key with none must not be found, by its tenant or any other."""
-    sc = make_sidecar(**SMALL)
     c = sc.c
 
     def check(t: int, key: bytes, arr: np.ndarray, may: dict[bytes, set[int]]) -> None:

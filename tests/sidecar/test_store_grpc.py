@@ -188,53 +188,29 @@ def _stub(sidecar: Sidecar) -> pb_grpc.KVCacheStub:
     return pb_grpc.KVCacheStub(grpc.insecure_channel(f"unix:{sidecar.running.socket_path}"))
 
 
+def _one_block(
+    dtype: str, shape: list[int], raw: int, stored: int, key: bytes = b"k" * 32, tenant: str = "t"
+) -> pb.AllocateRequest:
+    """An Allocate request for one block."""
+    info = pb.BlockInfo(dtype=dtype, shape=shape, raw_bytes=raw, stored_bytes=stored)
+    return pb.AllocateRequest(tenant=tenant, blocks=[pb.NewBlock(key=key, info=info)])
+
+
+def _reserve(stub: pb_grpc.KVCacheStub, tenant: str, key: bytes) -> pb.Slot:
+    """Reserves space for the test block of ``key``; returns its slot."""
+    n = block_array(key).nbytes
+    return stub.Allocate(_one_block("float32", list(BLOCK_SHAPE), n, n, key, tenant)).slots[0]
+
+
 @pytest.mark.parametrize(
     "call",
     [
         lambda s: s.Lookup(pb.LookupRequest(tenant="t", keys=[b"short"])),
         lambda s: s.Lease(pb.LeaseRequest(tenant="t" * 1000, keys=[])),
-        lambda s: s.Allocate(
-            pb.AllocateRequest(
-                tenant="t",
-                blocks=[
-                    pb.NewBlock(
-                        key=b"k" * 32,
-                        info=pb.BlockInfo(
-                            dtype="float32", shape=[4], raw_bytes=16, stored_bytes=99
-                        ),
-                    )
-                ],
-            )
-        ),
-        lambda s: s.Allocate(
-            pb.AllocateRequest(
-                tenant="t",
-                blocks=[
-                    pb.NewBlock(
-                        key=b"k" * 32,
-                        info=pb.BlockInfo(
-                            dtype="complex", shape=[4], raw_bytes=16, stored_bytes=16
-                        ),
-                    )
-                ],
-            )
-        ),
-        lambda s: s.Allocate(
-            pb.AllocateRequest(
-                tenant="t",
-                blocks=[
-                    pb.NewBlock(
-                        key=b"k" * 32,
-                        info=pb.BlockInfo(
-                            dtype="float32",
-                            shape=[1 << 30],
-                            raw_bytes=1 << 32,
-                            stored_bytes=1 << 32,
-                        ),
-                    )
-                ],
-            )
-        ),
+        # raw bytes that do not match stored_bytes, an unknown dtype, a block too large
+        lambda s: s.Allocate(_one_block("float32", [4], 16, 99)),
+        lambda s: s.Allocate(_one_block("complex", [4], 16, 16)),
+        lambda s: s.Allocate(_one_block("float32", [1 << 30], 1 << 32, 1 << 32)),
         lambda s: s.Put(iter([pb.PutChunk(data=b"no header")])),
     ],
 )
@@ -264,23 +240,7 @@ def test_unknown_write_ids_expire_and_abort_frees_space(sidecar: Sidecar) -> Non
     assert list(res.results) == [pb.COMMIT_EXPIRED]
     ch = chain()
     key = ch.keys(prompt(1, seed=21))[0]
-    arr = block_array(key)
-    slot = stub.Allocate(
-        pb.AllocateRequest(
-            tenant=ch.tenant,
-            blocks=[
-                pb.NewBlock(
-                    key=key,
-                    info=pb.BlockInfo(
-                        dtype="float32",
-                        shape=list(BLOCK_SHAPE),
-                        raw_bytes=arr.nbytes,
-                        stored_bytes=arr.nbytes,
-                    ),
-                )
-            ],
-        )
-    ).slots[0]
+    slot = _reserve(stub, ch.tenant, key)
     assert sidecar.c.stats().pending_writes == 1
     assert stub.Abort(pb.AbortRequest(write_ids=[slot.write_id])).aborted == 1
     st = sidecar.c.stats()
@@ -295,22 +255,7 @@ def test_a_wrong_client_checksum_is_rejected_at_commit(
     ch = chain()
     key = ch.keys(prompt(1, seed=22))[0]
     arr = block_array(key)
-    slot = stub.Allocate(
-        pb.AllocateRequest(
-            tenant=ch.tenant,
-            blocks=[
-                pb.NewBlock(
-                    key=key,
-                    info=pb.BlockInfo(
-                        dtype="float32",
-                        shape=list(BLOCK_SHAPE),
-                        raw_bytes=arr.nbytes,
-                        stored_bytes=arr.nbytes,
-                    ),
-                )
-            ],
-        )
-    ).slots[0]
+    slot = _reserve(stub, ch.tenant, key)
     with open(sidecar.data_dir / slot.segment, "r+b") as f:
         f.seek(slot.offset)
         f.write(arr.tobytes())
