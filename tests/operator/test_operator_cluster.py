@@ -5,6 +5,10 @@ examples, change a model revision and watch the rollout, steer it with
 annotations, ``kubectl rollout undo`` a track, restart the operator mid-ramp,
 delete the resource. Rollout analysis reads a real Prometheus scraping a fake
 model-server metrics endpoint whose figures each test sets.
+
+Longer than ~400 lines on purpose: the scenarios share one dev cluster, one
+chart install and one operator per module (minutes to start), and they run in
+file order (the RBAC test must come before the shared operator starts).
 """
 
 from __future__ import annotations

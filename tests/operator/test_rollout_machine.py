@@ -4,6 +4,9 @@ Each case starts from a status reached through the machine itself (never a
 hand-built one where a real path exists), applies one observation, and checks
 what a user would see: phase, weight, tracks, conditions, events, and which
 annotations get cleared.
+
+Longer than ~400 lines on purpose: it is one table, a case per transition of
+the machine, and a reader checks coverage by reading it top to bottom.
 """
 
 from __future__ import annotations
