@@ -61,38 +61,28 @@ def _touch_pages(arrays: list[Any]) -> int:
     return total
 
 
-def run(tokens: int, repeat: int, data_dir: Path) -> dict[str, Any]:
-    """Runs every measurement; returns the JSON-ready results."""
+def _baselines(arrays: list[np.ndarray], repeat: int, data_dir: Path) -> dict[str, float]:
+    """torch.save/torch.load of the blocks, memcpy and raw write() of their bytes."""
     import torch
 
-    n_blocks = tokens // BLOCK_TOKENS
-    shape = (LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, BLOCK_TOKENS, LAYOUT.head_dim)
-    rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal(shape, dtype=np.float32) for _ in range(n_blocks)]
     tensors = [torch.from_numpy(a) for a in arrays]
-    kv_bytes = sum(a.nbytes for a in arrays)
     flat = np.concatenate([a.reshape(-1) for a in arrays]).view(np.uint8)
-
-    # -- baselines
     pt = data_dir / "kv.pt"
 
     def save() -> None:
         torch.save(tensors, pt)
 
-    torch_save_s = _median(save, repeat)
-
     def load() -> None:
         loaded = torch.load(pt, weights_only=True)
         _touch_pages([t.numpy() for t in loaded])
 
+    out = {"torch_save_s": _median(save, repeat)}
     load()  # warm: the file is in the page cache
-    torch_load_s = _median(load, repeat)
+    out["torch_load_s"] = _median(load, repeat)
     dst = np.empty_like(flat)
-    memcpy_s = _median(lambda: np.copyto(dst, flat), repeat)
-    raw = data_dir / "raw.bin"
-    fd = os.open(raw, os.O_RDWR | os.O_CREAT, 0o600)
-    os.posix_fallocate(fd, 0, kv_bytes)
-
+    out["memcpy_s"] = _median(lambda: np.copyto(dst, flat), repeat)
+    fd = os.open(data_dir / "raw.bin", os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, flat.nbytes)
     flat_buf: Any = flat
 
     def raw_write() -> None:
@@ -101,10 +91,91 @@ def run(tokens: int, repeat: int, data_dir: Path) -> dict[str, Any]:
         while done < len(view):
             done += os.pwrite(fd, view[done:], done)
 
-    raw_write_s = _median(raw_write, repeat)
-    os.close(fd)
+    try:
+        out["raw_write_s"] = _median(raw_write, repeat)
+    finally:
+        os.close(fd)
+    return out
 
-    # -- dscache, over the real unix socket
+
+class _Chains:
+    """Fresh key chains over the same block arrays (each call: new keys)."""
+
+    def __init__(self, arrays: list[np.ndarray], tokens: int) -> None:
+        fp = ModelFingerprint("bench", "0", LAYOUT, block_tokens=BLOCK_TOKENS)
+        self.chain = KeyChain(fp, tenant_salt("bench"))
+        self.tenant = self.chain.tenant
+        self._arrays = arrays
+        self.tokens = tokens
+        self._made = 0
+
+    def fresh(self) -> list[BlockData]:
+        self._made += 1
+        toks = np.arange(self.tokens, dtype=np.int64) + self._made * self.tokens
+        keys = self.chain.keys(toks)
+        return [
+            BlockData(k, keys[i - 1] if i else b"", self._arrays[i]) for i, k in enumerate(keys)
+        ]
+
+
+def _time_write(client: SidecarClient, chains: _Chains, repeat: int) -> float:
+    pending: list[list[BlockData]] = []
+    n_blocks = chains.tokens // BLOCK_TOKENS
+
+    def do_write() -> None:
+        stored = client.store(chains.tenant, pending.pop(), compress=False)
+        assert stored == n_blocks, stored
+
+    return _median(do_write, repeat, setup=lambda: pending.append(chains.fresh()))
+
+
+def _time_zero_copy(
+    client: SidecarClient, tenant: str, keys: list[bytes], repeat: int
+) -> tuple[float, float]:
+    """Zero-copy reads without and with checksums (seconds)."""
+    import torch
+
+    held: list[LoadedBlocks] = []
+
+    def zero_copy(verify: bool) -> Callable[[], None]:
+        # Timed: Lease, views on the mapping, tensors, every page touched. The
+        # Release after use is not part of the read (see release_held).
+        def read() -> None:
+            loaded = client.load(tenant, keys, verify=verify)
+            held.append(loaded)
+            assert len(loaded) == len(keys)
+            views = [torch.from_numpy(a) for a in loaded.arrays]
+            _touch_pages([v.numpy() for v in views])
+
+        return read
+
+    def release_held() -> None:
+        while held:
+            held.pop().release()
+
+    zero_copy(False)()  # first map of the segments (MAP_POPULATE) happens here
+    release_held()
+    plain = _median(zero_copy(False), repeat, setup=release_held)
+    verified = _median(zero_copy(True), repeat, setup=release_held)
+    release_held()
+    return plain, verified
+
+
+def _lookup_ms(client: SidecarClient, chains: _Chains, calls: int = 2000) -> np.ndarray:
+    """Latencies of Lookup on a 32-block prefix, in milliseconds."""
+    prefix = chains.chain.keys(np.arange(32 * BLOCK_TOKENS, dtype=np.int64))
+    client.lookup(chains.tenant, prefix)
+    lat = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        client.lookup(chains.tenant, prefix)
+        lat.append(time.perf_counter() - start)
+    return np.array(lat) * 1000
+
+
+def _dscache(arrays: list[np.ndarray], tokens: int, repeat: int, data_dir: Path) -> dict[str, Any]:
+    """The daemon in this process, reached over its real unix socket."""
+    kv_bytes = sum(a.nbytes for a in arrays)
     settings = SidecarSettings(
         data_dir=data_dir / "store",
         capacity_bytes=max(4 * kv_bytes, 256 * 1024**2),
@@ -115,101 +186,56 @@ def run(tokens: int, repeat: int, data_dir: Path) -> dict[str, Any]:
     running = create_server(settings, SidecarMetrics())
     client = SidecarClient(running.socket_path, data_dir=str(settings.data_dir), timeout_s=5)
     streamer = SidecarClient(running.socket_path, timeout_s=5)
+    chains = _Chains(arrays, tokens)
     try:
-        fp = ModelFingerprint("bench", "0", LAYOUT, block_tokens=BLOCK_TOKENS)
-        chain = KeyChain(fp, tenant_salt("bench"))
-        counter = [0]
-
-        def fresh_blocks() -> list[BlockData]:
-            counter[0] += 1
-            toks = np.arange(tokens, dtype=np.int64) + counter[0] * tokens
-            keys = chain.keys(toks)
-            return [BlockData(k, keys[i - 1] if i else b"", arrays[i]) for i, k in enumerate(keys)]
-
-        pending: list[list[BlockData]] = []
-
-        def prepare_write() -> None:
-            pending.append(fresh_blocks())
-
-        def do_write() -> None:
-            stored = client.store(chain.tenant, pending.pop(), compress=False)
-            assert stored == n_blocks, stored
-
-        write_s = _median(do_write, repeat, setup=prepare_write)
-
-        blocks = fresh_blocks()
-        client.store(chain.tenant, blocks, compress=False)
+        out: dict[str, Any] = {"write_s": _time_write(client, chains, repeat)}
+        blocks = chains.fresh()
+        client.store(chains.tenant, blocks, compress=False)
         keys = [b.key for b in blocks]
-
-        held: list[LoadedBlocks] = []
-
-        def zero_copy(verify: bool) -> Callable[[], None]:
-            # Timed: Lease, views on the mapping, tensors, every page touched. The
-            # Release after use is not part of the read (see release_held).
-            def read() -> None:
-                loaded = client.load(chain.tenant, keys, verify=verify)
-                held.append(loaded)
-                assert len(loaded) == n_blocks
-                views = [torch.from_numpy(a) for a in loaded.arrays]
-                _touch_pages([v.numpy() for v in views])
-
-            return read
-
-        def release_held() -> None:
-            while held:
-                held.pop().release()
-
-        zero_copy(False)()  # first map of the segments (MAP_POPULATE) happens here
-        release_held()
-        zero_copy_read_s = _median(zero_copy(False), repeat, setup=release_held)
-        zero_copy_verified_s = _median(zero_copy(True), repeat, setup=release_held)
-        release_held()
+        out["zero_copy_read_s"], out["zero_copy_read_verified_s"] = _time_zero_copy(
+            client, chains.tenant, keys, repeat
+        )
 
         def stream() -> None:
-            with streamer.load(chain.tenant, keys) as loaded:
-                assert len(loaded) == n_blocks
+            with streamer.load(chains.tenant, keys) as loaded:
+                assert len(loaded) == len(keys)
                 _touch_pages(loaded.arrays)
 
-        stream_get_s = _median(stream, max(3, repeat // 2))
-
-        prefix = chain.keys(np.arange(32 * BLOCK_TOKENS, dtype=np.int64))
-        client.lookup(chain.tenant, prefix)
-        lat = []
-        for _ in range(2000):
-            start = time.perf_counter()
-            client.lookup(chain.tenant, prefix)
-            lat.append(time.perf_counter() - start)
-        lat_ms = np.array(lat) * 1000
+        out["stream_get_s"] = _median(stream, max(3, repeat // 2))
+        lat_ms = _lookup_ms(client, chains)
+        out["lookup_p50_ms"] = float(np.percentile(lat_ms, 50))
+        out["lookup_p99_ms"] = float(np.percentile(lat_ms, 99))
     finally:
         client.close()
         streamer.close()
         running.stop(grace_s=1)
+    return out
 
-    return {
-        "kv_bytes": kv_bytes,
+
+def run(tokens: int, repeat: int, data_dir: Path) -> dict[str, Any]:
+    """Runs every measurement; returns the JSON-ready results."""
+    n_blocks = tokens // BLOCK_TOKENS
+    shape = (LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, BLOCK_TOKENS, LAYOUT.head_dim)
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(shape, dtype=np.float32) for _ in range(n_blocks)]
+    r: dict[str, Any] = {
+        "kv_bytes": sum(a.nbytes for a in arrays),
         "tokens": tokens,
         "blocks": n_blocks,
         "block_tokens": BLOCK_TOKENS,
         "repeat": repeat,
-        "torch_save_s": torch_save_s,
-        "torch_load_s": torch_load_s,
-        "memcpy_s": memcpy_s,
-        "raw_write_s": raw_write_s,
-        "write_s": write_s,
-        "zero_copy_read_s": zero_copy_read_s,
-        "zero_copy_read_verified_s": zero_copy_verified_s,
-        "stream_get_s": stream_get_s,
-        "lookup_p50_ms": float(np.percentile(lat_ms, 50)),
-        "lookup_p99_ms": float(np.percentile(lat_ms, 99)),
-        "ratios": {
-            "write_vs_torch_save": torch_save_s / write_s,
-            "write_vs_raw_write": raw_write_s / write_s,
-            "zero_copy_read_vs_torch_load": torch_load_s / zero_copy_read_s,
-            "zero_copy_read_verified_vs_torch_load": torch_load_s / zero_copy_verified_s,
-            "stream_get_vs_torch_load": torch_load_s / stream_get_s,
-            "zero_copy_read_vs_memcpy": memcpy_s / zero_copy_read_s,
-        },
+        **_baselines(arrays, repeat, data_dir),
+        **_dscache(arrays, tokens, repeat, data_dir),
     }
+    r["ratios"] = {
+        "write_vs_torch_save": r["torch_save_s"] / r["write_s"],
+        "write_vs_raw_write": r["raw_write_s"] / r["write_s"],
+        "zero_copy_read_vs_torch_load": r["torch_load_s"] / r["zero_copy_read_s"],
+        "zero_copy_read_verified_vs_torch_load": r["torch_load_s"] / r["zero_copy_read_verified_s"],
+        "stream_get_vs_torch_load": r["torch_load_s"] / r["stream_get_s"],
+        "zero_copy_read_vs_memcpy": r["memcpy_s"] / r["zero_copy_read_s"],
+    }
+    return r
 
 
 def format_table(r: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,24 @@ def _ratios(
 _TICK_EVERY = 512
 
 
+def _progress(tick: Tick | None, done: int | None, total: int = 0) -> None:
+    """Reports progress every ``_TICK_EVERY`` requests; ``done=None`` reports the rest."""
+    if tick is None:
+        return
+    if done is None:
+        tick(total % _TICK_EVERY)
+    elif done % _TICK_EVERY == 0:
+        tick(_TICK_EVERY)
+
+
+def _leading_hits(ids: list[int], cached: Container[int]) -> int:
+    """How many leading blocks of a request are cached (prefix semantics)."""
+    h = 0
+    while h < len(ids) and ids[h] in cached:
+        h += 1
+    return h
+
+
 def simulate(
     trace: Trace, policy: EvictionPolicy[int], capacity: int, tick: Tick | None = None
 ) -> HitRatios:
@@ -113,9 +131,7 @@ def simulate(
     for done, req in enumerate(trace.requests, start=1):
         ids = req.blocks
         n = len(ids)
-        h = 0
-        while h < n and ids[h] in cached:
-            h += 1
+        h = _leading_hits(ids, cached)
         hit_blocks += h
         hit_tokens += req.prefix_tokens(h)
         # One sweep, deepest first: new blocks admitted, hit ones accessed, so
@@ -129,10 +145,8 @@ def simulate(
                 access(b)
         while len(cached) > capacity:
             evict_one()
-        if tick is not None and done % _TICK_EVERY == 0:
-            tick(_TICK_EVERY)
-    if tick is not None:
-        tick(len(trace.requests) % _TICK_EVERY)
+        _progress(tick, done)
+    _progress(tick, None, len(trace.requests))
     if len(policy) != len(cached):
         raise RuntimeError(
             f"policy {policy.name!r} holds {len(policy)} blocks, the cache {len(cached)}"
@@ -146,85 +160,96 @@ def simulate_ideal(trace: Trace) -> HitRatios:
     hit_tokens = hit_blocks = 0
     for req in trace.requests:
         ids = req.blocks
-        h = 0
-        while h < len(ids) and ids[h] in seen:
-            h += 1
+        h = _leading_hits(ids, seen)
         hit_blocks += h
         hit_tokens += req.prefix_tokens(h)
         seen.update(ids)
     return _ratios(trace, hit_tokens, hit_blocks)
 
 
-def simulate_belady(trace: Trace, capacity: int, tick: Tick | None = None) -> HitRatios:
-    """Offline-optimal replay: evicts the block whose next use is furthest away.
+class _BeladyCache:
+    """Cached blocks keyed by next use, furthest first (lazy max-heap).
 
-    A max-heap of ``(next use, depth)`` per cached block with lazy
-    invalidation: an access pushes a fresh entry; entries whose block is gone
-    or whose next use changed are dropped when they reach the top; the heap is
-    rebuilt when stale entries outnumber live ones.
+    An access pushes a fresh entry; entries whose block is gone or whose next use
+    changed are dropped when they reach the top; :meth:`compact` rebuilds the heap
+    when stale entries outnumber live ones.
     """
+
+    def __init__(self, capacity: int, children: dict[int, list[int]]) -> None:
+        self.capacity = capacity
+        self.children = children
+        self.nu: dict[int, int] = {}  # cached block -> next use (request index)
+        self.depth: dict[int, int] = {}
+        self.heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block)
+        self.evictions = self.cascaded = 0
+
+    def refresh(self, b: int, next_use: int) -> None:
+        """A cached block was used; it is next used at ``next_use``."""
+        self.nu[b] = next_use
+        heapq.heappush(self.heap, (-next_use, -self.depth[b], b))
+
+    def offer(self, b: int, next_use: int, depth: int) -> None:
+        """Stores a new block unless it is the one used furthest in the future."""
+        if len(self.nu) >= self.capacity:
+            top_use, top_depth, top = self._furthest()
+            if (next_use, depth) >= (top_use, top_depth):
+                return  # the incoming block is the furthest: do not store it
+            heapq.heappop(self.heap)
+            self._evict(top)
+        self.nu[b] = next_use
+        self.depth[b] = depth
+        heapq.heappush(self.heap, (-next_use, -depth, b))
+
+    def _furthest(self) -> tuple[int, int, int]:
+        heap, nu, depth = self.heap, self.nu, self.depth
+        while True:
+            neg_nu, neg_depth, top = heap[0]
+            if nu.get(top) == -neg_nu and depth[top] == -neg_depth:
+                return -neg_nu, -neg_depth, top
+            heapq.heappop(heap)
+
+    def _evict(self, top: int) -> None:
+        del self.nu[top]
+        self.evictions += 1
+        stack = [top]
+        while stack:  # a no-op for chained keys (children are used later)
+            for child in self.children.get(stack.pop(), ()):
+                if child in self.nu:
+                    del self.nu[child]
+                    self.cascaded += 1
+                    stack.append(child)
+
+    def compact(self) -> None:
+        """Drops stale heap entries once they outnumber the live ones."""
+        if len(self.heap) > 4 * len(self.nu) + 4096:
+            self.heap = [(-u, -self.depth[b], b) for b, u in self.nu.items()]
+            heapq.heapify(self.heap)
+
+
+def simulate_belady(trace: Trace, capacity: int, tick: Tick | None = None) -> HitRatios:
+    """Offline-optimal replay: evicts the block whose next use is furthest away."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1 block, got {capacity}")
     next_use = trace.next_use()
-    children = trace.children
-    nu: dict[int, int] = {}  # cached block -> next use (request index)
-    depth: dict[int, int] = {}
-    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, block)
+    cache = _BeladyCache(capacity, trace.children)
     never = len(trace.requests)
-    hit_tokens = hit_blocks = evictions = cascaded = 0
-    push, pop = heapq.heappush, heapq.heappop
-
+    hit_tokens = hit_blocks = 0
     for t, req in enumerate(trace.requests):
-        ids = req.blocks
-        nx = next_use[t]
-        n = len(ids)
-        h = 0
-        while h < n and ids[h] in nu:
-            h += 1
-        if h:
-            hit_blocks += h
-            hit_tokens += req.prefix_tokens(h)
-            for i in range(h):
-                b = ids[i]
-                nu[b] = nx[i]
-                push(heap, (-nx[i], -depth[b], b))
-        for i in range(h, n):
-            b, nb = ids[i], nx[i]
-            if b in nu:  # only with non-chained keys: already cached deeper down
-                nu[b] = nb
-                push(heap, (-nb, -depth[b], b))
-                continue
-            if nb >= never:
-                continue  # never used again: storing it cannot help
-            if len(nu) >= capacity:
-                while True:
-                    neg_nu, neg_depth, top = heap[0]
-                    if nu.get(top) == -neg_nu and depth[top] == -neg_depth:
-                        break
-                    pop(heap)
-                if (nb, i) >= (-neg_nu, -neg_depth):
-                    continue  # the incoming block is the furthest: do not store it
-                pop(heap)
-                del nu[top]
-                evictions += 1
-                stack = [top]
-                while stack:  # a no-op for chained keys (children are used later)
-                    for child in children.get(stack.pop(), ()):
-                        if child in nu:
-                            del nu[child]
-                            cascaded += 1
-                            stack.append(child)
-            nu[b] = nb
-            depth[b] = i
-            push(heap, (-nb, -i, b))
-        if len(heap) > 4 * len(nu) + 4096:
-            heap = [(-u, -depth[b], b) for b, u in nu.items()]
-            heapq.heapify(heap)
-        if tick is not None and (t + 1) % _TICK_EVERY == 0:
-            tick(_TICK_EVERY)
-    if tick is not None:
-        tick(len(trace.requests) % _TICK_EVERY)
-    return _ratios(trace, hit_tokens, hit_blocks, evictions, cascaded)
+        ids, nx = req.blocks, next_use[t]
+        h = _leading_hits(ids, cache.nu)
+        hit_blocks += h
+        hit_tokens += req.prefix_tokens(h)
+        for i in range(h):
+            cache.refresh(ids[i], nx[i])
+        for i in range(h, len(ids)):
+            if ids[i] in cache.nu:  # only with non-chained keys: already cached deeper down
+                cache.refresh(ids[i], nx[i])
+            elif nx[i] < never:  # a block never used again cannot help
+                cache.offer(ids[i], nx[i], i)
+        cache.compact()
+        _progress(tick, t + 1)
+    _progress(tick, None, len(trace.requests))
+    return _ratios(trace, hit_tokens, hit_blocks, cache.evictions, cache.cascaded)
 
 
 @dataclass(frozen=True, slots=True)
