@@ -116,17 +116,21 @@ def _build(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from dscache_tools.devcluster import BuildError, ClusterError, DevCluster, ensure_built
     from dscache_tools.devcluster.cluster import refuse_if_running
+    from dscache_tools.devcluster.host import HostError, refuse_if_held
     from dscache_tools.devcluster.images import ImageError, image_loader
     from dscache_tools.devcluster.realnodes import real_nodes_default
 
     state_dir = _state_dir(args)
     try:
-        refuse_if_running(state_dir)  # before minutes of building
+        # The cheap refusals first, before minutes of building.
+        refuse_if_running(state_dir)
         real = args.real_nodes
         if real is None:
             real, reason = real_nodes_default()
             if reason:
                 print(f"note: starting without real nodes: {reason}", file=sys.stderr)
+        if real:
+            refuse_if_held(state_dir)
         binaries = ensure_built(progress=_progress)
         loader = image_loader(progress=_progress) if real else None
         prometheus = _prometheus_binary(args.prometheus) if real else None
@@ -141,7 +145,7 @@ def _up(args: argparse.Namespace) -> int:
             binaries=binaries,
             timeout=args.timeout,
         )
-    except (BuildError, ClusterError, ImageError, ValueError) as exc:
+    except (BuildError, ClusterError, HostError, ImageError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(

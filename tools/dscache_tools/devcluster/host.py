@@ -79,6 +79,7 @@ __all__ = [
     "claim",
     "keep_pods_local",
     "preflight",
+    "refuse_if_held",
     "remember_kube_chains",
     "remember_sysctls",
     "set_sysctls",
@@ -110,21 +111,36 @@ def preflight(required: Iterable[tuple[str, str]]) -> None:
         raise HostError("this host cannot run real nodes: " + "; ".join(problems))
 
 
+def refuse_if_held(state_dir: Path) -> HostRecord | None:
+    """The record of a dead cluster still in the ledger, or None when the host is free.
+
+    Cheap: ``dscache dev cluster up`` checks this before building images.
+
+    Raises:
+        HostError: a live cluster with real nodes (not the one in
+            ``state_dir``) holds the host.
+    """
+    previous = HostRecord.load(LEDGER)
+    if previous is None or previous.state_dir == str(state_dir):
+        return None
+    alive = [pid for pid, exe in previous.owners if process_running(pid, exe)]
+    if alive:
+        raise HostError(
+            f"a dev cluster with real nodes already runs from {previous.state_dir} "
+            f"(pids {alive}); stop it with `dscache dev cluster down --state-dir "
+            f"{previous.state_dir}`, or start this one with --real-nodes 0"
+        )
+    return previous
+
+
 def claim(state_dir: Path) -> HostRecord:
     """Takes the host for the cluster in ``state_dir``; cleans up after a dead owner.
 
     Raises:
         HostError: a live cluster with real nodes already holds the host.
     """
-    previous = HostRecord.load(LEDGER)
-    if previous is not None and previous.state_dir != str(state_dir):
-        alive = [pid for pid, exe in previous.owners if process_running(pid, exe)]
-        if alive:
-            raise HostError(
-                f"a dev cluster with real nodes already runs from {previous.state_dir} "
-                f"(pids {alive}); stop it with `dscache dev cluster down --state-dir "
-                f"{previous.state_dir}`, or start this one with --real-nodes 0"
-            )
+    previous = refuse_if_held(state_dir)
+    if previous is not None:
         logger.warning("undoing the host changes of a dead cluster (%s)", previous.state_dir)
         undo(previous)
     record = HostRecord(state_dir=str(state_dir))
