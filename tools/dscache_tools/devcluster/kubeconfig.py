@@ -67,6 +67,7 @@ def write(
     path: Path,
     server: str,
     material: Pki,
+    *,
     client: tuple[Path, Path] | None = None,
     user: str = "admin",
 ) -> Path:

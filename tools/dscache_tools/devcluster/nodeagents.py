@@ -124,8 +124,8 @@ def _start_kubelet(cluster: DevCluster, plan: realnodes.NodePlan, material: Pki)
         plan.directory / "kubelet.kubeconfig",
         cluster.server,
         material,
-        (creds.client_cert, creds.client_key),
-        plan.name,
+        client=(creds.client_cert, creds.client_key),
+        user=plan.name,
     )
     kubelet_conf = plan.directory / "kubelet.yaml"
     kubelet_conf.write_text(
@@ -160,7 +160,7 @@ def _start_kube_proxy(cluster: DevCluster, plan: realnodes.NodePlan, material: P
     state = cluster.state_dir
     cert = pki.client_credentials(material, state / "pki", "kube-proxy", "system:kube-proxy")
     proxy_kubeconfig = kubeconfig.write(
-        state / "kube-proxy.kubeconfig", cluster.server, material, cert, "kube-proxy"
+        state / "kube-proxy.kubeconfig", cluster.server, material, client=cert, user="kube-proxy"
     )
     proxy_conf = state / "kube-proxy.yaml"
     proxy_conf.write_text(
