@@ -95,9 +95,8 @@ def test_deployment_rollout_and_undo(dev_cluster: DevCluster, namespace: str) ->
     dev_cluster.kubectl("rollout", "undo", "-n", ns, "deployment/web")
     dev_cluster.kubectl("rollout", "status", "-n", ns, "deployment/web", "--timeout=90s")
     web = dev_cluster.kubectl_json("get", "deployment", "-n", ns, "web")
-    assert web["spec"]["template"]["spec"]["containers"][0]["image"] == (
-        "registry.local/web:1"
-    )
+    image = web["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == "registry.local/web:1"
     # The undo re-used the first ReplicaSet, which now carries revision 3.
     restored = dev_cluster.kubectl_json("get", "replicaset", "-n", ns, first_rs["metadata"]["name"])
     assert restored["spec"]["replicas"] == 3
