@@ -1,30 +1,24 @@
-"""The container images: how they are built (unit tests) and what they do (``images`` marker).
+"""What the container images do (marker ``images``).
 
-Unit tests need no Docker: ``images/requirements.py`` flattening, the input
-hash that decides rebuilds, and the stamp fast path that starts no Docker.
-
-Tests marked ``images`` use the archives from ``ensure_images()`` (built first
-when missing: about five minutes from nothing, a minute after a source change,
-nothing once current; needs root) and run them in the image cache's private
-Docker engine the way a kubelet would: the image's non-root user, read-only
-root filesystem, a tmpfs on /tmp, no capabilities, and no network or the host's
-loopback only. The sidecar and model-server images also run together like the
-two containers of a model pod, sharing the cache volume.
+The tests use the archives from ``ensure_images()`` (built first when missing:
+about five minutes from nothing, a minute after a source change, nothing once
+current; needs root) and run them in the image cache's private Docker engine
+the way a kubelet would: the image's non-root user, read-only root filesystem,
+a tmpfs on /tmp, no capabilities, and no network or the host's loopback only.
+The sidecar and model-server images also run together like the two containers
+of a model pod, sharing the cache volume. How they are built is tested in
+``test_build.py``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
 import tarfile
 import time
-import tomllib
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -32,206 +26,10 @@ from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_ngin
 from dscache_tools.devcluster import images, wait_until
 from dscache_tools.devcluster.images import IMAGES, ImageArchive, PrivateDocker
 from dscache_tools.devcluster.images.builder import ca_bundle
-from dscache_tools.devcluster.images.load import containerd_name
 from dscache_tools.devcluster.polling import poll
 from dscache_tools.net import free_port
 
 from dscache import __version__
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _requirements_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "images_requirements", REPO / "images/requirements.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-requirements = _requirements_module()
-
-
-# -- images/requirements.py ---------------------------------------------------------------------
-
-PYPROJECT: dict[str, Any] = {
-    "build-system": {"requires": ["hatchling==1.33.0"]},
-    "project": {
-        "name": "Demo_Pkg",
-        "dependencies": ["numpy==2.4.6", "tqdm==4.70.1"],
-        "optional-dependencies": {
-            "a": ["grpcio==1.85.1", "prometheus-client==0.26.0"],
-            "b": ["demo-pkg[a]", "torch==2.15.0", "tqdm==4.70.1"],
-            "c": ["demo.pkg[b,a]", "kopf==1.45.2", "prometheus-client==0.26.0"],
-            "loop": ["demo-pkg[loop]", "x==1"],
-        },
-    },
-}
-
-
-def test_flatten_expands_self_references_in_order_without_duplicates() -> None:
-    assert requirements.flatten(PYPROJECT, ["c"]) == [
-        "numpy==2.4.6",
-        "tqdm==4.70.1",
-        "grpcio==1.85.1",
-        "prometheus-client==0.26.0",
-        "torch==2.15.0",
-        "kopf==1.45.2",
-    ]
-    assert requirements.flatten(PYPROJECT, []) == ["numpy==2.4.6", "tqdm==4.70.1"]
-    assert requirements.flatten(PYPROJECT, ["loop"]) == ["numpy==2.4.6", "tqdm==4.70.1", "x==1"]
-
-
-def test_flatten_rejects_an_unknown_extra() -> None:
-    with pytest.raises(KeyError, match="no extra 'gpu'"):
-        requirements.flatten(PYPROJECT, ["gpu"])
-
-
-def test_the_real_extras_flatten_to_pins_only(capsys: pytest.CaptureFixture[str]) -> None:
-    data = tomllib.loads((REPO / "pyproject.toml").read_text())
-    server = requirements.flatten(data, ["sidecar", "operator", "server"])
-    core = requirements.flatten(data, ["sidecar", "operator"])
-    assert not [r for r in server if r.lower().startswith("dscache")]
-    assert all("==" in r for r in server)
-    assert "grpcio==1.85.1" in server  # through "dscache[sidecar]"
-    assert "torch==2.15.0" in server and not [r for r in core if r.startswith("torch")]
-    assert set(core) < set(server)
-    assert requirements.main([str(REPO / "pyproject.toml"), "--build-system"]) == 0
-    assert capsys.readouterr().out.startswith("hatchling==")
-
-
-# -- the inputs hash ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def tree(tmp_path: Path) -> Path:
-    for rel, text in {
-        "images/Dockerfile": "FROM scratch\n",
-        "images/pause/pause.c": "int main(void) { return 0; }\n",
-        "pyproject.toml": "[project]\nname = 'dscache'\n",
-        "README.md": "# dscache\n",
-        "dscache/__init__.py": "__version__ = '0.1.0'\n",
-        "sidecar/dscache_sidecar/store.py": "X = 1\n",
-        "model-server/dscache_server/app.py": "Y = 1\n",
-        "operator/dscache_operator/spec.py": "Z = 1\n",
-        "tests/test_x.py": "def test(): pass\n",
-    }.items():
-        path = tmp_path / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return tmp_path
-
-
-def _digest(repo: Path, name: str) -> str:
-    return images.inputs_digest(repo, IMAGES[name], "base@1")
-
-
-def test_a_source_change_changes_the_python_images_hash_only(tree: Path) -> None:
-    before = {name: _digest(tree, name) for name in IMAGES}
-    (tree / "sidecar/dscache_sidecar/store.py").write_text("X = 2\n")
-    after = {name: _digest(tree, name) for name in IMAGES}
-    assert after["core"] != before["core"] and after["server"] != before["server"]
-    assert after["pause"] == before["pause"] and after["router"] == before["router"]
-    (tree / "images/pause/pause.c").write_text("int main(void) { return 1; }\n")
-    assert all(_digest(tree, name) != after[name] for name in IMAGES)
-
-
-def test_new_files_and_the_exec_bit_count_caches_and_tests_do_not(tree: Path) -> None:
-    before = _digest(tree, "core")
-    os.utime(tree / "dscache/__init__.py", (1, 1))  # touched, same content: not a change
-    cache = tree / "dscache/__pycache__"
-    cache.mkdir()
-    (cache / "__init__.cpython-311.pyc").write_bytes(b"\x00bytecode")
-    (tree / "operator/dscache_operator/spec.pyc").write_bytes(b"\x00bytecode")
-    (tree / "dscache/.mypy_cache").mkdir()
-    (tree / "dscache/.mypy_cache/x.json").write_text("{}")
-    (tree / "tests/test_x.py").write_text("def test(): assert 0\n")
-    assert _digest(tree, "core") == before
-    (tree / "model-server/dscache_server/new.py").write_text("")
-    added = _digest(tree, "core")
-    assert added != before
-    os.chmod(tree / "model-server/dscache_server/new.py", 0o755)
-    assert _digest(tree, "core") != added
-    assert _digest(tree, "core") != images.inputs_digest(tree, IMAGES["core"], "base@2")
-
-
-def test_the_build_context_holds_exactly_the_hashed_inputs() -> None:
-    """.dockerignore lets in what the hash covers, and drops what the hash skips."""
-    lines = [
-        line.strip()
-        for line in (REPO / ".dockerignore").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-    allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
-    assert lines[0] == "*"
-    assert allowed == set(IMAGES["server"].inputs)
-    for excluded in ("__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache"):
-        assert f"**/{excluded}" in lines
-    assert "**/*.py[co]" in lines
-
-
-def test_current_stamps_start_no_docker(
-    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    root = tmp_path / "cache"
-    monkeypatch.setenv("DSCACHE_IMAGES_BASE", "debian:bookworm-slim")
-    archives = root / "images/archives"
-    archives.mkdir(parents=True)
-    for name, spec in IMAGES.items():
-        (archives / f"{name}.tar").write_bytes(b"x" * 10)
-        stamp = {
-            "inputs": images.inputs_digest(tree, spec, "debian:bookworm-slim"),
-            "ref": spec.ref,
-            "image_id": f"sha256:{name}",
-            "size_bytes": 10,
-        }
-        (archives / f"{name}.json").write_text(json.dumps(stamp))
-
-    def no_docker(self: PrivateDocker) -> None:
-        raise AssertionError("a Docker engine was started")
-
-    monkeypatch.setattr(PrivateDocker, "start", no_docker)
-    started = time.monotonic()
-    got = images.ensure_images(root=root, repo=tree)
-    assert time.monotonic() - started < 1.0
-    assert got["server"] == ImageArchive(
-        IMAGES["server"].ref, archives / "server.tar", "sha256:server", 10
-    )
-    assert list(got) == list(IMAGES)
-    assert list(images.ensure_images(root=root, repo=tree, names=["pause"])) == ["pause"]
-    # A changed source makes core and server stale: now a build (and an engine) is needed.
-    (tree / "dscache/__init__.py").write_text("__version__ = '0.1.1'\n")
-    with pytest.raises(AssertionError, match="engine was started"):
-        images.ensure_images(root=root, repo=tree, names=["core"])
-    with pytest.raises(images.ImageError, match="unknown image"):
-        images.ensure_images(root=root, repo=tree, names=["nope"])
-
-
-def test_a_missing_docker_engine_names_the_package(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Nothing on PATH and no executable at the well-known Debian paths.
-    monkeypatch.setattr(shutil, "which", lambda name: None)
-    monkeypatch.setattr(os, "access", lambda path, mode: False)
-    monkeypatch.delenv("DSCACHE_DOCKER", raising=False)
-    monkeypatch.setattr(os, "geteuid", lambda: 0)
-    with pytest.raises(images.ImageError, match=r"apt-get install docker\.io"):
-        PrivateDocker(tmp_path / "docker").start()
-    # A docker client, but no daemons.
-    monkeypatch.setattr(os, "access", lambda path, mode: str(path).endswith("/bin/docker"))
-    with pytest.raises(images.ImageError, match=r"dockerd, containerd, runc not found.*docker\.io"):
-        PrivateDocker(tmp_path / "docker").start()
-
-
-def test_refs_follow_the_package_version_and_containerd_naming() -> None:
-    assert IMAGES["server"].ref == f"ghcr.io/dscache/dscache:{__version__}"
-    assert containerd_name("ghcr.io/dscache/dscache:0.1.0") == ("ghcr.io/dscache/dscache:0.1.0")
-    assert containerd_name("dscache.local/pause:1.0") == "dscache.local/pause:1.0"
-    assert containerd_name("busybox:1") == "docker.io/library/busybox:1"
-    assert containerd_name("me/app:1") == "docker.io/me/app:1"
-
 
 # -- the built images ---------------------------------------------------------------------------
 
