@@ -12,6 +12,9 @@ Contract:
     * After a restart, space is not reused until ``quarantine_until`` (monotonic):
       readers of the previous process may still map it.
     * Hits touch a chain deepest-first, so parents stay fresher than children.
+    * A block that fails verification is dropped with its descendants; a
+      truncated segment loses every block past its new end at once, and is
+      extended again (:meth:`Catalog.drop_corrupt`).
     * Index records of removed blocks are deleted by :meth:`Catalog.forget`, which
       never fails: on a full disk, reconciliation at the next start drops them.
 
@@ -21,6 +24,7 @@ Not thread safe: the store calls every method under its lock.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -32,7 +36,7 @@ from dscache_sidecar.eviction import EvictionPolicy, Resizable, make_policy
 from dscache_sidecar.index import BlockIndex, BlockRecord
 from dscache_sidecar.leases import LeaseTable
 from dscache_sidecar.metrics import SidecarMetrics
-from dscache_sidecar.segments import ExtentAllocator, StoreFullError
+from dscache_sidecar.segments import ExtentAllocator, SegmentFiles, StoreFullError
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +47,17 @@ class Catalog:
     def __init__(
         self,
         settings: SidecarSettings,
+        *,
         policy_name: str,
         metrics: SidecarMetrics,
         index: Callable[[], BlockIndex],
         clock: Clock,
+        segments: SegmentFiles,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self._clock = clock
+        self._segments = segments
         #: Monotonic time until which space is not reused after a restart.
         self.quarantine_until = 0.0
         self._index = index
@@ -162,6 +169,47 @@ class Catalog:
             siblings.discard(rec.key)
             if not siblings:
                 del self._children[rec.parent]
+
+    def discard(self, victims: list[BlockRecord], reason: str) -> int:
+        """Removes blocks, their descendants and their index records; returns how many."""
+        removed = self.remove_tree(victims, reason)
+        self.forget(removed)
+        return len(removed)
+
+    def drop_corrupt(self, recs: Sequence[BlockRecord], where: str) -> None:
+        """Drops blocks that failed verification, and every block a truncated
+        segment lost; counts them and extends the segment again."""
+        if not recs:
+            return
+        for rec in recs:
+            log.warning("block %s failed verification (%s): dropped", rec.key.hex()[:16], where)
+        # A truncated segment (someone cut the file) loses every block past its new
+        # end; they go now, and the file is extended again. Without this, the space
+        # stayed in the allocator, new blocks were published there and then dropped
+        # at every read, for good (test_corruption.py).
+        seg_bytes = self.settings.segment_bytes
+        sizes = {
+            r.segment: size
+            for r in recs
+            if (size := self._segments.file_size(r.segment)) < seg_bytes
+        }
+        if sizes:
+            seen = {r.key for r in recs}
+            recs = list(recs) + [
+                r
+                for r in self.blocks.values()
+                if r.segment in sizes
+                and r.offset + r.extent_bytes > sizes[r.segment]
+                and r.key not in seen
+            ]
+        self.metrics.checksum_failures.labels(where=where).inc(len(recs))
+        self.discard(list(recs), "corrupt")
+        for seg in sizes:
+            log.error("segment %d was truncated: its lost blocks were dropped", seg)
+            try:
+                os.posix_fallocate(self._segments.fd(seg), 0, seg_bytes)
+            except OSError as exc:
+                log.error("could not extend truncated segment %d again: %s", seg, exc)
 
     def forget(self, removed: list[BlockRecord]) -> None:
         """Drops records from the index. On a full disk the records stay behind;

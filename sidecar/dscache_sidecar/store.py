@@ -31,7 +31,6 @@ happen under one lock; hashing of payloads happens outside it.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
@@ -52,14 +51,12 @@ from dscache_sidecar.index import BlockIndex, BlockRecord
 from dscache_sidecar.metrics import SidecarMetrics, StoreGauges
 from dscache_sidecar.reconcile import reconcile
 from dscache_sidecar.segments import HEADER_BYTES, ExtentAllocator, SegmentFiles, checksum
+from dscache_sidecar.upkeep import Reaper
 from dscache_sidecar.writes import WriteContext, Writes
 
 log = logging.getLogger(__name__)
 
 __all__ = ["KVStore", "StoreFullError"]
-
-#: Seconds between upkeep rounds (expiry of leases and reservations).
-_UPKEEP_S = 0.5
 
 
 def _index_reserve(settings: SidecarSettings) -> int:
@@ -87,7 +84,14 @@ class KVStore:
             settings.data_dir / "segments", settings.segment_bytes, seg_count, settings.segment_init
         )
         self._index: BlockIndex | None = None
-        self._catalog = Catalog(settings, self.policy_name, self.metrics, self._idx, self._clock)
+        self._catalog = Catalog(
+            settings,
+            policy_name=self.policy_name,
+            metrics=self.metrics,
+            index=self._idx,
+            clock=self._clock,
+            segments=self._segments,
+        )
         self._leases = self._catalog.leases
         self._hooks: dict[str, Callable[[], None]] = {}
         self._writes = Writes(
@@ -101,8 +105,7 @@ class KVStore:
                 self._hook,
             )
         )
-        self._stop = threading.Event()
-        self._reaper: threading.Thread | None = None
+        self._reaper: Reaper | None = None
 
     def set_hook(self, point: str, fn: Callable[[], None] | None) -> None:
         """Test seam: runs ``fn`` at a named point, outside the store lock.
@@ -144,8 +147,9 @@ class KVStore:
             self._catalog.quarantine_until = self._clock.monotonic() + self.settings.quarantine_s
         self.metrics.watch_store(self.gauges)
         if start_reaper:
-            self._reaper = threading.Thread(target=self._reap_loop, name="kv-reaper", daemon=True)
-            self._reaper.start()
+            self._reaper = Reaper(
+                self.expire, self.flush_stats, self.settings.stats_flush_s, self._clock
+            )
         log.info(
             "store open: %d blocks, %d/%d segments of %d bytes, policy %s",
             len(self._catalog.blocks),
@@ -166,9 +170,8 @@ class KVStore:
 
     def close(self) -> None:
         """Flushes access statistics and closes files; idempotent."""
-        self._stop.set()
         if self._reaper is not None:
-            self._reaper.join(timeout=5)
+            self._reaper.stop()
             self._reaper = None
         with self._lock:
             if self._index is not None:
@@ -245,7 +248,7 @@ class KVStore:
             if rec.segment not in sizes:
                 sizes[rec.segment] = self._segments.file_size(rec.segment)
             if rec.offset + rec.extent_bytes > sizes[rec.segment]:
-                self._drop_corrupt([rec], where="read")
+                self._catalog.drop_corrupt([rec], where="read")
                 break
             name = self._segments.relative_name(rec.segment)
             grants.append((rec, name, rec.offset + HEADER_BYTES))
@@ -268,7 +271,7 @@ class KVStore:
         if bad:
             with self._lock:
                 live = [r for r in bad if self._catalog.blocks.get(r.key) is r]
-                self._drop_corrupt(live, where="read")
+                self._catalog.drop_corrupt(live, where="read")
         return ended
 
     def read(self, tenant: str, key: bytes) -> tuple[BlockRecord, bytes] | None:
@@ -296,7 +299,7 @@ class KVStore:
         with self._lock:
             if not ok:
                 if self._catalog.blocks.get(key) is rec:
-                    self._drop_corrupt([rec], where="read")
+                    self._catalog.drop_corrupt([rec], where="read")
                 self.metrics.count_lookup("get", 0, 1, 0)
                 return None
             if key in self._catalog.blocks:
@@ -343,52 +346,14 @@ class KVStore:
         tid = tenant_bytes(tenant)
         with self._lock:
             victims = [r for k in keys if (r := self._catalog.owned(k, tid)) is not None]
-            return self._remove(victims, "delete")
+            return self._catalog.discard(victims, "delete")
 
     def clear_tenant(self, tenant: str) -> int:
         """Removes every block of ``tenant``."""
         tid = tenant_bytes(tenant)
         with self._lock:
             victims = [rec for rec in self._catalog.blocks.values() if rec.tenant == tid]
-            return self._remove(victims, "tenant_clear")
-
-    def _remove(self, victims: list[BlockRecord], reason: str) -> int:
-        removed = self._catalog.remove_tree(victims, reason)
-        self._catalog.forget(removed)
-        return len(removed)
-
-    def _drop_corrupt(self, recs: Sequence[BlockRecord], where: str) -> None:
-        if not recs:
-            return
-        for rec in recs:
-            log.warning("block %s failed verification (%s): dropped", rec.key.hex()[:16], where)
-        # A truncated segment (someone cut the file) loses every block past its new
-        # end; they go now, and the file is extended again. Without this, the space
-        # stayed in the allocator, new blocks were published there and then dropped
-        # at every read, for good (test_corruption.py).
-        seg_bytes = self.settings.segment_bytes
-        sizes = {
-            r.segment: size
-            for r in recs
-            if (size := self._segments.file_size(r.segment)) < seg_bytes
-        }
-        if sizes:
-            seen = {r.key for r in recs}
-            recs = list(recs) + [
-                r
-                for r in self._catalog.blocks.values()
-                if r.segment in sizes
-                and r.offset + r.extent_bytes > sizes[r.segment]
-                and r.key not in seen
-            ]
-        self.metrics.checksum_failures.labels(where=where).inc(len(recs))
-        self._remove(list(recs), "corrupt")
-        for seg in sizes:
-            log.error("segment %d was truncated: its lost blocks were dropped", seg)
-            try:
-                os.posix_fallocate(self._segments.fd(seg), 0, seg_bytes)
-            except OSError as exc:
-                log.error("could not extend truncated segment %d again: %s", seg, exc)
+            return self._catalog.discard(victims, "tenant_clear")
 
     # ------------------------------------------------------------------ upkeep
 
@@ -411,17 +376,6 @@ class KVStore:
         """Writes pending access statistics to the index."""
         with self._lock:
             self._flush_stats()
-
-    def _reap_loop(self) -> None:
-        last_flush = self._clock.monotonic()
-        while not self._stop.wait(_UPKEEP_S):
-            try:
-                self.expire()
-                if self._clock.monotonic() - last_flush >= self.settings.stats_flush_s:
-                    self.flush_stats()
-                    last_flush = self._clock.monotonic()
-            except Exception:  # the reaper must outlive any one failure
-                log.exception("store upkeep failed")
 
     # ------------------------------------------------------------------ reporting
 

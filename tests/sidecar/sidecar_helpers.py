@@ -50,6 +50,14 @@ def prompt(n_blocks: int, seed: int) -> list[int]:
     return [int(t) for t in rng.integers(0, 100_000, size=n_blocks * BLOCK_TOKENS)]
 
 
+def store_chain(client: SidecarClient, n_blocks: int, seed: int) -> tuple[str, list[bytes]]:
+    """Stores a new chain of ``n_blocks`` for the default tenant: (tenant, keys)."""
+    ch = chain()
+    keys = ch.keys(prompt(n_blocks, seed))
+    assert client.store(ch.tenant, blocks_for(keys)) == n_blocks
+    return ch.tenant, keys
+
+
 def settings(tmp: Path, **kw: Any) -> SidecarSettings:
     base: dict[str, Any] = {
         "data_dir": tmp,

@@ -11,7 +11,15 @@ import grpc
 import numpy as np
 import pytest
 from dscache_sidecar.client import BlockData, SidecarClient, SidecarFullError
-from sidecar_helpers import BLOCK_SHAPE, Sidecar, block_array, blocks_for, chain, prompt
+from sidecar_helpers import (
+    BLOCK_SHAPE,
+    Sidecar,
+    block_array,
+    blocks_for,
+    chain,
+    prompt,
+    store_chain,
+)
 
 from dscache.v1 import kvcache_pb2 as pb
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -144,21 +152,17 @@ def test_tenant_isolation_and_clear_tenant(sidecar: Sidecar) -> None:
 
 
 def test_delete_removes_descendants_too(sidecar: Sidecar) -> None:
-    ch = chain()
-    keys = ch.keys(prompt(5, seed=6))
-    sidecar.c.store(ch.tenant, blocks_for(keys))
-    assert sidecar.c.delete(ch.tenant, [keys[2]]) == 3
-    assert sidecar.c.lookup(ch.tenant, keys) == 2
+    tenant, keys = store_chain(sidecar.c, 5, seed=6)
+    assert sidecar.c.delete(tenant, [keys[2]]) == 3
+    assert sidecar.c.lookup(tenant, keys) == 2
     assert sidecar.metric("dscache_sidecar_evictions_total", reason="cascade") == 2
 
 
 def test_index_survives_a_restart(sidecar: Sidecar) -> None:
-    ch = chain()
-    keys = ch.keys(prompt(6, seed=7))
-    sidecar.c.store(ch.tenant, blocks_for(keys))
+    tenant, keys = store_chain(sidecar.c, 6, seed=7)
     sidecar.restart()
-    assert sidecar.c.lookup(ch.tenant, keys) == 6
-    with sidecar.c.load(ch.tenant, keys) as loaded:
+    assert sidecar.c.lookup(tenant, keys) == 6
+    with sidecar.c.load(tenant, keys) as loaded:
         for key, arr in zip(keys, loaded.arrays, strict=True):
             np.testing.assert_array_equal(arr, block_array(key))
     assert sidecar.metric("dscache_sidecar_checksum_failures_total", where="start") == 0
@@ -220,9 +224,7 @@ def test_malformed_requests_are_invalid_argument_and_the_daemon_keeps_serving(
     with pytest.raises(grpc.RpcError) as err:
         call(_stub(sidecar))
     assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    ch = chain()
-    keys = ch.keys(prompt(1, seed=20))
-    assert sidecar.c.store(ch.tenant, blocks_for(keys)) == 1
+    store_chain(sidecar.c, 1, seed=20)  # the daemon still serves writes
     assert sidecar.running is not None
     errors = [
         sample.value
@@ -266,10 +268,8 @@ def test_a_wrong_client_checksum_is_rejected_at_commit(
 
 
 def test_metrics_endpoint_serves_prometheus_text(sidecar: Sidecar) -> None:
-    ch = chain()
-    keys = ch.keys(prompt(3, seed=23))
-    sidecar.c.store(ch.tenant, blocks_for(keys))
-    sidecar.c.lookup(ch.tenant, keys)
+    tenant, keys = store_chain(sidecar.c, 3, seed=23)
+    sidecar.c.lookup(tenant, keys)
     assert sidecar.running is not None
     body = (
         urllib.request.urlopen(f"http://127.0.0.1:{sidecar.running.metrics_port}/metrics")
