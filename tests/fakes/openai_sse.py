@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from dscache import metricnames as names
+
 
 @dataclass
 class Seen:
@@ -62,11 +64,11 @@ class FakeChatServer:
                     self.send_error(404)
                     return
                 with fake.lock:
+                    series = f"{names.PROMPT_TOKENS_SERIES}{{{names.SOURCE_LABEL}="
                     body = (
-                        "# TYPE dscache_server_prompt_tokens counter\n"
-                        f'dscache_server_prompt_tokens_total{{source="reused"}} {fake.reused}\n'
-                        f'dscache_server_prompt_tokens_total{{source="recomputed"}} '
-                        f"{fake.recomputed}\n"
+                        f"# TYPE {names.PROMPT_TOKENS} counter\n"
+                        f'{series}"{names.SOURCE_REUSED}"}} {fake.reused}\n'
+                        f'{series}"{names.SOURCE_RECOMPUTED}"}} {fake.recomputed}\n'
                     ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
