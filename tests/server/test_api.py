@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from dscache_server.app import create_app
 from dscache_server.prewarm import prewarm
+from dscache_server.runtime import Runtime
 from dscache_server.tokenizer import DeepSeekTokenizer
-from srv_helpers import LiveServer, random_text, read_chats
+from fastapi.testclient import TestClient
+from srv_helpers import LiveServer, make_runtime, random_text, read_chats
+from tenacity import Retrying, retry_if_result, stop_after_delay, wait_fixed
 
 from dscache.cli import main
 
@@ -259,3 +264,74 @@ def test_prewarm_command_stores_prefixes(
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
     assert main(["prewarm", "--target", srv.url, "--prompts", str(bad)]) == 2
+
+
+def test_a_stream_the_client_abandons_gives_back_its_slot(
+    live_server: Callable[..., LiveServer],
+) -> None:
+    srv = live_server(max_concurrency=1, max_queue=0)
+    url = srv.url + "/v1/chat/completions"
+    # Greedy on this prompt, the small model runs to the length limit (no EOS).
+    long = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 4000,
+        "temperature": 0,
+    }
+    with httpx.stream("POST", url, json=long, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = resp.iter_lines()  # kept: dropping the iterator closes the connection
+        assert next(events).startswith("data: ")  # generating now, holding the only slot
+        busy = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}]})
+        assert busy.status_code == 429
+    # The client went away: the slot comes back without the 4000 tokens being generated.
+    poll = Retrying(
+        stop=stop_after_delay(30),
+        wait=wait_fixed(0.1),
+        retry=retry_if_result(lambda code: code != 200),
+        retry_error_callback=lambda state: state.outcome.result() if state.outcome else 0,
+    )
+    short = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    assert poll(lambda: httpx.post(url, json=short, timeout=60).status_code) == 200
+    assert srv.metric("dscache_server_generated_tokens_total") < 4000
+
+
+def test_not_ready_until_the_loader_has_run(tokenizer: DeepSeekTokenizer) -> None:
+    loaded = threading.Event()
+
+    def loader() -> Runtime:
+        assert loaded.wait(60)
+        return make_runtime(None, tokenizer)
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with TestClient(create_app(loader=loader)) as c:
+        assert c.get("/health").status_code == 200
+        ready = c.get("/ready")
+        assert (ready.status_code, ready.json()["status"]) == (503, "loading")
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "not_ready"
+        loaded.set()
+        poll = Retrying(
+            stop=stop_after_delay(60),
+            wait=wait_fixed(0.1),
+            retry=retry_if_result(lambda code: code != 200),
+        )
+        assert poll(lambda: c.get("/ready").status_code) == 200
+        assert c.get("/ready").json()["cache"] == "disabled"
+        assert c.post("/v1/chat/completions", json=chat).status_code == 200
+
+
+def test_a_failed_load_is_reported_by_ready() -> None:
+    def loader() -> Runtime:
+        raise ValueError("no such model")
+
+    with TestClient(create_app(loader=loader)) as c:
+        poll = Retrying(
+            stop=stop_after_delay(30),
+            wait=wait_fixed(0.05),
+            retry=retry_if_result(lambda status: status == "loading"),
+        )
+        assert poll(lambda: c.get("/ready").json()["status"]) == "ValueError: no such model"
+        r = c.get("/v1/models")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "ValueError: no such model"

@@ -236,13 +236,13 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{'context':>8} {'full_prefill_s':>15} {'hit_s':>9} {'in_memory_s':>12} "
         f"{'full/hit':>9} {'hit/in_mem':>11}"
     )
-    lines = [f"ttft on {doc['model']} ({doc['threads']} threads, medians of {doc['repeat']})", head]
-    for r in doc["results"]:
-        lines.append(
-            f"{r['context']:>8} {r['full_prefill_s']:>15.3f} {r['hit_s']:>9.3f} "
-            f"{r['in_memory_s']:>12.3f} {r['full_over_hit']:>9.1f} {r['hit_over_in_memory']:>11.3f}"
-        )
-    return "\n".join(lines)
+    title = f"ttft on {doc['model']} ({doc['threads']} threads, medians of {doc['repeat']})"
+    rows = [
+        f"{r['context']:>8} {r['full_prefill_s']:>15.3f} {r['hit_s']:>9.3f} "
+        f"{r['in_memory_s']:>12.3f} {r['full_over_hit']:>9.1f} {r['hit_over_in_memory']:>11.3f}"
+        for r in doc["results"]
+    ]
+    return "\n".join([title, head, *rows])
 
 
 def run_cli(args: argparse.Namespace) -> int:
