@@ -18,11 +18,11 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from cachetools import LRUCache
 
 from dscache.keys import KeyChain
 from dscache_server.cache import PrefixCache
@@ -149,25 +149,18 @@ class SessionTracker:
     """
 
     def __init__(self, capacity: int = 100_000) -> None:
-        self._capacity = capacity
-        self._blocks: OrderedDict[str, int] = OrderedDict()
-        self._lock = threading.Lock()
+        self._blocks: LRUCache[str, int] = LRUCache(capacity)
+        self._lock = threading.Lock()  # LRUCache is not thread safe
 
     def previous(self, session_id: str) -> int | None:
         """Cacheable blocks of the session's previous turn, if seen."""
         with self._lock:
-            value = self._blocks.get(session_id)
-            if value is not None:
-                self._blocks.move_to_end(session_id)
-            return value
+            return self._blocks.get(session_id)
 
     def record(self, session_id: str, blocks: int) -> None:
         """Remembers this turn's cacheable blocks."""
         with self._lock:
             self._blocks[session_id] = blocks
-            self._blocks.move_to_end(session_id)
-            while len(self._blocks) > self._capacity:
-                self._blocks.popitem(last=False)
 
 
 class Generator:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from threading import Lock
+
+from cachetools import LRUCache
 
 from dscache.keys import KeyChain, tenant_salt
 from dscache_server.blockstore import KVBlockStore, SidecarBlockStore
@@ -31,6 +32,8 @@ from dscache_server.tokenizer import DeepSeekTokenizer
 log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
+#: Key chains kept (tenants are few but unbounded: an API key is a tenant).
+CHAIN_CACHE_SIZE = 4096
 
 
 @dataclass
@@ -44,7 +47,7 @@ class Runtime:
     generator: Generator
     metrics: ServerMetrics
     executor: ThreadPoolExecutor
-    _chains: OrderedDict[str, KeyChain] = field(default_factory=OrderedDict)
+    _chains: LRUCache[str, KeyChain] = field(default_factory=lambda: LRUCache(CHAIN_CACHE_SIZE))
     _chains_lock: Lock = field(default_factory=Lock)
 
     @property
@@ -61,8 +64,6 @@ class Runtime:
                 secret = self.settings.tenant_secret.get_secret_value().encode()
                 chain = KeyChain(self.engine.fingerprint, tenant_salt(tenant, secret))
                 self._chains[tenant] = chain
-                while len(self._chains) > 4096:
-                    self._chains.popitem(last=False)
             return chain
 
     async def generate(

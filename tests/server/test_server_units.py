@@ -11,7 +11,13 @@ import pytest
 import torch
 from dscache_server.cache import CostModel
 from dscache_server.config import ServerSettings, add_server_arguments, settings_from_args
-from dscache_server.generate import IncrementalDetokenizer, SamplingParams, StopMatcher, sample
+from dscache_server.generate import (
+    IncrementalDetokenizer,
+    SamplingParams,
+    SessionTracker,
+    StopMatcher,
+    sample,
+)
 from dscache_server.kv import flash_part, latent_part, merge_parts
 from dscache_server.metrics import ServerMetrics
 from dscache_server.scheduler import QueueFullError, Scheduler
@@ -167,3 +173,12 @@ def test_settings_from_env_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert settings_from_args(p.parse_args(["--no-calibrate"])).calibrate is False
     with pytest.raises(ValueError):
         ServerSettings(sidecar_data_dir="/x")
+
+
+def test_session_tracker_forgets_the_least_recently_seen_session() -> None:
+    sessions = SessionTracker(capacity=2)
+    sessions.record("a", 3)
+    sessions.record("b", 4)
+    assert sessions.previous("a") == 3  # "a" is now the most recently seen
+    sessions.record("c", 5)
+    assert (sessions.previous("a"), sessions.previous("b"), sessions.previous("c")) == (3, None, 5)
