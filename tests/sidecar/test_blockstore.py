@@ -1,0 +1,83 @@
+"""The store through its interfaces: the injected clock, and capabilities a store lacks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dscache_sidecar.blockstore import BlockSpec, BlockStore, Leasing, Reserving
+from dscache_sidecar.codec import Codec
+from dscache_sidecar.metrics import SidecarMetrics
+from dscache_sidecar.segments import checksum
+from dscache_sidecar.service import KVCacheService, UnimplementedError
+from dscache_sidecar.store import KVStore
+from sidecar_helpers import settings
+
+from dscache.v1 import kvcache_pb2 as pb
+
+KEY = bytes(range(32))
+
+
+class FakeClock:
+    """Monotonic and wall time that move only when the test says so."""
+
+    def __init__(self) -> None:
+        self.mono = 100.0
+        self.unix = 1_700_000_000.0
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def wall(self) -> float:
+        return self.unix
+
+
+def put_one(store: KVStore) -> None:
+    data = np.arange(4, dtype=np.float32).tobytes()
+    spec = BlockSpec(KEY, b"", Codec.RAW, "float32", (4,), 16, 16)
+    assert store.put("t", spec, data, checksum(data)) == (True, False)
+
+
+def test_leases_expire_on_the_monotonic_clock_and_report_wall_time(tmp_path: Path) -> None:
+    clock = FakeClock()
+    with KVStore(settings(tmp_path), SidecarMetrics(), clock=clock) as store:
+        store.open(start_reaper=False)
+        put_one(store)
+        grant = store.lease("t", [KEY], ttl_s=10)
+        assert grant.expires_unix_ms == (clock.unix + 10) * 1000
+        clock.unix -= 3600  # a wall-clock step back changes no expiry
+        clock.mono += 9
+        assert store.expire() == (0, 0)
+        assert store.extend(grant.lease_id, 10) == (clock.unix + 10) * 1000
+        clock.mono += 11
+        assert store.expire() == (1, 0)
+        assert store.gauges().active_leases == 0
+
+
+class LookupOnly:
+    """A store with the BlockStore interface and neither optional capability."""
+
+    def __init__(self, inner: KVStore) -> None:
+        self.inner = inner
+        self.policy_name = inner.policy_name
+        self.max_stored_bytes = inner.max_stored_bytes
+        self.lookup, self.read, self.put = inner.lookup, inner.read, inner.put
+        self.delete, self.clear_tenant = inner.delete, inner.clear_tenant
+        self.gauges, self.close = inner.gauges, inner.close
+
+
+def test_a_store_without_leases_or_reservations_answers_unimplemented(tmp_path: Path) -> None:
+    with KVStore(settings(tmp_path)) as inner:
+        inner.open(start_reaper=False)
+        store: BlockStore = LookupOnly(inner)
+        assert not isinstance(store, Leasing) and not isinstance(store, Reserving)
+        service = KVCacheService(store, settings(tmp_path), SidecarMetrics())
+        with pytest.raises(UnimplementedError):
+            service.Lease(pb.LeaseRequest(tenant="t", keys=[KEY]), None)  # type: ignore[arg-type]
+        with pytest.raises(UnimplementedError):
+            service.Abort(pb.AbortRequest(write_ids=["x"]), None)  # type: ignore[arg-type]
+        put_one(inner)
+        found = service.Lookup(pb.LookupRequest(tenant="t", keys=[KEY]), None)  # type: ignore[arg-type]
+        assert found.hit_blocks == 1
+        assert service.Stats(pb.StatsRequest(), None).blocks == 1  # type: ignore[arg-type]
