@@ -10,9 +10,6 @@ Contract:
     * A miss is a normal response.
 """
 
-# gRPC servicer methods are named by the proto (Lookup, Lease, ...).
-# ruff: noqa: N802
-
 from __future__ import annotations
 
 import dataclasses
