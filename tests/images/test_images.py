@@ -26,8 +26,8 @@ from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_ngin
 from dscache_tools.devcluster import images, wait_until
 from dscache_tools.devcluster.images import IMAGES, ImageArchive, PrivateDocker
 from dscache_tools.devcluster.images.builder import ca_bundle
-from dscache_tools.devcluster.polling import poll
 from dscache_tools.net import free_port
+from dscache_tools.polling import poll
 
 from dscache import __version__
 

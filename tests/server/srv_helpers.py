@@ -6,12 +6,7 @@ A module with a unique name: ``conftest`` is a name every test folder has.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +19,8 @@ from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
 from dscache_server.runtime import Runtime, build_runtime
 from dscache_server.tokenizer import DeepSeekTokenizer
-from dscache_sidecar.client import SidecarClient
 from dscache_tools.net import free_port
+from dscache_tools.sidecarproc import SidecarProcess
 from tenacity import Retrying, retry_if_not_result, stop_after_delay, wait_fixed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,68 +28,11 @@ BLOCK_TOKENS = 32
 MIN_CACHE_TOKENS = 64
 
 
-class SidecarDaemon:
-    """``dscache sidecar`` as a real subprocess that tests can kill and restart."""
+class SidecarDaemon(SidecarProcess):
+    """The server tests' sidecar: 512 MiB in 64 MiB segments."""
 
     def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.socket = str(data_dir / "sidecar.sock")
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = data_dir.parent / f"{data_dir.name}.log"
-
-    def start(self, timeout: float = 60) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "dscache.cli",
-            "sidecar",
-            "--data-dir",
-            str(self.data_dir),
-            "--socket",
-            self.socket,
-            "--capacity",
-            "512MiB",
-            "--segment-size",
-            "64MiB",
-            "--metrics-port",
-            "0",
-            "--metrics-host",
-            "127.0.0.1",
-            "--restart-quarantine",
-            "0",
-        ]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited: {self.log.read_text()[-3000:]}")
-            if os.path.exists(self.socket):
-                probe = SidecarClient(self.socket, timeout_s=1)
-                try:
-                    if probe.healthy():
-                        return
-                finally:
-                    probe.close()
-            time.sleep(0.1)
-        raise RuntimeError(f"sidecar not healthy in {timeout}s: {self.log.read_text()[-3000:]}")
-
-    def kill(self) -> None:
-        """SIGKILL: the crash case."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        """SIGTERM: the clean case."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        super().__init__(data_dir, "--capacity", "512MiB", "--segment-size", "64MiB")
 
 
 _ENGINES: dict[tuple[str, int], TransformersEngine] = {}

@@ -41,6 +41,4 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
 
     yield make
     for d in procs:
-        if d.proc is not None and d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(10)
+        d.kill()

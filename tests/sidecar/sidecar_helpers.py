@@ -4,11 +4,6 @@ real gRPC over a unix socket, real LMDB and segment files in a temp dir."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +12,7 @@ from dscache_sidecar.client import BlockData, SidecarClient
 from dscache_sidecar.config import SidecarSettings
 from dscache_sidecar.daemon import RunningSidecar, create_server
 from dscache_sidecar.metrics import SidecarMetrics
+from dscache_tools.sidecarproc import SidecarProcess
 
 from dscache.keys import KeyChain, KVLayout, LayoutKind, ModelFingerprint, tenant_salt
 
@@ -112,55 +108,8 @@ class Sidecar:
         return 0.0 if value is None else value
 
 
-class DaemonProcess:
+class DaemonProcess(SidecarProcess):
     """``dscache sidecar`` as a real subprocess (for kill -9 and disk tests)."""
 
-    def __init__(self, data_dir: Path, *extra: str) -> None:
-        self.data_dir = data_dir
-        self.socket = str(data_dir / "sidecar.sock")
-        self.extra = extra
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = data_dir.parent / f"{data_dir.name}.log"
-
     def start(self, timeout: float = 30) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "dscache.cli",
-            "sidecar",
-            "--data-dir",
-            str(self.data_dir),
-            "--socket",
-            self.socket,
-            "--metrics-port",
-            "0",
-            "--metrics-host",
-            "127.0.0.1",
-            "--restart-quarantine",
-            "0",
-            *self.extra,
-        ]
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        deadline = time.monotonic() + timeout
-        probe = None
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.log.read_text()[-3000:]}")
-            if os.path.exists(self.socket):
-                probe = probe or SidecarClient(self.socket, timeout_s=1)
-                if probe.healthy():
-                    probe.close()
-                    return
-            time.sleep(0.05)
-        raise RuntimeError(f"daemon not healthy in {timeout}s: {self.log.read_text()[-3000:]}")
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def terminate(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(20)
+        super().start(timeout)

@@ -213,7 +213,7 @@ def crash_rounds(
             more = 256 // CHAIN_BLOCKS + 4 if done == 1 else rnd.randint(1, 12)
             writer.wait_commits(writer.committed + more)
             time.sleep(rnd.uniform(0, 0.03))  # lands the kill anywhere in a commit
-            d.kill9()
+            d.kill()
             # Frozen until checked: its next writes would evict what the check expects.
             # (Mid-write, it finishes after the restart: its commit is then refused.)
             writer.pause()

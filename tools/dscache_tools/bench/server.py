@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -40,50 +37,9 @@ from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
 
 from dscache.keys import KeyChain, tenant_salt
+from dscache_tools.sidecarproc import SidecarProcess
 
 log = logging.getLogger(__name__)
-
-
-class _Daemon:
-    """The real sidecar daemon as a subprocess."""
-
-    def __init__(self, data_dir: Path, capacity: str) -> None:
-        self.data_dir = data_dir
-        self.socket = str(data_dir / "sidecar.sock")
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = data_dir.parent / "sidecar.log"
-        cmd = [
-            sys.executable, "-m", "dscache.cli", "sidecar",
-            "--data-dir", str(data_dir),
-            "--socket", self.socket,
-            "--capacity", capacity,
-            "--metrics-port", "0",
-            "--metrics-host", "127.0.0.1",
-        ]  # fmt: skip
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_healthy(self, store: Callable[[], SidecarBlockStore], timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited: {self.log_path.read_text()[-2000:]}")
-            if os.path.exists(self.socket):
-                s = store()
-                try:
-                    if s.healthy():
-                        return
-                finally:
-                    s.close()
-            time.sleep(0.1)
-        raise RuntimeError("sidecar did not become healthy")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -182,7 +138,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     engine = load_engine(args.model, block_tokens=args.block_tokens, threads=args.threads)
     tmp = tempfile.TemporaryDirectory(prefix="dscache-bench-")
     data_dir = Path(args.data_dir) if args.data_dir else Path(tmp.name) / "data"
-    daemon = _Daemon(data_dir, args.capacity)
+    daemon = SidecarProcess(data_dir, "--capacity", args.capacity)
 
     def make_store() -> SidecarBlockStore:
         return SidecarBlockStore(
@@ -190,7 +146,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     try:
-        daemon.wait_healthy(make_store)
+        daemon.start()
         always = CostModel(1.0, 1e12, 0.0, 1)
         cache = PrefixCache(make_store(), engine.adapter, ServerMetrics(), always, min_tokens=0)
         results = []

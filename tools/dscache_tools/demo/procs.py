@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscache_tools.devcluster.polling import poll
+from dscache_tools.polling import poll
 
 log = logging.getLogger(__name__)
 

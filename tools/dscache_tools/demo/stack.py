@@ -36,8 +36,8 @@ from dscache_tools.demo.parts import (
     worker_pids,
 )
 from dscache_tools.demo.procs import Child, ProcessGroup, StartError, http_ok, wait_until
-from dscache_tools.devcluster.polling import poll
 from dscache_tools.net import free_port
+from dscache_tools.polling import poll
 
 __all__ = [
     "NGINX_PACKAGES",

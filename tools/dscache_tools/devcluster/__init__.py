@@ -79,7 +79,7 @@ from dscache_tools.devcluster.versions import PINNED, Versions, cache_root, defa
 
 if TYPE_CHECKING:
     from dscache_tools.devcluster.cluster import ClusterError, DevCluster, ToolError
-    from dscache_tools.devcluster.polling import wait_until
+    from dscache_tools.polling import wait_until
 
 __all__ = [
     "PINNED",

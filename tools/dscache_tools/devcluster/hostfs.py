@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dscache_tools.devcluster.hostrecord import HostRecord, run
-from dscache_tools.devcluster.polling import poll
 from dscache_tools.devcluster.procs import mount_points
+from dscache_tools.polling import poll
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 

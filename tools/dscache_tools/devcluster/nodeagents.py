@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING
 
 from dscache_tools.devcluster import host, kubeconfig, nodes, prometheus, realnodes
 from dscache_tools.devcluster.controlplane import admin_client, http_ok
-from dscache_tools.devcluster.polling import poll
 from dscache_tools.devcluster.supervisor import ClusterError
 from dscache_tools.net import free_port
+from dscache_tools.polling import poll
 
 if TYPE_CHECKING:
     from dscache_tools.devcluster.cluster import DevCluster

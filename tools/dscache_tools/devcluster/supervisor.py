@@ -31,8 +31,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscache_tools.devcluster.polling import poll
 from dscache_tools.devcluster.procs import die_with_parent, process_running, tail
+from dscache_tools.polling import poll
 
 logger = logging.getLogger(__name__)
 

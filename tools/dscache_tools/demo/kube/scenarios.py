@@ -1,7 +1,7 @@
 """The Kubernetes demo's run: install, then the three rollouts in turn.
 
 See :mod:`dscache_tools.demo.kube` for what each part shows and the report's keys.
-Waits poll the API with tenacity (:mod:`dscache_tools.devcluster.polling`) and
+Waits poll the API with tenacity (:mod:`dscache_tools.polling`) and
 raise TimeoutError naming what they waited for; a part that times out is
 reported as not promoted or not rolled back, and the run goes on.
 """
@@ -44,7 +44,7 @@ from dscache_tools.demo.kube.report import (
 from dscache_tools.demo.kube.watch import LoadThread, Phase, Watcher
 from dscache_tools.demo.output import publish
 from dscache_tools.demo.procs import terminate_on_sigterm
-from dscache_tools.devcluster.polling import wait_until
+from dscache_tools.polling import wait_until
 from dscache_tools.workload import (
     ChatRequest,
     WorkloadConfig,

@@ -1,4 +1,4 @@
-"""Waiting for a condition: one rule for the dev cluster and the tests that use it.
+"""Waiting for a condition: one rule for all tooling (dev cluster, demos, benches) and the tests.
 
 Contract:
     * :func:`poll` calls a probe until it returns something truthy or the time

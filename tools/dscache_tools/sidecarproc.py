@@ -1,0 +1,104 @@
+"""``dscache sidecar`` as a real child process: the one launcher of tests and benchmarks.
+
+Contract:
+    * :meth:`SidecarProcess.start` runs ``python -m dscache.cli sidecar`` on
+      ``data_dir`` (socket ``data_dir/sidecar.sock``, metrics on a free loopback
+      port, no restart quarantine, plus the caller's extra flags) and returns
+      once the standard gRPC health check answers SERVING; a child that exits
+      first raises with the tail of its log.
+    * :meth:`kill` is the crash case (SIGKILL), :meth:`terminate` the clean one
+      (SIGTERM, the exit code); :meth:`stop` is idempotent and never leaves a
+      child behind (SIGKILL after a grace period).
+    * The log (stdout and stderr) goes to ``<data_dir>.log`` beside the data
+      directory, appended across restarts.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from dscache_sidecar.client import SidecarClient
+
+from dscache_tools.polling import wait_until
+
+
+class SidecarProcess:
+    """One sidecar daemon as a subprocess that can be killed and started again."""
+
+    def __init__(self, data_dir: Path, *extra: str) -> None:
+        """Prepares (does not start) a daemon.
+
+        Args:
+            data_dir: the store's directory (created).
+            extra: more ``dscache sidecar`` flags.
+        """
+        self.data_dir = data_dir
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.socket = str(data_dir / "sidecar.sock")
+        self.extra = extra
+        self.log = data_dir.parent / f"{data_dir.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        """The command line :meth:`start` runs."""
+        return [
+            sys.executable, "-m", "dscache.cli", "sidecar",
+            "--data-dir", str(self.data_dir),
+            "--socket", self.socket,
+            "--metrics-port", "0",
+            "--metrics-host", "127.0.0.1",
+            "--restart-quarantine", "0",
+            *self.extra,
+        ]  # fmt: skip
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Starts the daemon and waits until it is healthy.
+
+        Raises:
+            RuntimeError: the daemon exited before it became healthy.
+            TimeoutError: it did not become healthy within ``timeout`` s.
+        """
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        wait_until(f"the sidecar on {self.socket}", self._healthy, timeout, interval=0.05)
+
+    def _healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"sidecar exited: {self.log.read_text()[-3000:]}")
+        if not Path(self.socket).exists():
+            return False
+        probe = SidecarClient(self.socket, timeout_s=1)
+        try:
+            return probe.healthy()
+        finally:
+            probe.close()
+
+    def running(self) -> bool:
+        """Whether the child is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case."""
+        if self.proc is not None and self.running():
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        """SIGTERM and the exit code: the clean case."""
+        assert self.proc is not None, "never started"
+        if self.running():
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """Stops the child if it runs: SIGTERM, then SIGKILL after 20 s."""
+        if not self.running():
+            return
+        try:
+            self.terminate()
+        except subprocess.TimeoutExpired:
+            self.kill()
