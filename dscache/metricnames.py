@@ -33,4 +33,7 @@ TTFT_BUCKET_SERIES: Final = TTFT_SECONDS + "_bucket"
 CACHE_HITS: Final = SERVER_PREFIX + "cache_hits"
 CACHE_MISSES: Final = SERVER_PREFIX + "cache_misses"
 LEVEL_LABEL: Final = "level"
+
+#: Counter: requests that recomputed because the cache failed, by ``reason``.
+CACHE_FALLBACKS: Final = SERVER_PREFIX + "cache_fallbacks"
 HIT_LEVELS: Final = ("token", "block", "session")

@@ -109,7 +109,7 @@ _SPECS: dict[str, _Spec] = {
     ),
     "fallbacks": _Spec(
         Counter,
-        P + "cache_fallbacks_total",
+        names.CACHE_FALLBACKS,
         ("reason",),
         "Requests that recomputed because the cache failed, by reason.",
     ),

@@ -159,17 +159,13 @@ def test_the_second_pass_hits_the_cache(pods: Pods) -> None:
     assert second.client_token_hit_ratio == pytest.approx(second.token_hit_ratio, abs=0.02)
 
 
-#: Not in dscache.metricnames yet: only this test reads it.
-CACHE_FALLBACKS = names.SERVER_PREFIX + "cache_fallbacks"
-
-
 def _fallbacks(server: Server) -> float:
     text = httpx.get(server.metrics_url, timeout=10).text
     return sum(
         sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == CACHE_FALLBACKS + "_total"
+        if sample.name == names.CACHE_FALLBACKS + "_total"
     )
 
 
