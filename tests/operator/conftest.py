@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -23,25 +21,13 @@ from fakes.server_metrics import FakeServerMetrics
 from operator_harness import ROOT, OperatorProcess, PrometheusProcess, Rig
 
 CHART_NS = "dscache-system"
-_counter = itertools.count()
 
 
 @pytest.fixture(scope="module")
 def chart(dev_cluster: DevCluster) -> str:
     """The chart installed (CRD included); returns its namespace."""
-    dev_cluster.helm(
-        "upgrade",
-        "--install",
-        "dscache",
-        str(ROOT / "charts" / "dscache"),
-        "--namespace",
-        CHART_NS,
-        "--create-namespace",
-        "--set",
-        "operator.replicas=0",
-        "--wait",
-        "--timeout",
-        "120s",
+    dev_cluster.install_chart(
+        "dscache", ROOT / "charts" / "dscache", CHART_NS, {"operator.replicas": 0}
     )
     dev_cluster.kubectl(
         "wait", "--for=condition=Established", "crd/deepseekcachedeployments.dscache.io"
@@ -78,11 +64,9 @@ def operator(
 
 
 @pytest.fixture
-def ns(dev_cluster: DevCluster) -> Iterator[str]:
-    name = f"op{os.getpid()}-{next(_counter)}"
-    dev_cluster.kubectl("create", "namespace", name)
-    yield name
-    dev_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+def ns(namespace: str) -> str:
+    """The shared per-test namespace (tests/conftest.py), under the operator tests' name."""
+    return namespace
 
 
 @pytest.fixture
