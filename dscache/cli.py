@@ -14,6 +14,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import TypeAlias
 
 from dscache import __version__
 
@@ -28,6 +29,9 @@ _COMPONENTS: tuple[tuple[str, str], ...] = (
 )
 
 Handler = Callable[[argparse.Namespace], int]
+
+#: What a component's ``register(commands, benches)`` adds its subcommands to.
+Commands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +67,7 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
 
 
 def _register_missing(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    sub: Commands,
     module_name: str,
     extra: str,
     exc: ModuleNotFoundError,

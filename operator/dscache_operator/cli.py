@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 
+from dscache.cli import Commands
 
-def register(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    bench: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> None:
+
+def register(sub: Commands, bench: Commands) -> None:
     """Adds ``dscache operator``."""
     p = sub.add_parser(
         "operator",

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import argparse
 
+from dscache.cli import Commands
 
-def register(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    bench: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> None:
+
+def register(sub: Commands, bench: Commands) -> None:
     """Adds the sidecar's subcommands."""
     p = sub.add_parser("sidecar", help="run the node-local KV block store daemon")
     from dscache_sidecar.config import add_sidecar_arguments

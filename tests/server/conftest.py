@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from dscache_server.tokenizer import DeepSeekTokenizer
+from factories import stopped_after
 from srv_helpers import LiveServer, SidecarDaemon, make_runtime, write_prompts
 
 
@@ -36,16 +36,8 @@ def live_server(
     sidecar: SidecarDaemon, tokenizer: DeepSeekTokenizer
 ) -> Iterator[Callable[..., LiveServer]]:
     """Factory of running servers on the module's sidecar; stopped at the end."""
-    servers: list[LiveServer] = []
-
-    def make(**kw: Any) -> LiveServer:
-        srv = LiveServer(make_runtime(sidecar, tokenizer, **kw))
-        servers.append(srv)
-        return srv
-
-    yield make
-    for srv in servers:
-        srv.stop()
+    with stopped_after(lambda **kw: LiveServer(make_runtime(sidecar, tokenizer, **kw))) as make:
+        yield make
 
 
 @pytest.fixture

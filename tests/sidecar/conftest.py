@@ -3,26 +3,20 @@ real gRPC over a unix socket, real LMDB and segment files in a temp dir."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from factories import stopped_after
 from sidecar_helpers import DaemonProcess, Sidecar
 
 
 @pytest.fixture
 def make_sidecar(tmp_path: Path) -> Iterator[Callable[..., Sidecar]]:
-    made: list[Sidecar] = []
-
-    def make(**kw: Any) -> Sidecar:
-        s = Sidecar(tmp_path / f"store{len(made)}", **kw)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.stop()
+    count = itertools.count()
+    with stopped_after(lambda **kw: Sidecar(tmp_path / f"store{next(count)}", **kw)) as make:
+        yield make
 
 
 @pytest.fixture
@@ -32,13 +26,10 @@ def sidecar(make_sidecar: Callable[..., Sidecar]) -> Sidecar:
 
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
-    procs: list[DaemonProcess] = []
+    count = itertools.count()
 
-    def make(data_dir: Path | None = None, *extra: str) -> DaemonProcess:
-        d = DaemonProcess(data_dir or tmp_path / f"d{len(procs)}", *extra)
-        procs.append(d)
-        return d
+    def build(data_dir: Path | None = None, *extra: str) -> DaemonProcess:
+        return DaemonProcess(data_dir or tmp_path / f"d{next(count)}", *extra)
 
-    yield make
-    for d in procs:
-        d.kill()
+    with stopped_after(build) as make:
+        yield make

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 
+from dscache.cli import Commands
 
-def register(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    bench: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> None:
+
+def register(sub: Commands, bench: Commands) -> None:
     """Adds the trace replay and the component benchmarks."""
     r = sub.add_parser(
         "replay",

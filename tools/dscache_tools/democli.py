@@ -12,16 +12,15 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from dscache.cli import Commands
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 _T = TypeVar("_T", bound="DataclassInstance")
 
 
-def register(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    bench: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> None:
+def register(sub: Commands, bench: Commands) -> None:
     """Adds the workload, load-generator and demo subcommands."""
     del bench  # nothing here is a benchmark of one component
     _add_workload(sub)
@@ -29,7 +28,7 @@ def register(
     _add_demo(sub)
 
 
-def _add_workload(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_workload(sub: Commands) -> None:
     w = sub.add_parser("workload", help="generate a workload file (JSONL of chat requests)")
     wsub = w.add_subparsers(dest="workload_kind", metavar="KIND", required=True)
     f = wsub.add_parser(
@@ -74,7 +73,7 @@ def _add_workload(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     f.set_defaults(handler=_run_workload)
 
 
-def _add_load(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_load(sub: Commands) -> None:
     ld = sub.add_parser("load", help="replay a workload file against a server or the router")
     ld.add_argument("--target", required=True, help="base URL, e.g. http://127.0.0.1:8080")
     ld.add_argument("--workload", required=True, type=Path, help="JSONL from dscache workload")
@@ -118,7 +117,7 @@ def _add_load(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ld.set_defaults(handler=_run_load)
 
 
-def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_demo(sub: Commands) -> None:
     d = sub.add_parser(
         "demo",
         help="run sidecars, two model servers and NGINX locally; replay the finance "
@@ -157,7 +156,7 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_kube_demo(d.add_subparsers(dest="demo_kind", metavar="KIND"))
 
 
-def _add_kube_demo(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_kube_demo(kinds: Commands) -> None:
     k = kinds.add_parser(
         "kubernetes",
         help="on a cluster whose pods run: the cache-warmth-aware canary against a blind "

@@ -11,11 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+from dscache.cli import Commands
 
-def register(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    bench: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> None:
+
+def register(sub: Commands, bench: Commands) -> None:
     """Adds ``dscache dev ...``; ``bench`` is not used."""
     del bench
     dev = sub.add_parser("dev", help="developer tools: a local Kubernetes control plane")

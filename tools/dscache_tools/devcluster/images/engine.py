@@ -32,7 +32,6 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 
 from dscache_tools.devcluster.images.client import DockerClient, existing, need_root
 from dscache_tools.devcluster.images.specs import ImageError
@@ -92,12 +91,7 @@ class PrivateDocker(DockerClient):
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
     def start(self) -> None:
