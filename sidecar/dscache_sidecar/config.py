@@ -18,9 +18,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, ByteSize, Field, TypeAdapter, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-#: A size in bytes: an int, or a string such as ``4096``, ``512MiB``, ``2GiB``, ``10G``
-#: (parsed by ``pydantic.ByteSize``); callers may pass a plain int.
-Bytes = Annotated[int, BeforeValidator(TypeAdapter(ByteSize).validate_python)]
+_BYTE_SIZE = TypeAdapter(ByteSize)
+
+
+def _byte_size(value: object) -> int:
+    # Kubernetes spells binary units without the B ("20Gi"); pydantic wants "20GiB".
+    if isinstance(value, str) and value.strip()[-1:] in ("i", "I"):
+        value = value.strip() + "B"
+    return int(_BYTE_SIZE.validate_python(value))
+
+
+#: A size in bytes: an int, or a string such as ``4096``, ``512MiB``, ``2GiB``, ``20Gi``,
+#: ``10G`` (parsed by ``pydantic.ByteSize``; ``G`` is decimal, ``GiB``/``Gi`` binary).
+Bytes = Annotated[int, BeforeValidator(_byte_size)]
 
 
 class SidecarSettings(BaseSettings):
