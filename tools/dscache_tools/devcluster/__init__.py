@@ -25,8 +25,8 @@ Where to look:
     ``hostnet``          sysctls, bridges and iptables (``hostfs``: cgroups, mounts)
     ``images``           dscache's images, built without a registry, loaded into nodes
     ``podsd``            pod discovery for Prometheus; ``prometheus``: its config
-    ``api``, ``procs``,  a tiny HTTPS client, process/file helpers, and tenacity
-    ``polling``          polling (``wait_until``)
+    ``api``, ``procs``   a tiny HTTPS client, process/file helpers (waiting is
+                         :mod:`dscache_tools.polling`, re-exported as ``wait_until``)
     ===================  =====================================================
 
 Why our own and not ``kwokctl``:
@@ -101,10 +101,10 @@ __all__ = [
 # import this package before the project's dependencies may be installed, so
 # what needs them (the cluster: tenacity) is imported on first use only.
 _LAZY = {
-    "ClusterError": "cluster",
-    "DevCluster": "cluster",
-    "ToolError": "cluster",
-    "wait_until": "polling",
+    "ClusterError": f"{__name__}.cluster",
+    "DevCluster": f"{__name__}.cluster",
+    "ToolError": f"{__name__}.cluster",
+    "wait_until": "dscache_tools.polling",
 }
 
 
@@ -112,4 +112,4 @@ def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    return getattr(importlib.import_module(module), name)
