@@ -161,6 +161,20 @@ class _Scenarios:
         time.sleep(self.opts.settle)
         watcher.stop()
 
+    def _promoted_since(self, before: str | None) -> Callable[[], bool]:
+        """A probe: promoted past ``before``; raises at once if the gate rolled it back."""
+
+        def probe() -> bool:
+            st = self._status()
+            if st.get("phase") == "RolledBack":
+                why = [
+                    c.get("message") for c in st.get("conditions", []) if c["type"] == "RolledBack"
+                ]
+                raise RuntimeError(f"the warm canary was rolled back: {why}")
+            return available(self.api, self.ns, not_revision=before)
+
+        return probe
+
     def warm_canary(self, workload: Sequence[ChatRequest], out: dict[str, Any]) -> Phase:
         """1. A new revision through the operator's warm canary."""
         load = self._load(workload)
@@ -173,11 +187,7 @@ class _Scenarios:
         patch_dscd(self.cluster, self.ns, {"spec": {"model": {"revision": "2"}}})
         promoted = True
         try:
-            wait_for(
-                "revision 2 to be promoted",
-                lambda: available(self.api, self.ns, not_revision=before),
-                self.timeout,
-            )
+            wait_for("revision 2 to be promoted", self._promoted_since(before), self.timeout)
         except TimeoutError as exc:
             promoted = False
             self.say(f"warning: {exc}")
