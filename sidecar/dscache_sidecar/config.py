@@ -91,6 +91,9 @@ class SidecarSettings(BaseSettings):
     """Seconds the /readyz health RPC over the socket may take."""
     stream_chunk_bytes: int = 1024**2
     """Chunk size of streaming Get, bytes."""
+    fault_injection: bool = False
+    """Serve ``/debug/fault`` on the HTTP port to slow calls down or fail writes as a
+    full disk does (:mod:`dscache_sidecar.faults`). A testing aid: never in production."""
 
     @model_validator(mode="after")
     def _check(self) -> SidecarSettings:
@@ -135,6 +138,12 @@ def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
         "--restart-quarantine", type=float, help="seconds before reusing space after a restart"
     )
     p.add_argument("--verify-on-start", choices=["header", "full"], help="reconcile depth")
+    p.add_argument(
+        "--fault-injection",
+        action="store_true",
+        default=None,
+        help="serve PUT/GET /debug/fault on the metrics port (chaos tests; never in production)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
@@ -152,6 +161,7 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
         "lease_ttl": "lease_ttl_s",
         "restart_quarantine": "restart_quarantine_s",
         "verify_on_start": "verify_on_start",
+        "fault_injection": "fault_injection",
     }
     kwargs: dict[str, Any] = {}
     for flag, field in mapping.items():

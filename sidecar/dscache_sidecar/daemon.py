@@ -11,6 +11,9 @@ Contract:
     * Metrics are served over HTTP at ``/metrics`` (prometheus_client), and the
       health service's verdict at ``/healthz`` and ``/readyz`` on the same port
       (:mod:`dscache_sidecar.probes`), for kubelet HTTP probes.
+    * With ``fault_injection`` on (a testing aid, never in production), the same
+      port serves ``/debug/fault`` and every KVCache call first waits the injected
+      delay (:mod:`dscache_sidecar.faults`); off, nothing of it runs.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
 from dscache_sidecar.blockstore import BlockStore, StoreFullError
 from dscache_sidecar.config import SidecarSettings, settings_from_args
+from dscache_sidecar.faults import FaultInjector
 from dscache_sidecar.metrics import SidecarMetrics
 from dscache_sidecar.probes import ProbeServer, SocketHealthCheck, make_app, servicer_status
 from dscache_sidecar.service import BadRequestError, KVCacheService, UnimplementedError
@@ -45,11 +49,32 @@ SERVICE_NAME = "dscache.v1.KVCache"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-class _ErrorsAndMetrics(grpc.ServerInterceptor):  # type: ignore[type-arg]
-    """Times every call, maps store errors to status codes, tags a request id."""
+class _DeadlinePassedError(Exception):
+    """A call's deadline passed while an injected fault delayed it."""
 
-    def __init__(self, metrics: SidecarMetrics) -> None:
+
+def _status_for(op: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a failed call ends with; unexpected errors are logged."""
+    if isinstance(exc, BadRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, StoreFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, UnimplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, str(exc)
+    if isinstance(exc, _DeadlinePassedError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc)
+    rid = uuid.uuid4().hex[:12]
+    log.error("%s failed (request %s)", op, rid, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error (request {rid})"
+
+
+class _ErrorsAndMetrics(grpc.ServerInterceptor):  # type: ignore[type-arg]
+    """Times every call, maps store errors to status codes, tags a request id;
+    with ``faults``, delays every KVCache call by the injected ``delay_s``."""
+
+    def __init__(self, metrics: SidecarMetrics, faults: FaultInjector | None = None) -> None:
         self.metrics = metrics
+        self.faults = faults
 
     def intercept_service(
         self,
@@ -63,6 +88,12 @@ class _ErrorsAndMetrics(grpc.ServerInterceptor):  # type: ignore[type-arg]
         if not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
             return handler
         metrics = self.metrics
+        faults = self.faults
+
+        def delay(context: grpc.ServicerContext) -> None:
+            if faults is not None and not faults.delay(context.time_remaining()):
+                raise _DeadlinePassedError("the deadline passed during an injected delay")
+
         # Requests are parsed here, not by grpc: a message that does not parse (bad
         # wire format, invalid UTF-8 in a string) is the client's fault and must be
         # INVALID_ARGUMENT, but grpc answers its own parse failures with INTERNAL
@@ -79,16 +110,7 @@ class _ErrorsAndMetrics(grpc.ServerInterceptor):  # type: ignore[type-arg]
 
         def wrap(fn: Callable[..., Any], streaming_response: bool) -> Callable[..., Any]:
             def fail(context: grpc.ServicerContext, exc: BaseException) -> None:
-                if isinstance(exc, BadRequestError):
-                    code, msg = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-                elif isinstance(exc, StoreFullError):
-                    code, msg = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-                elif isinstance(exc, UnimplementedError):
-                    code, msg = grpc.StatusCode.UNIMPLEMENTED, str(exc)
-                else:
-                    rid = uuid.uuid4().hex[:12]
-                    log.error("%s failed (request %s)", op, rid, exc_info=exc)
-                    code, msg = grpc.StatusCode.INTERNAL, f"internal error (request {rid})"
+                code, msg = _status_for(op, exc)
                 metrics.rpc_errors.labels(op=op, code=code.name).inc()
                 context.abort(code, msg)
 
@@ -97,6 +119,7 @@ class _ErrorsAndMetrics(grpc.ServerInterceptor):  # type: ignore[type-arg]
                 def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
                     start = time.perf_counter()
                     try:
+                        delay(context)
                         yield from fn(parse(request), context)
                     except Exception as exc:
                         fail(context, exc)
@@ -108,6 +131,7 @@ class _ErrorsAndMetrics(grpc.ServerInterceptor):  # type: ignore[type-arg]
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
                 start = time.perf_counter()
                 try:
+                    delay(context)
                     if handler.stream_unary is not None:
                         return fn((parse(r) for r in request), context)
                     return fn(parse(request), context)
@@ -153,6 +177,7 @@ class RunningSidecar:
     metrics_port: int | None
     http: ProbeServer | None = None
     socket_check: SocketHealthCheck | None = None
+    faults: FaultInjector | None = None
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stops serving (in-flight calls get ``grace_s``), then closes the store."""
@@ -175,11 +200,14 @@ def create_server(
     The one place that builds the concrete store; the service sees a ``BlockStore``.
     """
     metrics = metrics if metrics is not None else SidecarMetrics()
-    store = KVStore(settings, metrics)
+    faults = FaultInjector() if settings.fault_injection else None
+    if faults is not None:
+        log.warning("fault injection is ON (/debug/fault): a testing aid, never for production")
+    store = KVStore(settings, metrics, faults=faults)
     store.open()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="kv-rpc"),
-        interceptors=[_ErrorsAndMetrics(metrics)],
+        interceptors=[_ErrorsAndMetrics(metrics, faults)],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -213,6 +241,7 @@ def create_server(
             metrics.registry,
             live=lambda: servicer_status(health_servicer, SERVICE_NAME),
             ready=socket_check,
+            faults=faults,
         )
         http = ProbeServer(settings.metrics_host, settings.metrics_port, app)
         metrics_port = http.port
@@ -223,7 +252,16 @@ def create_server(
         f"{settings.metrics_host}:{metrics_port}" if metrics_port else "off",
     )
     return RunningSidecar(
-        server, store, metrics, health_servicer, sock, tcp_port, metrics_port, http, socket_check
+        server,
+        store,
+        metrics,
+        health_servicer,
+        sock,
+        tcp_port,
+        metrics_port,
+        http,
+        socket_check,
+        faults,
     )
 
 

@@ -13,6 +13,10 @@ Contract:
       socket, the path the model server uses, with a deadline
       (``readyz_timeout_s``): ``200 SERVING``, else ``503`` with the status or
       the RPC error. A daemon whose gRPC server stopped answering is not ready.
+    * ``/debug/fault`` (``GET``, ``PUT``): the injected faults of
+      :mod:`dscache_sidecar.faults` when fault injection is on, else ``404``. A
+      body that does not validate is ``400`` with the reason and changes nothing;
+      a body over 64 KiB is ``413``; another method is ``405``.
     * Every other path is prometheus_client's WSGI app, exactly what
       ``prometheus_client.start_http_server`` served (content negotiation,
       gzip, ``name[]`` filters).
@@ -20,6 +24,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -30,11 +35,18 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, make_wsgi_app
+from pydantic import ValidationError
+
+from dscache_sidecar.faults import FaultInjector, Faults
+
+log = logging.getLogger(__name__)
 
 StartResponse = Callable[..., Any]
 WsgiApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
 
 SERVING = "SERVING"
+FAULT_PATH = "/debug/fault"
+MAX_FAULT_BODY = 64 * 1024
 
 
 class _Context:
@@ -90,28 +102,86 @@ class SocketHealthCheck:
                 self._channel = None
 
 
+def _respond(
+    start_response: StartResponse,
+    code: str,
+    body: bytes,
+    content_type: str = "text/plain; charset=utf-8",
+    extra: tuple[tuple[str, str], ...] = (),
+) -> Iterable[bytes]:
+    headers = [
+        ("Content-Type", content_type),
+        ("Content-Length", str(len(body))),
+        ("Cache-Control", "no-store"),
+        *extra,
+    ]
+    start_response(code, headers)
+    return [body]
+
+
+def _read_body(environ: dict[str, Any]) -> bytes | None:
+    """The request body, or None when it is longer than ``MAX_FAULT_BODY``."""
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = 0
+    if length > MAX_FAULT_BODY:
+        return None
+    data: bytes = environ["wsgi.input"].read(length) if length > 0 else b""
+    return data
+
+
+def fault_app(faults: FaultInjector | None) -> WsgiApp:
+    """``/debug/fault``: GET shows, PUT replaces the injected faults; 404 when off."""
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if faults is None:
+            return _respond(start_response, "404 Not Found", b"fault injection is off\n")
+        method = environ.get("REQUEST_METHOD", "GET")
+        if method == "PUT":
+            body = _read_body(environ)
+            if body is None:
+                too_big = f"body over {MAX_FAULT_BODY} bytes\n".encode()
+                return _respond(start_response, "413 Content Too Large", too_big)
+            try:
+                new = Faults.model_validate_json(body or b"null")
+            except ValidationError as exc:
+                why = f"invalid fault body (want {{delay_s: float >= 0, enospc: bool}}): {exc}\n"
+                return _respond(start_response, "400 Bad Request", why.encode())
+            faults.set(new)
+            log.warning("injected faults now %s", new.model_dump_json())
+        elif method != "GET":
+            allow = (("Allow", "GET, PUT"),)
+            return _respond(start_response, "405 Method Not Allowed", b"GET or PUT\n", extra=allow)
+        out = faults.faults.model_dump_json().encode() + b"\n"
+        return _respond(start_response, "200 OK", out, "application/json")
+
+    return app
+
+
 def make_app(
-    registry: CollectorRegistry, live: Callable[[], str], ready: Callable[[], str]
+    registry: CollectorRegistry,
+    live: Callable[[], str],
+    ready: Callable[[], str],
+    faults: FaultInjector | None = None,
 ) -> WsgiApp:
-    """The WSGI app: ``/healthz`` from ``live()``, ``/readyz`` from ``ready()``, else metrics."""
+    """The WSGI app: ``/healthz`` from ``live()``, ``/readyz`` from ``ready()``,
+    ``/debug/fault`` over ``faults`` (None: fault injection off), else metrics."""
     metrics = make_wsgi_app(registry)
+    debug = fault_app(faults)
     checks = {"/healthz": live, "/readyz": ready}
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
-        check = checks.get(environ.get("PATH_INFO", ""))
+        path = environ.get("PATH_INFO", "")
+        if path == FAULT_PATH:
+            return debug(environ, start_response)
+        check = checks.get(path)
         if check is None:
             out: Iterable[bytes] = metrics(environ, start_response)
             return out
         status = check()
-        body = f"{status}\n".encode()
         code = "200 OK" if status == SERVING else "503 Service Unavailable"
-        headers = [
-            ("Content-Type", "text/plain; charset=utf-8"),
-            ("Content-Length", str(len(body))),
-            ("Cache-Control", "no-store"),
-        ]
-        start_response(code, headers)
-        return [body]
+        return _respond(start_response, code, f"{status}\n".encode())
 
     return app
 

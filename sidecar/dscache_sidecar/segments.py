@@ -31,6 +31,8 @@ from pathlib import Path
 
 import xxhash
 
+from dscache_sidecar.faults import FaultInjector
+
 log = logging.getLogger(__name__)
 
 PAGE = 4096
@@ -43,6 +45,8 @@ MAX_DIMS = 6
 _HEADER = struct.Struct("<4sHHBBBx6IQQQ32s16sQ")
 _HEADER_CRC = struct.Struct("<I")
 assert _HEADER.size + _HEADER_CRC.size <= HEADER_BYTES
+#: ``OSError.errno`` values that mean the disk (or the user's quota) is full.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 def align_up(n: int, to: int = PAGE) -> int:
@@ -137,9 +141,15 @@ class SegmentFiles:
     """
 
     def __init__(
-        self, directory: Path, segment_bytes: int, count: int, init_mode: str = "zero"
+        self,
+        directory: Path,
+        segment_bytes: int,
+        count: int,
+        init_mode: str = "zero",
+        faults: FaultInjector | None = None,
     ) -> None:
         self.directory = directory
+        self.faults = faults
         self.init_mode = init_mode
         self.segment_bytes = segment_bytes
         self.wanted = count
@@ -178,7 +188,7 @@ class SegmentFiles:
                     self._fill(fd, size)
             except OSError as exc:
                 os.close(fd)
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                if exc.errno in DISK_FULL_ERRNOS:
                     log.error(
                         "disk full while preallocating %s (%s): running with %d of %d segments",
                         path,
@@ -231,6 +241,13 @@ class SegmentFiles:
         return data
 
     def pwrite(self, index: int, offset: int, data: bytes | memoryview) -> None:
+        """Writes block data (payload or header); the one write point of the block path.
+
+        Raises:
+            OSError: as ``os.pwrite`` (``ENOSPC`` also when a fault is injected).
+        """
+        if self.faults is not None:
+            self.faults.check_write()
         view = memoryview(data).cast("B")
         written = 0
         while written < len(view):

@@ -47,6 +47,7 @@ from dscache_sidecar.blockstore import (
 from dscache_sidecar.catalog import Catalog
 from dscache_sidecar.config import SidecarSettings
 from dscache_sidecar.eviction import DEFAULT_POLICY
+from dscache_sidecar.faults import FaultInjector
 from dscache_sidecar.index import BlockIndex, BlockRecord
 from dscache_sidecar.metrics import SidecarMetrics, StoreGauges
 from dscache_sidecar.reconcile import reconcile
@@ -73,7 +74,9 @@ class KVStore:
         settings: SidecarSettings,
         metrics: SidecarMetrics | None = None,
         clock: Clock | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
+        """``faults``: injected faults (:mod:`dscache_sidecar.faults`); None = never any."""
         self.settings = settings
         self.metrics = metrics if metrics is not None else SidecarMetrics()
         self._clock = clock if clock is not None else SystemClock()
@@ -81,7 +84,11 @@ class KVStore:
         self.policy_name = settings.policy or DEFAULT_POLICY
         seg_count = max(1, settings.capacity_bytes // settings.segment_bytes)
         self._segments = SegmentFiles(
-            settings.data_dir / "segments", settings.segment_bytes, seg_count, settings.segment_init
+            settings.data_dir / "segments",
+            settings.segment_bytes,
+            seg_count,
+            settings.segment_init,
+            faults,
         )
         self._index: BlockIndex | None = None
         self._catalog = Catalog(

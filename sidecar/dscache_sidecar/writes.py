@@ -10,7 +10,10 @@ Contract:
       is ``EXPIRED``; a key published meanwhile is ``DUPLICATE`` and its space is
       freed; a checksum that does not match is ``CHECKSUM_MISMATCH``.
     * An index that cannot grow (disk or map full) publishes nothing, frees the
-      space and raises :class:`StoreFullError`.
+      space and raises :class:`StoreFullError`. So does a segment write that
+      meets a full disk (``ENOSPC``; preallocated segments make that rare, but a
+      thin-provisioned volume or an injected fault, :mod:`dscache_sidecar.faults`,
+      can): a commit that cannot write a header publishes none of its blocks.
 """
 
 from __future__ import annotations
@@ -36,7 +39,14 @@ from dscache_sidecar.codec import DTYPE_CODES
 from dscache_sidecar.config import SidecarSettings
 from dscache_sidecar.index import BlockIndex, BlockRecord
 from dscache_sidecar.reservations import Reservation, ReservationTable
-from dscache_sidecar.segments import HEADER_BYTES, BlockHeader, SegmentFiles, checksum, extent_bytes
+from dscache_sidecar.segments import (
+    DISK_FULL_ERRNOS,
+    HEADER_BYTES,
+    BlockHeader,
+    SegmentFiles,
+    checksum,
+    extent_bytes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -130,18 +140,37 @@ class Writes:
             claimed = [self.reservations.claim(write_id) for write_id, _ in writes]
         verified: list[_Verified | None] = []
         synced: set[int] = set()
-        for (_, client_sum), res in zip(writes, claimed, strict=True):
-            if res is None:
-                verified.append(None)
-                continue
-            verified.append(self._verify_written(res, client_sum))
-            synced.add(res.segment)
+        try:
+            for (_, client_sum), res in zip(writes, claimed, strict=True):
+                if res is None:
+                    verified.append(None)
+                    continue
+                verified.append(self._verify_written(res, client_sum))
+                synced.add(res.segment)
+        except OSError as exc:
+            self._unclaim(claimed)
+            if exc.errno not in DISK_FULL_ERRNOS:
+                raise
+            raise self._disk_full(exc) from exc
         if self._ctx.settings.durable:
             for seg in synced:
                 self._ctx.segments.sync(seg)
         self._ctx.hook("commit.verified")
         with self._lock:
             return self._publish_verified(verified)
+
+    def _unclaim(self, claimed: Sequence[Reservation | None]) -> None:
+        """Frees the space of claimed reservations whose commit failed (nothing published)."""
+        with self._lock:
+            for res in claimed:
+                if res is not None:
+                    self.reservations.finish(res.write_id)
+                    self._catalog.free(res.segment, res.offset, res.extent)
+
+    def _disk_full(self, exc: OSError) -> StoreFullError:
+        """The :class:`StoreFullError` for a segment write that met a full disk (counted)."""
+        self._catalog.metrics.write_rejections.labels(reason="disk_full").inc()
+        return StoreFullError(f"cannot write block data: {exc.strerror or exc}")
 
     def _publish_verified(self, verified: list[_Verified | None]) -> list[CommitResult]:
         """Publishes the verified writes (lock held); frees the space of the rest."""
@@ -202,9 +231,11 @@ class Writes:
         assert res is not None  # a fresh reservation outlives this call's TTL
         try:
             self._ctx.segments.pwrite(res.segment, res.offset + HEADER_BYTES, data)
-        except OSError:
+        except OSError as exc:
             self.abort([grant.write_id])
-            raise
+            if exc.errno not in DISK_FULL_ERRNOS:
+                raise
+            raise self._disk_full(exc) from exc
         result = self.commit([(grant.write_id, client_sum)])[0]
         return result is CommitResult.OK, result is CommitResult.DUPLICATE
 

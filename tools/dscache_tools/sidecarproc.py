@@ -10,11 +10,13 @@ Contract:
       (SIGTERM, the exit code); :meth:`stop` is idempotent and never leaves a
       child behind (SIGKILL after a grace period).
     * The log (stdout and stderr) goes to ``<data_dir>.log`` beside the data
-      directory, appended across restarts.
+      directory, appended across restarts; :attr:`http_port` is the HTTP port
+      (metrics, probes, ``/debug/fault``) of the latest start, read from it.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -76,6 +78,14 @@ class SidecarProcess:
             return probe.healthy()
         finally:
             probe.close()
+
+    @property
+    def http_port(self) -> int:
+        """The HTTP port (``/metrics``, probes, ``/debug/fault``) the latest start printed."""
+        ports = re.findall(r"metrics_port=(\d+)", self.log.read_text())
+        if not ports:
+            raise RuntimeError(f"the sidecar printed no metrics port: {self.log}")
+        return int(ports[-1])
 
     def running(self) -> bool:
         """Whether the child is alive."""
