@@ -26,6 +26,7 @@ _COMPONENTS: tuple[tuple[str, str], ...] = (
     ("dscache_tools.benchcli", "bench"),
     ("dscache_tools.devcli", "dev"),
     ("dscache_tools.democli", "all"),
+    ("dscache_tools.chaoscli", "all"),
 )
 
 Handler = Callable[[argparse.Namespace], int]

@@ -113,6 +113,13 @@ def _add_load(sub: Commands) -> None:
         "with it, --concurrency is the number of live sessions",
     )
     ld.add_argument("--model", default=None, help="model name to send (default: none)")
+    ld.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="ask for whole JSON answers (a router can retry them on another pod); "
+        "TTFT is then the time to the whole answer",
+    )
     ld.add_argument("--no-progress", action="store_true", help="no progress bar")
     ld.set_defaults(handler=_run_load)
 

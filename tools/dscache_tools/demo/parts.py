@@ -97,6 +97,10 @@ class StackOptions:
         sidecar_segment_size: bytes per segment file.
         ready_timeout_s: how long a server may take to load and calibrate.
         server_args: extra ``dscache server`` flags.
+        sidecar_args: extra ``dscache sidecar`` flags (e.g. ``--fault-injection``).
+        sidecar_tmpfs: when set (a size, e.g. ``256MiB``), each sidecar's data dir
+            is a tmpfs of that size mounted by the stack (root only), so a test can
+            fill it as a full disk; the stack unmounts it on stop.
     """
 
     model: str = "mini-gqa"
@@ -106,6 +110,8 @@ class StackOptions:
     sidecar_segment_size: str = "64MiB"
     ready_timeout_s: float = 600.0
     server_args: tuple[str, ...] = ()
+    sidecar_args: tuple[str, ...] = ()
+    sidecar_tmpfs: str | None = None
 
 
 def child_env() -> dict[str, str]:

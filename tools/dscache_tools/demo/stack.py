@@ -11,6 +11,11 @@ Contract:
     * ``LocalStack`` is a context manager: leaving it stops every child it started,
       on success, on error, and on Ctrl-C.
     * A child that fails to start is a ``StartError`` naming its log file.
+    * A killed sidecar or server restarts with its own command line (same port,
+      socket and data dir), so the router and its server find it where it was.
+    * With ``StackOptions.sidecar_tmpfs`` each sidecar's data dir is a tmpfs the
+      stack mounted; ``stop`` unmounts every one (lazily, so a straggler's open
+      file cannot keep it).
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dscache_tools.demo.parts import (
@@ -66,6 +72,7 @@ class LocalStack:
     prometheus_port: int | None = None
     _seq: int = 0
     _prometheus: Child | None = None
+    _mounts: list[Path] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -92,6 +99,8 @@ class LocalStack:
         name = name or self._name("sidecar")
         data = self.workdir / name
         data.mkdir(parents=True, exist_ok=True)
+        if self.options.sidecar_tmpfs:
+            self._mount_tmpfs(data, self.options.sidecar_tmpfs)
         sock = data / "sidecar.sock"
         port = free_port()
         child = self.procs.start(
@@ -104,6 +113,7 @@ class LocalStack:
                 "--socket", str(sock),
                 "--metrics-host", "127.0.0.1",
                 "--metrics-port", str(port),
+                *self.options.sidecar_args,
             ),
             env=self._env,
         )  # fmt: skip
@@ -120,6 +130,53 @@ class LocalStack:
     def kill_sidecar(self, sidecar: Sidecar) -> None:
         """SIGKILLs a sidecar, as a crash would."""
         self.procs.kill(sidecar.child)
+
+    def restart_sidecar(self, sidecar: Sidecar) -> Sidecar:
+        """Starts a stopped or killed sidecar again on its socket, port and data dir.
+
+        Returns the new record (also in ``sidecars`` and on its server) once its
+        ``/readyz`` answers, which checks the gRPC socket the server uses.
+        """
+        child = self._respawn(sidecar.child)
+        wait_until(
+            lambda: http_ok(f"http://127.0.0.1:{sidecar.metrics_port}/readyz"),
+            child=child,
+            timeout_s=120,
+            what="ready",
+        )
+        new = replace(sidecar, child=child)
+        self.sidecars = [new if s is sidecar else s for s in self.sidecars]
+        self.servers = [
+            replace(s, sidecar=new) if s.sidecar is sidecar else s for s in self.servers
+        ]
+        return new
+
+    def _respawn(self, old: Child) -> Child:
+        self.procs.stop(old)  # reaps it (and any straggler of its group)
+        return self.procs.start(old.name, old.argv, env=self._env, stop_signal=old.stop_signal)
+
+    def _mount_tmpfs(self, where: Path, size: str) -> None:
+        from pydantic import ByteSize, TypeAdapter
+
+        nbytes = TypeAdapter(ByteSize).validate_python(size)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={int(nbytes)}", "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise StartError(
+                f"cannot mount a {size} tmpfs at {where} (needs root): {done.stderr.strip()}"
+            )
+        self._mounts.append(where)
+
+    def _unmount_all(self) -> None:
+        for where in reversed(self._mounts):
+            done = subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
+            if done.returncode != 0:
+                log.warning("cannot unmount %s: %s", where, done.stderr.decode().strip())
+        self._mounts.clear()
 
     # -- model servers --------------------------------------------------------------
 
@@ -164,6 +221,24 @@ class LocalStack:
             )
         self.servers.extend(started)
         return started
+
+    def kill_server(self, server: Server) -> None:
+        """SIGKILLs a model server (not its sidecar), as a crash would."""
+        self.procs.kill(server.child)
+
+    def restart_server(self, server: Server) -> Server:
+        """Starts a stopped or killed server again on its port; returns once ready."""
+        child = self._respawn(server.child)
+        wait_until(
+            lambda: http_ok(server.url + "/ready"),
+            child=child,
+            timeout_s=self.options.ready_timeout_s,
+            what="ready",
+            interval_s=0.5,
+        )
+        new = replace(server, child=child)
+        self.servers = [new if s is server else s for s in self.servers]
+        return new
 
     def stop_server(self, server: Server) -> None:
         """Stops a server and its sidecar."""
@@ -229,6 +304,17 @@ class LocalStack:
             raise RuntimeError("no router running")
         router.canary_weight = weight
         render_router(router)
+        self.reload_router()
+
+    def reload_router(self) -> None:
+        """Reloads NGINX (SIGHUP) and returns once every old worker has exited.
+
+        Old workers finish the requests they hold first, so a reload under load
+        drops none.
+        """
+        router = self.router
+        if router is None:
+            raise RuntimeError("no router running")
         before = set(worker_pids(router.child.pid))
         os.kill(router.child.pid, signal.SIGHUP)
 
@@ -290,6 +376,7 @@ class LocalStack:
     def stop(self) -> None:
         """Stops everything this stack started."""
         self.procs.stop_all()
+        self._unmount_all()
         self.servers.clear()
         self.sidecars.clear()
         self.router = None

@@ -1,6 +1,6 @@
 """The load generator: replays a workload against an OpenAI-compatible endpoint.
 
-:mod:`.replay` sends the requests (sessions in parallel, turns in order, streamed)
+:mod:`.replay` sends the requests (sessions in parallel, turns in order, streamed or not)
 and :mod:`.report` turns what came back, and the model servers' ``/metrics``
 counter deltas, into the figures ``dscache load`` prints and ``--json`` writes.
 """

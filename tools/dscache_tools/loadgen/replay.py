@@ -7,10 +7,15 @@ Contract:
     * A request carries ``X-Session-ID`` only when the workload gives it an id; the
       client never keeps or sends cookies, so a dropped id means neither header nor
       cookie (the seed's gateway fault).
-    * Every request streams (SSE). TTFT is the time to the first chunk that carries
-      generated text (the server's opening role-only chunk does not count); the
-      end-to-end latency runs to ``[DONE]``. A non-200 status, a transport error, an
-      error event in the stream or a stream without ``[DONE]`` is an error.
+    * By default every request streams (SSE). TTFT is the time to the first chunk
+      that carries generated text (the server's opening role-only chunk does not
+      count); the end-to-end latency runs to ``[DONE]``. A non-200 status, a
+      transport error, an error event in the stream or a stream without ``[DONE]``
+      is an error.
+    * With ``stream=False`` a request asks for one JSON answer (OpenAI's default),
+      which a router can retry on another pod until its first byte; TTFT is then
+      the time to the whole answer (the same as the end-to-end latency). An answer
+      without ``choices`` is an error.
     * ``requests`` caps how many requests start; ``duration_s`` stops starting new
       ones after that many seconds. In-flight requests always finish (bounded by
       ``timeout_s``), so a run ends by itself.
@@ -57,6 +62,8 @@ class LoadConfig:
             next question of the same session (exponential, drawn from a seed of
             the session's name, at most 4x the mean); 0: the next turn at once.
             With think time, ``concurrency`` is the number of live sessions.
+        stream: stream the answers (SSE); False: one JSON answer per request,
+            TTFT then being the time to the whole answer.
     """
 
     target: str
@@ -70,6 +77,7 @@ class LoadConfig:
     upstream_header: str = "X-Dscache-Upstream"
     progress: bool = True
     think_s: float = 0.0
+    stream: bool = True
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -105,22 +113,26 @@ def _body(cfg: LoadConfig, req: ChatRequest) -> bytes:
         "messages": req.messages,
         "max_tokens": req.max_tokens,
         "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": cfg.stream,
     }
+    if cfg.stream:
+        body["stream_options"] = {"include_usage": True}
     if cfg.model:
         body["model"] = cfg.model
     return json.dumps(body, ensure_ascii=False).encode()
 
 
-def _absorb(res: RequestResult, chunk: dict[str, Any], started: float) -> None:
-    """Takes usage and the first token's time from one streamed chunk."""
-    usage = chunk.get("usage")
+def _usage(res: RequestResult, usage: dict[str, Any] | None) -> None:
     if usage:
         res.prompt_tokens = int(usage.get("prompt_tokens", 0))
         res.completion_tokens = int(usage.get("completion_tokens", 0))
         details = usage.get("prompt_tokens_details") or {}
         res.cached_tokens = int(details.get("cached_tokens") or 0)
+
+
+def _absorb(res: RequestResult, chunk: dict[str, Any], started: float) -> None:
+    """Takes usage and the first token's time from one streamed chunk."""
+    _usage(res, chunk.get("usage"))
     for choice in chunk.get("choices") or ():
         text = (choice.get("delta") or {}).get("content")
         if res.ttft_s is None and (text or choice.get("finish_reason")):
@@ -142,6 +154,17 @@ async def _read_stream(resp: httpx.Response, res: RequestResult, started: float)
         _absorb(res, chunk, started)
     res.error = "stream ended without [DONE]"
     return False
+
+
+async def _read_whole(resp: httpx.Response, res: RequestResult, started: float) -> bool:
+    """Reads a non-streamed answer into ``res``; whether it has choices."""
+    answer = json.loads(await resp.aread())
+    res.ttft_s = time.perf_counter() - started
+    _usage(res, answer.get("usage"))
+    if not answer.get("choices"):
+        res.error = "answer without choices"
+        return False
+    return True
 
 
 async def _one(
@@ -175,8 +198,10 @@ async def _one(
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 res.error = f"http {resp.status_code}: {text[:200]}"
-            else:
+            elif cfg.stream:
                 done = await _read_stream(resp, res, started)
+            else:
+                done = await _read_whole(resp, res, started)
     except Exception as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     res.e2e_s = time.perf_counter() - started
