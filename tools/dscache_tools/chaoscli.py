@@ -28,7 +28,7 @@ def register(sub: Commands, bench: Commands) -> None:
     c.add_argument("--workdir", type=Path, default=None, help="keep files and logs here")
     c.add_argument("--model", default="tiny-gqa", help="model preset (default tiny-gqa)")
     c.add_argument(
-        "--requests", type=int, default=None, help="requests per case (quick 8, default 48)"
+        "--requests", type=int, default=None, help="requests per case (quick 6, default 48)"
     )
     c.add_argument("--concurrency", type=int, default=4, help="sessions in flight (default 4)")
     c.add_argument("--max-tokens", type=int, default=8, help="completion tokens (default 8)")

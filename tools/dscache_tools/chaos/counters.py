@@ -33,7 +33,7 @@ def counter_total(text: str, match: str, *, prefix: bool = False) -> float | Non
         if prefix:
             hit = family.name.startswith(match) and RETRIES_WORD in family.name
         else:
-            hit = family.name == match
+            hit = family.name in (match, match + "_total")  # typed or untyped
         if not hit:
             continue
         for sample in family.samples:

@@ -3,7 +3,7 @@
 Contract:
     * ``ChaosReport.to_dict()`` is the ``--json`` document: ``cases`` is a list of
       ``{name, requests, failed, ttft_p99_s, ttft_p99_ratio, ttft_p50_s, fault,
-      method, fallbacks, retries, notes, error_kinds}``; ``ttft_kind`` says what
+      method, fallbacks, retries, load_avg, notes, error_kinds}``; ``ttft_kind`` says what
       TTFT means here (the time to the whole, non-streamed answer).
     * ``ttft_p99_ratio`` is a case's p99 over the baseline's (None without one).
     * A counter that could not be read (no router metrics yet) is null, not 0.
@@ -32,6 +32,7 @@ class CaseResult:
     fallbacks: float | None = None
     retries: float | None = None
     ttft_p99_ratio: float | None = None
+    load_avg: float | None = None  # the machine's 1-minute load average after the case
     notes: list[str] = field(default_factory=list)
     error_kinds: dict[str, int] = field(default_factory=dict)
 

@@ -48,7 +48,7 @@ class ChaosOptions:
     Attributes:
         quick: the short profile of the test suite (few requests per case).
         model: model preset of both servers.
-        requests: requests per case (None: the profile's, 8 quick, 48 full).
+        requests: requests per case (None: the profile's, 6 quick, 48 full).
         concurrency: sessions in flight.
         workdir: files and logs (None: a temp dir, removed after the run).
         max_tokens: completion tokens per request.
@@ -68,7 +68,7 @@ class ChaosOptions:
     @property
     def per_case(self) -> int:
         """Requests per case after the profile."""
-        return self.requests or (8 if self.quick else 48)
+        return self.requests or (6 if self.quick else 48)
 
 
 def build_workload(opts: ChaosOptions) -> list[ChatRequest]:
@@ -231,6 +231,7 @@ def _result(
             {k: v for k, v in before.items() if k in router},
             {k: v for k, v in after.items() if k in router},
         ),
+        load_avg=os.getloadavg()[0],
         notes=[n for n in notes if n],
         error_kinds=load.error_kinds,
     )
