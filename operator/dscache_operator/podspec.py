@@ -1,10 +1,12 @@
 """The parts of the spec that shape a model pod, and the revision hash over them.
 
 :class:`RevisionSource` gathers them (model, server, sidecar, cache, tenant
-salt, scheduling); :func:`revision_of` hashes it into the rollout revision, so
+salt, auth, scheduling); :func:`revision_of` hashes it into the rollout revision, so
 only these fields start a rollout: replicas, routing and rollout settings never
-do. A track's source is stored in the status, so its template stays what it
-was while the spec already describes the next revision.
+do. A field added to the source after release (``auth``) is left out of the hash
+while it holds its default, so upgrading the operator starts no rollout. A
+track's source is stored in the status, so its template stays what it was while
+the spec already describes the next revision.
 """
 
 from __future__ import annotations
@@ -183,6 +185,18 @@ class TenantSaltSpec(SpecModel):
     secret_ref: SecretKeyRef | None = Field(default=None, description="Secret key of the salt.")
 
 
+class AuthSpec(SpecModel):
+    """Who may call the model servers: API keys mapped to tenants."""
+
+    api_keys_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding a JSON object {API key: tenant name}. Set: every "
+        "request needs a known key (401 otherwise) and the key's tenant isolates its cache. "
+        "Mounted as a file into the model server, read by the pods only; a change of the "
+        "Secret's content takes effect in the running pods without a rollout.",
+    )
+
+
 LabelKey = Annotated[str, Field(pattern=r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9._-]{1,63}$")]
 
 
@@ -231,6 +245,7 @@ class RevisionSource(SpecModel):
     cache: CacheSpec
     tenant_salt: TenantSaltSpec
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    auth: AuthSpec = Field(default_factory=AuthSpec)
 
     @model_validator(mode="before")
     @classmethod
@@ -246,7 +261,20 @@ class RevisionSource(SpecModel):
         return data
 
 
+#: RevisionSource fields added after release (their defaults change no revision).
+_ADDED_LATER = ("auth",)
+
+
 def revision_of(source: RevisionSource) -> str:
-    """A short, stable hash of ``source`` (canonical JSON, sha256)."""
-    data = json.dumps(source.model_dump(mode="json", by_alias=True), sort_keys=True)
+    """A short, stable hash of ``source`` (canonical JSON, sha256).
+
+    Fields added after release are left out while they hold their default, so a
+    source the previous operator hashed keeps its revision.
+    """
+    dumped = source.model_dump(mode="json", by_alias=True)
+    for name in _ADDED_LATER:
+        field = RevisionSource.model_fields[name]
+        if getattr(source, name) == field.get_default(call_default_factory=True):
+            dumped.pop(field.alias or name, None)
+    data = json.dumps(dumped, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()[:10]

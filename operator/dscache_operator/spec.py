@@ -25,12 +25,14 @@ from pydantic import Field, ValidationError
 from dscache_operator.nginx import DEBIAN_LUA_MODULES
 from dscache_operator.podspec import (
     DEFAULT_CORE_IMAGE,
+    AuthSpec,
     CacheSpec,
     ImageSpec,
     ModelSpec,
     ResourcesSpec,
     RevisionSource,
     SchedulingSpec,
+    SecretKeyRef,
     ServerSpec,
     SidecarSpec,
     TenantSaltSpec,
@@ -120,6 +122,11 @@ class PrewarmSpec(SpecModel):
     )
     top_n: int = Field(default=100, ge=1, le=100000, description="Replay the first N prompts.")
     concurrency: int = Field(default=2, ge=1, le=256, description="Prewarm requests in flight.")
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding the API key the prewarm Job sends (it warms that "
+        "key's tenant); required with auth.apiKeysSecretRef and prompts.",
+    )
     timeout: Duration = Field(
         default="15m", description="Deadline of the prewarm Job; past it the rollout aborts."
     )
@@ -225,6 +232,9 @@ class DeepSeekCacheDeploymentSpec(SpecModel):
     tenant_salt: TenantSaltSpec = Field(
         default_factory=TenantSaltSpec, description="Tenant isolation of cache keys."
     )
+    auth: AuthSpec = Field(
+        default_factory=AuthSpec, description="API keys of the model servers (tenancy)."
+    )
     monitoring: MonitoringSpec = Field(
         default_factory=MonitoringSpec, description="ServiceMonitor and PrometheusRule."
     )
@@ -269,6 +279,12 @@ def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
         raise InvalidSpecError("spec.cache.volume.claimName is required for a PVC")
     if spec.tenant_salt.source == "secret" and spec.tenant_salt.secret_ref is None:
         raise InvalidSpecError("spec.tenantSalt.secretRef is required when source is secret")
+    tenancy = spec.auth.api_keys_secret_ref is not None
+    if tenancy and spec.prewarm.prompts is not None and spec.prewarm.api_key_secret_ref is None:
+        raise InvalidSpecError(
+            "spec.prewarm.apiKeySecretRef is required when spec.auth.apiKeysSecretRef is set "
+            "and prewarm prompts are given (the prewarm Job needs a key of the file)"
+        )
     if spec.interval_s < 1:
         raise InvalidSpecError("spec.rollout.interval must be at least 1s")
 

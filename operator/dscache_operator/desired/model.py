@@ -4,7 +4,10 @@ Each model pod runs the model server (server image, torch) and the KV sidecar
 (slim core image), sharing the cache volume and the sidecar's socket. A
 hostPath cache lives in ``<hostPath>/<namespace>/<name>-<slot>``: one
 directory per track, the same after a pod restart, handed to the pods' user by
-the ``cache-owner`` init container.
+the ``cache-owner`` init container. With ``spec.auth.apiKeysSecretRef`` the
+Secret's key is mounted read-only as a file into the model server (a whole
+volume, not a subPath, so the kubelet's updates of a rotated Secret reach it)
+and ``DSCACHE_SERVER_API_KEYS_FILE`` names it.
 
 Invariants: a track's pod template is built only from the
 :class:`RevisionSource` stored for that track in the status, never from the
@@ -44,6 +47,8 @@ from dscache_operator.status import DeepSeekCacheDeploymentStatus
 CACHE_DIR = "/var/cache/dscache"
 SOCKET_DIR = "/run/dscache"
 SOCKET = f"{SOCKET_DIR}/sidecar.sock"
+AUTH_DIR = "/etc/dscache/auth"
+API_KEYS_FILE = f"{AUTH_DIR}/api-keys.json"
 
 
 def _cache_volume(owner: Owner, slot: str, src: RevisionSource, size_bytes: int) -> Obj:
@@ -102,6 +107,26 @@ def _tenant_env(src: RevisionSource) -> list[Obj]:
     return []
 
 
+def _auth_env(src: RevisionSource) -> list[Obj]:
+    if src.auth.api_keys_secret_ref is None:
+        return []
+    return [{"name": "DSCACHE_SERVER_API_KEYS_FILE", "value": API_KEYS_FILE}]
+
+
+def _auth_volumes(src: RevisionSource) -> tuple[list[Obj], list[Obj]]:
+    """The API-key Secret's volume and the server's mount of it (none without auth)."""
+    ref = src.auth.api_keys_secret_ref
+    if ref is None:
+        return [], []
+    items = [{"key": ref.key, "path": API_KEYS_FILE.rsplit("/", 1)[1]}]
+    # 0440 + fsGroup: readable by the pods' user only; never a subPath (no updates).
+    volume = {
+        "name": "api-keys",
+        "secret": {"secretName": ref.name, "items": items, "defaultMode": 0o440},
+    }
+    return [volume], [{"name": "api-keys", "mountPath": AUTH_DIR, "readOnly": True}]
+
+
 def _shared_mounts(tmp_sub_path: str) -> list[Obj]:
     # Read-write cache: the server maps hit blocks and writes new ones into the
     # space the sidecar allocates (Allocate -> pwrite -> Commit).
@@ -125,7 +150,7 @@ def _server_container(src: RevisionSource) -> Obj:
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
         **container("server", src.server.image, ["dscache"], args),
-        "env": _tenant_env(src),
+        "env": _tenant_env(src) + _auth_env(src),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
@@ -135,7 +160,7 @@ def _server_container(src: RevisionSource) -> Obj:
             "failureThreshold": 2,
         },
         "resources": resources(src.server.resources),
-        "volumeMounts": _shared_mounts("server"),
+        "volumeMounts": _shared_mounts("server") + _auth_volumes(src)[1],
     }
 
 
@@ -176,6 +201,7 @@ def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) ->
             _cache_volume(owner, slot, src, size),
             {"name": "socket", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+            *_auth_volumes(src)[0],
         ],
     }
     if src.cache.volume.type == "hostPath":

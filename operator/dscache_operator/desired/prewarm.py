@@ -15,11 +15,21 @@ from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
 
 PREWARM_TARGETS_ENV = "DSCACHE_PREWARM_TARGETS"
+#: The API key ``dscache prewarm`` sends when ``--api-key`` is not given.
+PREWARM_API_KEY_ENV = "DSCACHE_PREWARM_API_KEY"
 
 
 def prewarm_job_name(owner: Owner, revision: str) -> str:
     """Name of the prewarm Job of ``revision``."""
     return f"{owner.name}-prewarm-{revision}"
+
+
+def _api_key_env(spec: DeepSeekCacheDeploymentSpec) -> list[Obj]:
+    ref = spec.prewarm.api_key_secret_ref
+    if ref is None:
+        return []
+    key_ref = {"name": ref.name, "key": ref.key}
+    return [{"name": PREWARM_API_KEY_ENV, "valueFrom": {"secretKeyRef": key_ref}}]
 
 
 def prewarm_job(
@@ -66,7 +76,10 @@ def prewarm_job(
                     "containers": [
                         {
                             **common.container("prewarm", p.image, ["dscache"], args),
-                            "env": [{"name": PREWARM_TARGETS_ENV, "value": urls}],
+                            "env": [
+                                {"name": PREWARM_TARGETS_ENV, "value": urls},
+                                *_api_key_env(spec),
+                            ],
                             "resources": {
                                 "requests": {"cpu": "50m", "memory": "128Mi"},
                                 "limits": {"memory": "512Mi"},

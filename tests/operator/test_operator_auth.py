@@ -1,0 +1,109 @@
+"""``spec.auth.apiKeysSecretRef``: the API-key Secret reaches the model server as a file.
+
+What a user would notice: the server gets the key file and its variable, the file
+follows a rotated Secret (a volume, never a subPath), a change of the reference is
+a new revision and a rotation of the Secret's content is not, an operator upgrade
+starts no rollout, and the prewarm Job carries a key when tenancy is on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from dscache_operator.desired import Owner, model_deployment, prewarm_job
+from dscache_operator.desired.prewarm import PREWARM_API_KEY_ENV
+from dscache_operator.podspec import RevisionSource, revision_of
+from dscache_operator.rollout import next_step
+from dscache_operator.rollout_types import Observed, TrackObservation
+from dscache_operator.schema import InvalidSpecError
+from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
+from dscache_operator.status import DeepSeekCacheDeploymentStatus
+
+OWNER = Owner("chat", "prod", "0c5f0e38-8a7a-4f5b-9d63-2c1d3d1c2a11")
+T0 = datetime(2026, 11, 30, 12, tzinfo=UTC)
+READY = TrackObservation(exists=True, ready=True)
+MINIMAL: dict[str, Any] = {"model": {"preset": "tiny-gqa"}}
+AUTH = {"apiKeysSecretRef": {"name": "chat-api-keys", "key": "keys.json"}}
+
+
+def _status(spec: DeepSeekCacheDeploymentSpec) -> DeepSeekCacheDeploymentStatus:
+    src = spec.revision_source()
+    o = Observed(
+        generation=1,
+        revision=revision_of(src),
+        source=src.model_dump(mode="json", by_alias=True),
+        prewarm_enabled=False,
+        tracks={"blue": READY, "green": READY},
+    )
+    return next_step(DeepSeekCacheDeploymentStatus(), o, T0).status
+
+
+def _pod(spec: DeepSeekCacheDeploymentSpec) -> dict[str, Any]:
+    dep = model_deployment(OWNER, spec, _status(spec), "blue")
+    kubernetes_validate.validate(dep, "1.35.0", strict=True)
+    pod: dict[str, Any] = dep["spec"]["template"]["spec"]
+    return pod
+
+
+def test_the_key_secret_is_mounted_into_the_server_only_and_follows_rotation() -> None:
+    pod = _pod(parse_spec({**MINIMAL, "auth": AUTH}))
+    server, sidecar = pod["containers"]
+    env = {e["name"]: e for e in server["env"]}
+    path = env["DSCACHE_SERVER_API_KEYS_FILE"]["value"]
+    (mount,) = [m for m in server["volumeMounts"] if m["name"] == "api-keys"]
+    assert mount["readOnly"] is True
+    # A subPath mount never sees the kubelet's update of a rotated Secret.
+    assert "subPath" not in mount
+    assert path.startswith(mount["mountPath"] + "/")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "api-keys"]
+    secret = volume["secret"]
+    assert secret["secretName"] == "chat-api-keys"
+    assert secret["items"] == [{"key": "keys.json", "path": path.rsplit("/", 1)[1]}]
+    assert secret["defaultMode"] == 0o440  # the pods' group (fsGroup), nobody else
+    assert "api-keys" not in {m["name"] for m in sidecar["volumeMounts"]}
+    assert "DSCACHE_SERVER_API_KEYS_FILE" not in {e["name"] for e in sidecar.get("env", [])}
+
+
+def test_without_auth_the_pod_has_no_key_file() -> None:
+    pod = _pod(parse_spec(MINIMAL))
+    server = pod["containers"][0]
+    assert "api-keys" not in {v["name"] for v in pod["volumes"]}
+    assert "DSCACHE_SERVER_API_KEYS_FILE" not in {e["name"] for e in server["env"]}
+
+
+def test_a_new_secret_ref_is_a_new_revision_an_upgrade_is_not() -> None:
+    plain = parse_spec(MINIMAL).revision_source()
+    with_auth = parse_spec({**MINIMAL, "auth": AUTH}).revision_source()
+    other_key = parse_spec(
+        {**MINIMAL, "auth": {"apiKeysSecretRef": {"name": "chat-api-keys", "key": "v2.json"}}}
+    ).revision_source()
+    assert len({revision_of(plain), revision_of(with_auth), revision_of(other_key)}) == 3
+    # The revision the operator computed before auth existed (no "auth" in the source).
+    before = plain.model_dump(mode="json", by_alias=True)
+    del before["auth"]
+    digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:10]
+    assert revision_of(plain) == digest
+    # A source stored by that operator parses, and keeps its revision.
+    assert revision_of(RevisionSource.model_validate(before)) == digest
+
+
+def test_tenancy_with_prewarm_prompts_needs_a_prewarm_key() -> None:
+    prompts = {"prompts": {"name": "chat-prompts"}}
+    with pytest.raises(InvalidSpecError, match=r"spec\.prewarm\.apiKeySecretRef is required"):
+        parse_spec({**MINIMAL, "auth": AUTH, "prewarm": prompts})
+    key = {"apiKeySecretRef": {"name": "chat-prewarm", "key": "api-key"}}
+    spec = parse_spec({**MINIMAL, "auth": AUTH, "prewarm": {**prompts, **key}})
+    status = _status(spec)
+    status.canary_slot, status.canary_revision = "green", "abc"
+    job = prewarm_job(OWNER, spec, status, ("10.0.1.1:8000",))
+    assert job is not None
+    kubernetes_validate.validate(job, "1.35.0", strict=True)
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env[PREWARM_API_KEY_ENV]["valueFrom"] == {
+        "secretKeyRef": {"name": "chat-prewarm", "key": "api-key"}
+    }
