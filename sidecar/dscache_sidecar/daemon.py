@@ -6,6 +6,11 @@ Contract:
     * A miss is a normal response. Malformed input is INVALID_ARGUMENT; a store
       that cannot make room is RESOURCE_EXHAUSTED. No request can stop the daemon:
       unexpected errors become INTERNAL and are logged.
+    * One daemon per data directory: the store's lock
+      (:mod:`dscache_sidecar.dirlock`) is taken before anything is opened; when
+      another holds it, ``dscache sidecar`` logs one line naming the holder and
+      exits with ``EXIT_DATA_DIR_LOCKED`` (3), having changed nothing (not even
+      the socket). Invalid settings exit with 2.
     * SIGTERM/SIGINT stop it gracefully: in-flight calls finish (up to a grace
       period), the index gets its last access statistics, files are closed.
     * Metrics are served over HTTP at ``/metrics`` (prometheus_client), and the
@@ -37,6 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
 from dscache_sidecar.blockstore import BlockStore, StoreFullError
 from dscache_sidecar.config import SidecarSettings, settings_from_args
+from dscache_sidecar.errors import DataDirLockedError
 from dscache_sidecar.faults import FaultInjector
 from dscache_sidecar.metrics import SidecarMetrics
 from dscache_sidecar.probes import ProbeServer, SocketHealthCheck, make_app, servicer_status
@@ -47,6 +53,10 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "dscache.v1.KVCache"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Exit status of ``dscache sidecar`` when its settings are invalid.
+EXIT_BAD_SETTINGS = 2
+#: Exit status when another daemon holds the data directory's lock.
+EXIT_DATA_DIR_LOCKED = 3
 
 
 class _DeadlinePassedError(Exception):
@@ -271,8 +281,12 @@ def run_from_args(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except ValueError as exc:
         log.error("invalid sidecar settings: %s", exc)
-        return 2
-    running = create_server(settings)
+        return EXIT_BAD_SETTINGS
+    try:
+        running = create_server(settings)
+    except DataDirLockedError as exc:
+        log.error("%s", exc)
+        return EXIT_DATA_DIR_LOCKED
     print(
         f"dscache sidecar ready: socket={running.socket_path} "
         f"metrics_port={running.metrics_port} tcp_port={running.tcp_port}",

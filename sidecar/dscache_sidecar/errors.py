@@ -1,4 +1,5 @@
-"""Errors of the sidecar client: every failure of the cache is a ``SidecarError``.
+"""Errors of the sidecar: the client's (every failure of the cache is a ``SidecarError``)
+and the one that stops a daemon from starting (:class:`DataDirLockedError`).
 
 Callers treat any ``SidecarError`` as a miss and recompute; the subclasses say
 why, for metrics and logs.
@@ -6,7 +7,24 @@ why, for metrics and logs.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
+
+
+class DataDirLockedError(Exception):
+    """Another daemon (or store) holds the data directory's lock (:mod:`dscache_sidecar.dirlock`).
+
+    Not a ``SidecarError``: it is raised where a store opens, never to a cache client.
+    """
+
+    def __init__(self, directory: Path, holder: str) -> None:
+        self.directory = directory
+        self.holder = holder
+        super().__init__(
+            f"data dir {directory} is locked by another dscache sidecar ({holder}): "
+            "two daemons must never share a store"
+        )
 
 
 class SidecarError(Exception):

@@ -155,7 +155,6 @@ class SegmentFiles:
         self.wanted = count
         self._fds: list[int] = []
         self._lock = threading.Lock()
-        directory.mkdir(parents=True, exist_ok=True)
 
     @staticmethod
     def name(index: int) -> str:
@@ -176,6 +175,7 @@ class SegmentFiles:
         says so in the log; it never fails to start because of it. A new segment
         is only created while ``reserve_bytes`` stay free after it (room for the index).
         """
+        self.directory.mkdir(parents=True, exist_ok=True)
         for i in range(self.wanted):
             path = self.path(i)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)

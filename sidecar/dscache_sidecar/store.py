@@ -21,6 +21,9 @@ Contract:
       without it); hits touch the chain deepest-first so parents stay fresher.
     * A store that cannot make room raises ``StoreFullError``; reads go on.
     * Counts (evictions, checksum failures) live only in :class:`SidecarMetrics`.
+    * One store per data directory: ``open`` takes its exclusive lock
+      (:mod:`dscache_sidecar.dirlock`) before it touches anything in it, and
+      ``close`` frees it; a held lock is ``DataDirLockedError``.
     * Time comes only from the injected :class:`~dscache_sidecar.blockstore.Clock`:
       monotonic for TTLs and the quarantine, wall for unix times.
 
@@ -46,6 +49,7 @@ from dscache_sidecar.blockstore import (
 )
 from dscache_sidecar.catalog import Catalog
 from dscache_sidecar.config import SidecarSettings
+from dscache_sidecar.dirlock import DataDirLock
 from dscache_sidecar.eviction import DEFAULT_POLICY
 from dscache_sidecar.faults import FaultInjector
 from dscache_sidecar.index import BlockIndex, BlockRecord
@@ -113,6 +117,7 @@ class KVStore:
             )
         )
         self._reaper: Reaper | None = None
+        self._dir_lock = DataDirLock(settings.data_dir)
 
     def set_hook(self, point: str, fn: Callable[[], None] | None) -> None:
         """Test seam: runs ``fn`` at a named point, outside the store lock.
@@ -135,9 +140,23 @@ class KVStore:
     # ------------------------------------------------------------------ lifecycle
 
     def open(self, start_reaper: bool = True) -> None:
-        """Opens files and index, reconciles them, starts the expiry thread."""
+        """Locks the data directory, opens files and index, reconciles them, starts
+        the expiry thread.
+
+        Raises:
+            DataDirLockedError: another daemon or store holds the directory (before
+                anything in it was opened or changed).
+        """
+        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self._dir_lock.acquire()
+        try:
+            self._open_locked(start_reaper)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_locked(self, start_reaper: bool) -> None:
         data_dir = self.settings.data_dir
-        data_dir.mkdir(parents=True, exist_ok=True)
         had_data = (data_dir / "segments").exists() and any((data_dir / "segments").iterdir())
         # The index opens first and the segments leave it room to grow: LMDB maps
         # its lock file, so on a disk the segments had filled the daemon died of
@@ -187,6 +206,7 @@ class KVStore:
                 self._index = None
             self._writes.close()
             self._segments.close()
+            self._dir_lock.release()
 
     def __enter__(self) -> KVStore:
         return self
