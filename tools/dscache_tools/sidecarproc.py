@@ -4,8 +4,9 @@ Contract:
     * :meth:`SidecarProcess.start` runs ``python -m dscache.cli sidecar`` on
       ``data_dir`` (socket ``data_dir/sidecar.sock``, metrics on a free loopback
       port, no restart quarantine, plus the caller's extra flags) and returns
-      once the standard gRPC health check answers SERVING; a child that exits
-      first raises with the tail of its log.
+      once the standard gRPC health check answers SERVING and the child has
+      printed its ready line (ports included); a child that exits first raises
+      with the tail of its log.
     * :meth:`kill` is the crash case (SIGKILL), :meth:`terminate` the clean one
       (SIGTERM, the exit code); :meth:`stop` is idempotent and never leaves a
       child behind (SIGKILL after a grace period).
@@ -26,6 +27,8 @@ from dscache_sidecar.client import SidecarClient
 
 from dscache_tools.polling import wait_until
 
+_READY = "dscache sidecar ready:"
+
 
 class SidecarProcess:
     """One sidecar daemon as a subprocess that can be killed and started again."""
@@ -43,6 +46,7 @@ class SidecarProcess:
         self.extra = extra
         self.log = data_dir.parent / f"{data_dir.name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._ready_lines = 0
 
     def command(self) -> list[str]:
         """The command line :meth:`start` runs."""
@@ -63,15 +67,22 @@ class SidecarProcess:
             RuntimeError: the daemon exited before it became healthy.
             TimeoutError: it did not become healthy within ``timeout`` s.
         """
+        # Health answers from inside create_server, the ready line (with the
+        # HTTP port) is printed just after it returns: wait for both, or a
+        # caller reading http_port races the print.
+        self._ready_lines = self._count_ready_lines()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
         wait_until(f"the sidecar on {self.socket}", self._healthy, timeout, interval=0.05)
+
+    def _count_ready_lines(self) -> int:
+        return self.log.read_text().count(_READY) if self.log.exists() else 0
 
     def _healthy(self) -> bool:
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise RuntimeError(f"sidecar exited: {self.log.read_text()[-3000:]}")
-        if not Path(self.socket).exists():
+        if not Path(self.socket).exists() or self._count_ready_lines() <= self._ready_lines:
             return False
         probe = SidecarClient(self.socket, timeout_s=1)
         try:
