@@ -25,6 +25,11 @@ SOURCE_LABEL: Final = "source"
 SOURCE_REUSED: Final = "reused"
 SOURCE_RECOMPUTED: Final = "recomputed"
 
+#: Label of :data:`PROMPT_TOKENS` and of the requests counter: the tenant, from a
+#: bounded set (the API-key file's tenant names, ``default``, a few gateway-set
+#: names, ``other``); readers sum over it.
+TENANT_LABEL: Final = "tenant"
+
 #: Histogram: seconds from a request's arrival to its first generated token.
 TTFT_SECONDS: Final = SERVER_PREFIX + "ttft_seconds"
 TTFT_BUCKET_SERIES: Final = TTFT_SECONDS + "_bucket"
@@ -37,3 +42,33 @@ LEVEL_LABEL: Final = "level"
 #: Counter: requests that recomputed because the cache failed, by ``reason``.
 CACHE_FALLBACKS: Final = SERVER_PREFIX + "cache_fallbacks"
 HIT_LEVELS: Final = ("token", "block", "session")
+
+#: Counter: HTTP API requests by ``endpoint`` and ``code`` (the fallback rate's denominator).
+REQUESTS: Final = SERVER_PREFIX + "requests"
+#: Histogram: seconds of one cache operation by ``op`` (:data:`OP_LOOKUP`, load, store).
+CACHE_OP_SECONDS: Final = SERVER_PREFIX + "cache_op_seconds"
+OP_LABEL: Final = "op"
+OP_LOOKUP: Final = "lookup"
+
+#: Prefix of every router metric (NGINX's Lua serves them at ``/dscache/router/metrics``).
+ROUTER_PREFIX: Final = "dscache_router_"
+#: Counter: requests the router answered, by ``track`` (stable, canary, previous) and
+#: ``code`` (the status class: 1xx ... 5xx).
+ROUTER_REQUESTS: Final = ROUTER_PREFIX + "requests"
+#: Counter: upstream tries beyond a request's first, by ``track``.
+ROUTER_RETRIES: Final = ROUTER_PREFIX + "retries"
+#: Counter: tries sent to each pod, by ``upstream`` (a configured address).
+ROUTER_UPSTREAM_REQUESTS: Final = ROUTER_PREFIX + "upstream_requests"
+#: Counter: tries that ended in a connection error, a timeout or a 5xx, by ``upstream``.
+ROUTER_UPSTREAM_ERRORS: Final = ROUTER_PREFIX + "upstream_errors"
+#: Counter: requests that passed a pod over its bounded load, by ``upstream``.
+ROUTER_OVERLOAD_SKIPS: Final = ROUTER_PREFIX + "overload_skips"
+#: Gauge: tries in progress on each pod, by ``upstream`` (bounded-load balancer only).
+ROUTER_UPSTREAM_INFLIGHT: Final = ROUTER_PREFIX + "upstream_inflight"
+#: Gauges: the configured canary weight (percent) and bounded-load factor.
+ROUTER_CANARY_WEIGHT: Final = ROUTER_PREFIX + "canary_weight_percent"
+ROUTER_BALANCE_FACTOR: Final = ROUTER_PREFIX + "balance_factor"
+#: Labels of the router's series.
+ROUTER_TRACK_LABEL: Final = "track"
+ROUTER_CODE_LABEL: Final = "code"
+ROUTER_UPSTREAM_LABEL: Final = "upstream"

@@ -18,7 +18,9 @@ Contract:
     * ``usage.prompt_tokens_details.cached_tokens`` is the number of prompt tokens
       restored from the cache for this request.
     * The session header (``X-Session-ID``) is read, logged and echoed; the tenant
-      comes from the tenant header, else the API key, else ``default``.
+      comes from authentication (``auth``): the API-key file's tenant of the bearer
+      key (401 for none or an unknown one), else the hashed key, else ``default``;
+      a tenant header counts only with the gateway token (else 401).
 """
 
 from __future__ import annotations

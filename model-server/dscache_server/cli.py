@@ -32,8 +32,17 @@ def register(sub: Commands, bench: Commands) -> None:
         required=True,
         help='JSONL file: one chat per line ({"messages": [...]} or a list of messages)',
     )
-    p.add_argument("--tenant", default=None, help="tenant header value (default: none)")
-    p.add_argument("--api-key", default=None, help="bearer API key (tenant by key)")
+    p.add_argument(
+        "--tenant",
+        default=None,
+        help="tenant header value (default: none); needs the server's gateway secret "
+        "in $DSCACHE_PREWARM_GATEWAY_TOKEN",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer API key (tenant by key; default: $DSCACHE_PREWARM_API_KEY)",
+    )
     p.add_argument(
         "--concurrency", type=int, default=1, help="requests in flight per target (default 1)"
     )

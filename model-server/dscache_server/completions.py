@@ -1,14 +1,16 @@
 """One completion request, from its body to its response: the generation slot's owner.
 
 Contract:
+    * The caller is authenticated (``state.authenticate``) before its body is read;
+      a refused request never reads a body nor waits for a slot.
     * The slot is taken after the request is parsed, so a bad request never waits;
       a full queue is a 429 ``queue_full`` with Retry-After (``retry_after_s``).
     * The slot is entered in one place (``_answer``) on an ``AsyncExitStack``: a plain
       response gives it back when the generation ends; a stream hands the stack to
       its ``SlotStreamingResponse``, which gives it back when sending ends.
     * The session header is read, logged and echoed on every answer, errors included;
-      every answer is counted in ``requests_total{endpoint, code}`` once the model is
-      loaded (a bug counts as 500).
+      every answer is counted in ``requests_total{endpoint, code, tenant}`` once the
+      model is loaded (a bug counts as 500; a refused request as tenant ``other``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from contextlib import AsyncExitStack
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from dscache_server.auth import OTHER_LABEL, Principal
 from dscache_server.errors import APIError
 from dscache_server.parse import parse_request, read_json
 from dscache_server.scheduler import QueueFullError
 from dscache_server.schemas import Endpoint, completion_body
-from dscache_server.state import AppState, Serving
+from dscache_server.state import AppState, Serving, authenticate
 from dscache_server.streaming import SlotStreamingResponse, stream_completion
 
 log = logging.getLogger(__name__)
@@ -46,15 +49,20 @@ async def handle_completion(request: Request, endpoint: Endpoint, state: AppStat
     header = rt.settings.session_header
     session_id = request.headers.get(header.lower()) or session_id
     code = "500"
+    tenant = OTHER_LABEL
     try:
-        response = await _answer(request, endpoint, serving, session_id, started)
+        principal = authenticate(rt, request.headers)
+        tenant = principal.label
+        response = await _answer(
+            request, endpoint, serving, principal=principal, session_id=session_id, started=started
+        )
         code = "200"
         return response
     except APIError as exc:
         code = str(exc.status)
         return _echo(exc.response(), header, session_id)
     finally:
-        rt.metrics.requests.labels(endpoint=endpoint, code=code).inc()
+        rt.metrics.requests.labels(endpoint=endpoint, code=code, tenant=tenant).inc()
 
 
 def _echo(response: Response, header: str, session_id: str | None) -> Response:
@@ -67,13 +75,15 @@ async def _answer(
     request: Request,
     endpoint: Endpoint,
     serving: Serving,
+    *,
+    principal: Principal,
     session_id: str | None,
     started: float,
 ) -> Response:
     rt, scheduler = serving
     settings = rt.settings
     body = await read_json(request, settings.max_request_bytes)
-    parsed = parse_request(rt, endpoint, body, request.headers, started)
+    parsed = parse_request(rt, endpoint, body, principal, started)
     parsed.generation.session_id = session_id
     request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
     log.info(

@@ -14,8 +14,10 @@ import argparse
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from dscache_server.auth import read_key_file
 
 
 class ServerSettings(BaseSettings):
@@ -58,7 +60,17 @@ class ServerSettings(BaseSettings):
     session_header: str = Field(default="X-Session-ID", description="session id header")
     tenant_header: str = Field(
         default="X-Dscache-Tenant",
-        description="tenant header (set by a trusted gateway); else the API key is the tenant",
+        description="tenant header; trusted only with the gateway token (gateway_secret)",
+    )
+    api_keys_file: Path | None = Field(
+        default=None,
+        description="JSON object {API key: tenant name}; set = tenancy on (unknown key: 401); "
+        "re-read when it changes",
+    )
+    gateway_secret: SecretStr = Field(
+        default=SecretStr(""),
+        description="token a trusted gateway sends as X-Dscache-Gateway-Token to set the "
+        "tenant header (empty = the tenant header is always refused)",
     )
     tenant_secret: SecretStr = Field(
         default=SecretStr(""), description="HMAC secret for tenant salts (empty = plain hash)"
@@ -101,6 +113,14 @@ class ServerSettings(BaseSettings):
         default=None, ge=0, description="fixed cost of a lookup + lease, seconds"
     )
 
+    @field_validator("api_keys_file")
+    @classmethod
+    def _readable_key_file(cls, path: Path | None) -> Path | None:
+        # Read once here so a bad file stops the start with its problem named.
+        if path is not None:
+            read_key_file(path)
+        return path
+
     @model_validator(mode="after")
     def _check(self) -> ServerSettings:
         if self.sidecar_data_dir and not self.sidecar_socket:
@@ -135,6 +155,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--block-tokens": ("block_tokens", {"type": int, "help": "tokens per block (256)"}),
     "--min-cache-tokens": ("min_cache_tokens", {"type": int, "help": "cache threshold (512)"}),
     "--lease-ttl": ("lease_ttl_s", {"type": float, "help": "lease seconds (60)"}),
+    "--api-keys": (
+        "api_keys_file",
+        {"metavar": "FILE", "help": "JSON {API key: tenant name}: tenancy on, unknown key 401"},
+    ),
     "--store-compress": (
         "store_compress",
         {"choices": ["auto", "raw", "zstd"], "help": "codec of stored blocks (auto)"},

@@ -3,7 +3,8 @@
 Contract:
     * Every error the API answers has the body
       ``{"error": {"message", "type", "param", "code"}}``; ``Retry-After`` is set when
-      the error says when to come back (429, 503).
+      the error says when to come back (429, 503); a 401 carries
+      ``WWW-Authenticate: Bearer`` (RFC 6750).
     * A request FastAPI cannot validate is a 400 ``invalid_value`` naming the first bad
       parameter; an exception nobody caught is a 500 ``internal``, logged with its
       traceback, and the process keeps serving.
@@ -19,6 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from dscache_server.auth import AuthError
+
 log = logging.getLogger(__name__)
 
 
@@ -33,6 +36,7 @@ class APIError(Exception):
         code: a stable machine-readable code (``queue_full``, ``not_ready``...).
         param: the request parameter at fault, if one is.
         retry_after: seconds for the ``Retry-After`` header, if the client should retry.
+        headers: more response headers.
     """
 
     status: int
@@ -41,6 +45,7 @@ class APIError(Exception):
     code: str | None = field(default=None, kw_only=True)
     param: str | None = field(default=None, kw_only=True)
     retry_after: int | None = field(default=None, kw_only=True)
+    headers: dict[str, str] = field(default_factory=dict, kw_only=True)
 
     def __str__(self) -> str:
         return self.message
@@ -58,12 +63,20 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         """The JSON response for this error."""
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        headers = dict(self.headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 #: The error a client sees when the server failed, in a response or mid-stream.
 INTERNAL_ERROR = APIError(500, "internal error", type_="server_error", code="internal")
+
+
+def refused(exc: AuthError) -> APIError:
+    """The answer to a request authentication refused (401 with a Bearer challenge, or 400)."""
+    challenge = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+    return APIError(exc.status, exc.message, type_=exc.type_, code=exc.code, headers=challenge)
 
 
 def validation_error(errors: Sequence[Mapping[str, object]]) -> APIError:

@@ -60,6 +60,7 @@ class GenerationRequest:
     params: SamplingParams
     chain: KeyChain
     session_id: str | None = None
+    tenant_label: str = "default"  # the metrics' tenant label (dscache_server.auth)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -191,8 +192,9 @@ class Generator:
             self._count_hits(req, restored.admitted, hit_tokens, restored.hit_blocks)
             logits = engine.forward(seq, ids[hit_tokens:])
             cache.store_async(req.chain, ids, seq, restored.hit_blocks)
-            m.prompt_tokens.labels(source="reused").inc(hit_tokens)
-            m.prompt_tokens.labels(source="recomputed").inc(len(ids) - hit_tokens)
+            tenant = req.tenant_label
+            m.prompt_tokens.labels(source="reused", tenant=tenant).inc(hit_tokens)
+            m.prompt_tokens.labels(source="recomputed", tenant=tenant).inc(len(ids) - hit_tokens)
 
             params = req.params
             generator = torch.Generator().manual_seed(

@@ -1,7 +1,10 @@
 """Every metric of the model server, against an injectable registry.
 
 Conventions: prefix ``dscache_server_``, base units, ``_total`` on counters only,
-labels with small fixed value sets only (never a session id, tenant or block key).
+labels with small fixed value sets only (never a session id, raw API key or block
+key). The ``tenant`` label of the requests and prompt-token counters takes the
+bounded values ``dscache_server.auth`` gives (the API-key file's tenant names,
+``default``, at most 32 gateway-set names, ``other``).
 The names other components read come from ``dscache.metricnames``.
 
 The metrics are declared once, in the ``_SPECS`` table (attribute -> kind, name,
@@ -61,9 +64,9 @@ class _Spec(NamedTuple):
 _SPECS: dict[str, _Spec] = {
     "requests": _Spec(
         Counter,
-        P + "requests_total",
-        ("endpoint", "code"),
-        "HTTP API requests by endpoint and status code.",
+        names.REQUESTS,
+        ("endpoint", "code", names.TENANT_LABEL),
+        "HTTP API requests by endpoint, status code and tenant.",
     ),
     "ttft": _Spec(
         Histogram,
@@ -89,8 +92,8 @@ _SPECS: dict[str, _Spec] = {
     "prompt_tokens": _Spec(
         Counter,
         names.PROMPT_TOKENS,
-        (names.SOURCE_LABEL,),
-        "Prompt tokens by source: reused from the cache or recomputed.",
+        (names.SOURCE_LABEL, names.TENANT_LABEL),
+        "Prompt tokens by source (reused from the cache or recomputed) and tenant.",
     ),
     "generated_tokens": _Spec(
         Counter, P + "generated_tokens_total", (), "Completion tokens generated."
@@ -122,8 +125,8 @@ _SPECS: dict[str, _Spec] = {
     ),
     "cache_op_seconds": _Spec(
         Histogram,
-        P + "cache_op_seconds",
-        ("op",),
+        names.CACHE_OP_SECONDS,
+        (names.OP_LABEL,),
         "Latency of cache operations (lookup, load, store).",
         CACHE_BUCKETS,
     ),
@@ -151,10 +154,8 @@ _FIXED_SERIES: dict[str, tuple[dict[str, str], ...]] = {
     "fallbacks": tuple({"reason": r} for r in FALLBACK_REASONS),
     "cache_hits": tuple({names.LEVEL_LABEL: level} for level in names.HIT_LEVELS),
     "cache_misses": tuple({names.LEVEL_LABEL: level} for level in names.HIT_LEVELS),
-    "prompt_tokens": tuple(
-        {names.SOURCE_LABEL: s} for s in (names.SOURCE_REUSED, names.SOURCE_RECOMPUTED)
-    ),
 }
+_SOURCES = (names.SOURCE_REUSED, names.SOURCE_RECOMPUTED)
 
 
 class ServerMetrics:
@@ -189,3 +190,11 @@ class ServerMetrics:
             metric = getattr(self, attr)
             for labels in series:
                 metric.labels(**labels)
+
+    def add_tenants(self, tenants: tuple[str, ...]) -> None:
+        """Creates the prompt-token series of ``tenants`` (tenant labels), so they scrape as 0."""
+        for tenant in tenants:
+            for source in _SOURCES:
+                self.prompt_tokens.labels(
+                    **{names.SOURCE_LABEL: source, names.TENANT_LABEL: tenant}
+                )

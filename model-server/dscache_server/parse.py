@@ -7,22 +7,23 @@ Contract:
       ``invalid_value`` naming it; another model name is a 404 ``model_not_found``;
       a prompt that leaves no room for one token is a 400 ``context_length_exceeded``.
     * ``max_tokens`` is capped so that prompt + completion fit the context.
-    * The tenant comes from the tenant header, else the bearer API key (hashed),
-      else ``default``; it selects the key chain, so tenants never share a block.
+    * The tenant is the caller's :class:`~dscache_server.auth.Principal` (from
+      authentication, ``auth``, checked before the body is read); it selects the
+      key chain, so tenants never share a block.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fastapi import Request
 from pydantic import ValidationError
 
+from dscache_server.auth import Principal
 from dscache_server.errors import APIError, validation_error
 from dscache_server.generate import GenerationRequest, SamplingParams
-from dscache_server.runtime import DEFAULT_TENANT, Runtime, tenant_from_api_key
+from dscache_server.runtime import Runtime
 from dscache_server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,7 +62,7 @@ async def read_json(request: Request, limit: int) -> JSON:
 
 
 def parse_request(
-    rt: Runtime, endpoint: Endpoint, body: JSON, headers: Mapping[str, str], arrived: float
+    rt: Runtime, endpoint: Endpoint, body: JSON, principal: Principal, arrived: float
 ) -> ParsedRequest:
     """Validates ``body`` for ``endpoint`` and tokenizes its prompt.
 
@@ -85,20 +86,14 @@ def parse_request(
         seed=api.seed,
         stop=api.stops(),
     )
-    chain = rt.chain_for(tenant_of(headers, settings.tenant_header))
-    generation = GenerationRequest(token_ids=ids, params=params, chain=chain, arrived=arrived)
+    generation = GenerationRequest(
+        token_ids=ids,
+        params=params,
+        chain=rt.chain_for(principal.tenant),
+        tenant_label=principal.label,
+        arrived=arrived,
+    )
     return ParsedRequest(generation, api.stream, api.include_usage())
-
-
-def tenant_of(headers: Mapping[str, str], tenant_header: str) -> str:
-    """The tenant: the tenant header, else the bearer API key, else the default."""
-    header = headers.get(tenant_header.lower())
-    if header:
-        return "tenant:" + header
-    auth = headers.get("authorization", "")
-    if auth.lower().startswith("bearer ") and auth[7:].strip():
-        return tenant_from_api_key(auth[7:].strip())
-    return DEFAULT_TENANT
 
 
 def _validate(endpoint: Endpoint, body: JSON) -> ChatCompletionRequest | CompletionRequest:

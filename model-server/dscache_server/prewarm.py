@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -192,12 +193,21 @@ def prewarm_targets(
         bar.close()
 
 
+#: The API key sent when ``--api-key`` is not given (the operator's prewarm Job sets it).
+API_KEY_ENV = "DSCACHE_PREWARM_API_KEY"
+#: The gateway token that lets ``--tenant`` through (the server's gateway secret).
+GATEWAY_TOKEN_ENV = "DSCACHE_PREWARM_GATEWAY_TOKEN"  # noqa: S105 - a variable's name
+
+
 def _options(args: argparse.Namespace) -> PrewarmOptions:
     headers: dict[str, str] = {}
     if args.tenant:
+        # The server trusts a tenant header only with the gateway token.
         headers["X-Dscache-Tenant"] = args.tenant
-    if args.api_key:
-        headers["Authorization"] = f"Bearer {args.api_key}"
+        headers["X-Dscache-Gateway-Token"] = os.environ.get(GATEWAY_TOKEN_ENV, "")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV)
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
     return PrewarmOptions(
         headers=headers, concurrency=args.concurrency, timeout_s=args.timeout, model=args.model
     )
@@ -214,6 +224,9 @@ def run_cli(args: argparse.Namespace) -> int:
         chats = read_prompts(Path(args.prompts))
     except (OSError, ValueError) as exc:
         log.error("cannot read prompts: %s", exc)
+        return 2
+    if args.tenant and not os.environ.get(GATEWAY_TOKEN_ENV):
+        log.error("--tenant needs the server's gateway secret in $%s", GATEWAY_TOKEN_ENV)
         return 2
     if args.top_n is not None:
         if args.top_n < 1:

@@ -7,7 +7,9 @@ Contract:
       Retry-After otherwise (readiness).
     * ``GET /metrics``: the Prometheus text format (empty until the model is loaded).
     * ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``:
-      OpenAI's API; 503 ``not_ready`` until the model is loaded (``state``).
+      OpenAI's API; 503 ``not_ready`` until the model is loaded (``state``); with
+      tenancy on, 401 ``invalid_api_key`` without a known key (``auth``). The
+      probes and ``/metrics`` never ask for a key.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dscache_server.completions import handle_completion
-from dscache_server.state import StateDep
+from dscache_server.state import StateDep, authenticate
 
 probes = APIRouter(tags=["probes"])
 openai_api = APIRouter(prefix="/v1", tags=["openai"])
@@ -49,9 +51,10 @@ async def metrics(state: StateDep) -> Response:
 
 
 @openai_api.get("/models")
-async def models(state: StateDep) -> JSONResponse:
+async def models(request: Request, state: StateDep) -> JSONResponse:
     """The one served model."""
     rt = state.serving().runtime
+    authenticate(rt, request.headers)
     model = {
         "id": rt.settings.model_name,
         "object": "model",

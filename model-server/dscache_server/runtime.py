@@ -1,14 +1,13 @@
 """Builds the server's objects from its settings and passes them down.
 
 ``build_runtime(settings, metrics)`` is the one place that wires engine, tokenizer,
-sidecar store, cost model, prefix cache and generator together; nothing is global,
-so tests build as many runtimes as they like.
+sidecar store, cost model, prefix cache, generator and authenticator together;
+nothing is global, so tests build as many runtimes as they like.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,7 @@ from threading import Lock
 from cachetools import LRUCache
 
 from dscache.keys import KeyChain, tenant_salt
+from dscache_server.auth import Authenticator
 from dscache_server.blockstore import KVBlockStore, SidecarBlockStore
 from dscache_server.cache import PrefixCache
 from dscache_server.calibrate import calibrate
@@ -31,7 +31,6 @@ from dscache_server.tokenizer import DeepSeekTokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TENANT = "default"
 #: Key chains kept (tenants are few but unbounded: an API key is a tenant).
 CHAIN_CACHE_SIZE = 4096
 
@@ -47,6 +46,7 @@ class Runtime:
     generator: Generator
     metrics: ServerMetrics
     executor: ThreadPoolExecutor
+    auth: Authenticator
     _chains: LRUCache[str, KeyChain] = field(default_factory=lambda: LRUCache(CHAIN_CACHE_SIZE))
     _chains_lock: Lock = field(default_factory=Lock)
 
@@ -88,9 +88,13 @@ class Runtime:
         self.cache.close()
 
 
-def tenant_from_api_key(api_key: str) -> str:
-    """A tenant id for an API key that never reveals the key."""
-    return "apikey:" + hashlib.sha256(api_key.encode()).hexdigest()[:32]
+def build_auth(settings: ServerSettings) -> Authenticator:
+    """The authenticator of ``settings`` (raises ``KeyFileError`` for a bad key file)."""
+    return Authenticator(
+        key_file=settings.api_keys_file,
+        gateway_secret=settings.gateway_secret.get_secret_value(),
+        tenant_header=settings.tenant_header,
+    )
 
 
 def build_store(settings: ServerSettings) -> KVBlockStore | None:
@@ -136,6 +140,8 @@ def build_runtime(
         raise ValueError(
             f"tokenizer has {tokenizer.vocab_size} ids but the model only {engine.vocab_size}"
         )
+    auth = build_auth(settings)
+    metrics.add_tenants(auth.known_labels())
     if store is None:
         store = build_store(settings)
     cost = calibrate(
@@ -167,4 +173,5 @@ def build_runtime(
         generator=generator,
         metrics=metrics,
         executor=executor,
+        auth=auth,
     )

@@ -7,6 +7,8 @@ Contract:
     * ``AppState.lifespan`` runs the loader (if any) on a worker thread after
       start-up, so ``/health`` answers while the model loads; on shutdown it marks the
       app draining and closes a runtime it loaded itself.
+    * ``authenticate`` is the other gate: the caller's ``Principal``, or the refusal
+      (401/400 ``APIError``) of ``auth`` - before a body is read or a slot taken.
     * Routes get the state through the ``StateDep`` dependency (typed), never through
       a global.
 """
@@ -15,14 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, NamedTuple
 
 from fastapi import Depends, FastAPI, Request
 
-from dscache_server.errors import APIError
+from dscache_server.auth import AuthError, Principal
+from dscache_server.errors import APIError, refused
 from dscache_server.runtime import Runtime
 from dscache_server.scheduler import Scheduler
 
@@ -100,6 +103,14 @@ class AppState:
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.exception("loading the model failed")
+
+
+def authenticate(rt: Runtime, headers: Mapping[str, str]) -> Principal:
+    """Who sent a request with these headers; raises the refusal as an ``APIError``."""
+    try:
+        return rt.auth.authenticate(headers)
+    except AuthError as exc:
+        raise refused(exc) from None
 
 
 def app_state(request: Request) -> AppState:

@@ -92,8 +92,22 @@ class LiveServer:
             raise RuntimeError("server did not start")
 
     def metric(self, name: str, **labels: str) -> float:
-        value = self.runtime.metrics.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
+        """The sum of the samples ``name`` whose labels include ``labels`` (as ``sum()``)."""
+        return sum(
+            s.value
+            for family in self.runtime.metrics.registry.collect()
+            for s in family.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+    def label_values(self, name: str, label: str) -> set[str]:
+        """The values ``label`` takes in the samples ``name``."""
+        return {
+            s.labels[label]
+            for family in self.runtime.metrics.registry.collect()
+            for s in family.samples
+            if s.name == name and label in s.labels
+        }
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -6,6 +6,7 @@ mmap), including a prefix stored by another server process.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -101,7 +102,9 @@ def test_prefix_stored_by_another_server_process(preset: str, sidecar: SidecarDa
         "--no-calibrate",
     ]  # fmt: skip
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        # The tenant header counts only from a gateway holding the secret.
+        env = {**os.environ, "DSCACHE_SERVER_GATEWAY_SECRET": "exactness-gateway"}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -127,7 +130,10 @@ def test_prefix_stored_by_another_server_process(preset: str, sidecar: SidecarDa
             r = httpx.post(
                 url + "/v1/completions",
                 json={"prompt": ids[: 3 * BLOCK_TOKENS + 5], "max_tokens": 1},
-                headers={"X-Dscache-Tenant": "xproc"},
+                headers={
+                    "X-Dscache-Tenant": "xproc",
+                    "X-Dscache-Gateway-Token": "exactness-gateway",
+                },
                 timeout=120,
             )
             assert r.status_code == 200, r.text

@@ -56,12 +56,17 @@ def test_sidecar_killed_then_back(
 def test_tenants_never_share_blocks(
     live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer
 ) -> None:
-    srv = live_server()
+    srv = live_server(gateway_secret="gw")
     text = random_text(tokenizer, 100, seed=41)
-    assert chat(srv, text, **{"X-Dscache-Tenant": "alpha"}) == 0
-    assert chat(srv, text, **{"X-Dscache-Tenant": "alpha"}) > 0
+
+    def as_tenant(name: str) -> dict[str, str]:
+        # The tenant header of the trusted gateway (with its token).
+        return {"X-Dscache-Tenant": name, "X-Dscache-Gateway-Token": "gw"}
+
+    assert chat(srv, text, **as_tenant("alpha")) == 0
+    assert chat(srv, text, **as_tenant("alpha")) > 0
     # Same prompt, other tenants (by header and by API key): no hit, ever.
-    assert chat(srv, text, **{"X-Dscache-Tenant": "beta"}) == 0
+    assert chat(srv, text, **as_tenant("beta")) == 0
     assert chat(srv, text) == 0  # tenant from the API key "k"
 
     ids = tokenizer.encode(text)
