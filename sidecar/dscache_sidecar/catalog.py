@@ -9,6 +9,10 @@ Contract:
     * :meth:`Catalog.make_room` evicts by policy above the high watermark down to
       the low one, skips leased blocks (evicting one frees nothing until its lease
       ends) and gives them back to the policy afterwards.
+    * With ``tenant_quota`` < 1, :meth:`Catalog.make_room` first keeps the writing
+      tenant within its share: it evicts that tenant's own least recently used
+      blocks (reason ``quota``), never another tenant's, and refuses the write
+      (``tenant_quota``) when they are all leased (:mod:`dscache_sidecar.quota`).
     * After a restart, space is not reused until ``quarantine_until`` (monotonic):
       readers of the previous process may still map it.
     * Hits touch a chain deepest-first, so parents stay fresher than children.
@@ -36,6 +40,7 @@ from dscache_sidecar.eviction import EvictionPolicy, Resizable, make_policy
 from dscache_sidecar.index import BlockIndex, BlockRecord
 from dscache_sidecar.leases import LeaseTable
 from dscache_sidecar.metrics import SidecarMetrics
+from dscache_sidecar.quota import TenantUsage
 from dscache_sidecar.segments import ExtentAllocator, SegmentFiles, StoreFullError
 
 log = logging.getLogger(__name__)
@@ -70,6 +75,7 @@ class Catalog:
         self.policy: EvictionPolicy[Any] = make_policy(policy_name, self._hint)
         self.alloc = ExtentAllocator(settings.segment_bytes, 0)
         self.leases = LeaseTable(self.free)
+        self.usage = TenantUsage()
 
     def free(self, seg: int, offset: int, length: int) -> None:
         """Gives an extent back to the allocator."""
@@ -92,6 +98,7 @@ class Catalog:
             self.blocks[rec.key] = rec
             self.stored_raw += rec.raw_bytes
             self.stored_payload += rec.stored_bytes
+            self.usage.add(rec)
         for rec in good:
             if rec.parent and rec.parent in self.blocks:
                 self._children.setdefault(rec.parent, set()).add(rec.key)
@@ -105,6 +112,7 @@ class Catalog:
         if rec.parent:
             self._children.setdefault(rec.parent, set()).add(rec.key)
         self.policy.admit(rec.key, rec.extent_bytes)
+        self.usage.add(rec)
         self.stored_raw += rec.raw_bytes
         self.stored_payload += rec.stored_bytes
         self.metrics.stored_blocks.inc()
@@ -114,6 +122,7 @@ class Catalog:
         """Counts a hit on each block, in the order given (deepest first)."""
         for rec in recs:
             self.policy.access(rec.key)
+            self.usage.touch(rec)
             rec.last_access_ms = now_ms
             rec.hits += 1
             self.dirty_stats.add(rec.key)
@@ -129,6 +138,7 @@ class Catalog:
                 if parent not in self.blocks:
                     break
                 self.policy.access(parent)
+                self.usage.touch(self.blocks[parent])
                 parent = self.blocks[parent].parent
 
     # ------------------------------------------------------------------ removal
@@ -147,6 +157,7 @@ class Catalog:
                 continue
             removed.append(rec)
             self.policy.remove(key)
+            self.usage.remove(rec)
             self.dirty_stats.discard(key)
             stack.extend(self._children.pop(key, ()))
             self._unlink_from_parent(rec)
@@ -222,14 +233,19 @@ class Catalog:
 
     # ------------------------------------------------------------------ eviction
 
-    def make_room(self, size: int, removed: list[BlockRecord]) -> tuple[int, int]:
-        """An extent of ``size`` bytes, evicting by policy as needed.
+    def make_room(
+        self, size: int, removed: list[BlockRecord], tenant: bytes = b"", reserved: int = 0
+    ) -> tuple[int, int]:
+        """An extent of ``size`` bytes for ``tenant``, evicting as needed.
 
-        Evicted records are appended to ``removed`` for :meth:`forget`.
+        ``reserved``: bytes ``tenant`` already holds in reservations (they count
+        against its quota). Evicted records are appended to ``removed`` for
+        :meth:`forget`.
 
         Raises:
             StoreFullError: the block is larger than a segment, there is no
-                segment space, or everything left is leased or reserved.
+                segment space, everything left is leased or reserved, or the
+                tenant is at its quota with every block of its own leased.
         """
         if size > self.settings.segment_bytes:
             self.reject("too_large", "block larger than a segment")
@@ -243,6 +259,8 @@ class Catalog:
         cap = self.capacity_bytes
         if cap == 0:
             self.reject("disk_full", "no segment space (disk full at start)")
+        if self.settings.tenant_quota < 1:
+            self._keep_quota(tenant, reserved + size, cap, removed)
         used = cap - self.alloc.free_bytes
         # Leased blocks are skipped by eviction and go back to the policy afterwards:
         # evicting one frees nothing until its lease ends, so a single write near
@@ -266,6 +284,32 @@ class Catalog:
                 if self.blocks.get(rec.key) is rec:
                     self.policy.admit(rec.key, rec.extent_bytes)
         return ext
+
+    def _keep_quota(self, tenant: bytes, adding: int, cap: int, removed: list[BlockRecord]) -> None:
+        """Evicts ``tenant``'s own LRU blocks until ``adding`` more bytes fit its quota."""
+        limit = int(self.settings.tenant_quota * cap)
+        if adding > limit:
+            self.reject("tenant_quota", f"a block larger than a tenant's quota ({limit} bytes)")
+        usage = self.usage
+        leased: list[bytes] = []
+        try:
+            while usage.held(tenant) + adding > limit:
+                key = usage.victim(tenant)
+                if key is None:
+                    self.reject(
+                        "tenant_quota",
+                        f"tenant over its quota ({limit} bytes, "
+                        f"{self.settings.tenant_quota:g} of capacity) and its blocks are leased",
+                    )
+                rec = self.blocks[key]
+                if self.leases.pinned((rec.segment, rec.offset)):
+                    leased.append(key)
+                    continue
+                removed.extend(self.remove_tree([rec], "quota"))
+        finally:
+            for key in leased:
+                if key in self.blocks:
+                    usage.readmit(tenant, key)
 
     def reject(self, reason: str, message: str) -> NoReturn:
         """Counts a refused write and raises :class:`StoreFullError`."""

@@ -91,6 +91,9 @@ class SidecarSettings(BaseSettings):
     """Seconds the /readyz health RPC over the socket may take."""
     stream_chunk_bytes: int = 1024**2
     """Chunk size of streaming Get, bytes."""
+    tenant_quota: float = Field(default=1.0, gt=0, le=1)
+    """The largest share of capacity one tenant may hold, in (0, 1]; 1 = no quota.
+    A write over it evicts that tenant's own least recently used blocks first."""
     fault_injection: bool = False
     """Serve ``/debug/fault`` on the HTTP port to slow calls down or fail writes as a
     full disk does (:mod:`dscache_sidecar.faults`). A testing aid: never in production."""
@@ -139,6 +142,11 @@ def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--verify-on-start", choices=["header", "full"], help="reconcile depth")
     p.add_argument(
+        "--tenant-quota",
+        type=float,
+        help="largest share of capacity one tenant may hold, in (0, 1] (default 1: off)",
+    )
+    p.add_argument(
         "--fault-injection",
         action="store_true",
         default=None,
@@ -161,6 +169,7 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
         "lease_ttl": "lease_ttl_s",
         "restart_quarantine": "restart_quarantine_s",
         "verify_on_start": "verify_on_start",
+        "tenant_quota": "tenant_quota",
         "fault_injection": "fault_injection",
     }
     kwargs: dict[str, Any] = {}

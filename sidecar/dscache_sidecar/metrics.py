@@ -43,6 +43,7 @@ class StoreGauges:
     pending_writes: int
     stored_raw_bytes: int
     stored_payload_bytes: int
+    tenants: int = 0
 
 
 class SidecarMetrics:
@@ -80,7 +81,10 @@ class SidecarMetrics:
             "dscache_sidecar_stored_bytes_total", "Payload bytes published (after the codec)"
         )
         self.evictions = counter(
-            "dscache_sidecar_evictions_total", "Blocks removed from the index, by reason", "reason"
+            "dscache_sidecar_evictions_total",
+            "Blocks removed from the index, by reason (capacity, quota: a tenant over its "
+            "share lost its own LRU blocks, cascade, corrupt, delete, tenant_clear)",
+            "reason",
         )
         self.checksum_failures = counter(
             "dscache_sidecar_checksum_failures_total",
@@ -169,6 +173,9 @@ class _StoreCollector(Collector):
             "dscache_sidecar_pending_writes",
             "Allocate reservations awaiting Commit",
             value=g.pending_writes,
+        )
+        yield GaugeMetricFamily(
+            "dscache_sidecar_tenants", "Tenants holding at least one block", value=g.tenants
         )
         ratio = g.stored_raw_bytes / g.stored_payload_bytes if g.stored_payload_bytes else 1.0
         yield GaugeMetricFamily(

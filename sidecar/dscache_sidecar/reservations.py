@@ -8,6 +8,8 @@ Contract:
     * A claimed reservation (its commit is verifying bytes outside the store lock)
       neither expires nor aborts: the committer finishes it.
     * Expiry times are on the store clock's monotonic scale.
+    * :meth:`ReservationTable.reserved_by` is the bytes a tenant holds in live
+      reservations (they count against its quota until committed or dropped).
 
 Not thread safe: the store calls every method under its lock.
 """
@@ -42,6 +44,7 @@ class ReservationTable:
     def __init__(self, free: FreeFn) -> None:
         self._free = free
         self._live: dict[str, Reservation] = {}
+        self._by_tenant: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self._live)
@@ -52,7 +55,20 @@ class ReservationTable:
         """Records a reservation of ``size`` bytes at ``extent``; returns it."""
         res = Reservation(secrets.token_hex(12), tenant, spec, extent[0], extent[1], size, expires)
         self._live[res.write_id] = res
+        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + size
         return res
+
+    def reserved_by(self, tenant: bytes) -> int:
+        """Extent bytes of ``tenant``'s live reservations."""
+        return self._by_tenant.get(tenant, 0)
+
+    def _forget(self, res: Reservation) -> None:
+        del self._live[res.write_id]
+        left = self._by_tenant.get(res.tenant, 0) - res.extent
+        if left > 0:
+            self._by_tenant[res.tenant] = left
+        else:
+            self._by_tenant.pop(res.tenant, None)
 
     def get(self, write_id: str) -> Reservation | None:
         return self._live.get(write_id)
@@ -67,7 +83,9 @@ class ReservationTable:
 
     def finish(self, write_id: str) -> None:
         """Forgets a claimed reservation; its extent is now the caller's."""
-        self._live.pop(write_id, None)
+        res = self._live.get(write_id)
+        if res is not None:
+            self._forget(res)
 
     def abort(self, write_ids: Iterable[str]) -> int:
         """Drops unclaimed reservations and frees their space; returns how many."""
@@ -87,5 +105,5 @@ class ReservationTable:
         return len(dead)
 
     def _drop(self, res: Reservation) -> None:
-        del self._live[res.write_id]
+        self._forget(res)
         self._free(res.segment, res.offset, res.extent)

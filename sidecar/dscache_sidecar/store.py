@@ -421,6 +421,7 @@ class KVStore:
                 pending_writes=len(self._writes.reservations),
                 stored_raw_bytes=catalog.stored_raw,
                 stored_payload_bytes=catalog.stored_payload,
+                tenants=catalog.usage.tenants,
             )
 
     def keys(self) -> list[bytes]:

@@ -114,7 +114,9 @@ class Writes:
                         continue
                     size = extent_bytes(spec.stored_bytes)
                     try:
-                        ext = self._catalog.make_room(size, removed)
+                        ext = self._catalog.make_room(
+                            size, removed, tid, self.reservations.reserved_by(tid)
+                        )
                     except StoreFullError:
                         if not any(not g.exists for g in grants):
                             raise
