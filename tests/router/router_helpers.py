@@ -1,7 +1,13 @@
 """What the router tests share: loopback upstream pods, one HTTP call, NGINX's life.
 
-* :class:`Pod`: a loopback HTTP server standing in for a model pod; it answers
-  every GET or POST with JSON naming itself and the session header it got.
+* :class:`Pod`: a loopback HTTP server standing in for a model pod (a test
+  double, typed and small); it answers every GET or POST with JSON naming
+  itself, the session header and the route key it got, and keeps every
+  request's headers. ``/missing`` answers 404. ``hold()`` makes it keep
+  requests open until ``release()``, so a test can build up in-flight load.
+* :class:`Nginx`: real NGINX on a loopback port running a rendered
+  :class:`RouterConfig`, restarted on each new config.
+* :func:`scrape`: the router's ``/dscache/router/metrics``, parsed.
 * :func:`call`: one request to the router on loopback; the response, or None
   while nothing answers.
 * :func:`wait_for`: polls (tenacity, via the dev cluster's ``wait_until``) and
@@ -18,10 +24,13 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
+from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
 from dscache_tools.devcluster import wait_until
+from dscache_tools.net import free_port
+from prometheus_client.parser import text_string_to_metric_families
 
 T = TypeVar("T")
 
@@ -31,6 +40,11 @@ class Pod(ThreadingHTTPServer):
 
     def __init__(self, name: str) -> None:
         seen: list[str] = []
+        headers: list[dict[str, str]] = []
+        self.arrived = 0
+        self._open = threading.Event()
+        self._open.set()
+        pod = self
 
         class Handler(BaseHTTPRequestHandler):
             def _answer(self) -> None:
@@ -39,8 +53,13 @@ class Pod(ThreadingHTTPServer):
                     self.rfile.read(length)
                 sid = self.headers.get("X-Session-ID", "")
                 seen.append(sid)
-                body = json.dumps({"pod": name, "sid": sid}).encode()
-                self.send_response(200)
+                headers.append({k.lower(): v for k, v in self.headers.items()})
+                with pod.lock:
+                    pod.arrived += 1
+                pod._open.wait(30)
+                answer = {"pod": name, "sid": sid, "route": self.headers.get("X-Dscache-Route-Key")}
+                body = json.dumps(answer).encode()
+                self.send_response(404 if self.path == "/missing" else 200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -53,12 +72,23 @@ class Pod(ThreadingHTTPServer):
                 pass
 
         super().__init__(("127.0.0.1", 0), Handler)
+        self.lock = threading.Lock()
         self.name = name
         self.seen = seen
+        self.headers = headers
         self.address = f"127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
+    def hold(self) -> None:
+        """Requests from now on wait (at most 30 s) until :meth:`release`."""
+        self._open.clear()
+
+    def release(self) -> None:
+        """Lets every waiting request answer."""
+        self._open.set()
+
     def close(self) -> None:
+        self.release()
         self.shutdown()
         self.server_close()
 
@@ -98,3 +128,92 @@ def stop(proc: subprocess.Popen[bytes], sig: signal.Signals = signal.SIGTERM) ->
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+class Nginx:
+    """Real NGINX on a loopback port, reconfigured by restarting it on a new config."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def config(self, **kwargs: object) -> RouterConfig:
+        return RouterConfig.model_validate(
+            {
+                "listen": f"127.0.0.1:{self.port}",
+                "load_modules": DEBIAN_LUA_MODULES,
+                "pid_file": str(self.workdir / "nginx.pid"),
+                "temp_dir": str(self.workdir),
+                "error_log": str(self.workdir / "error.log"),
+                "debug_headers": True,
+                **kwargs,
+            }
+        )
+
+    def write(self, cfg: RouterConfig) -> Path:
+        path = self.workdir / "nginx.conf"
+        path.write_text(render_nginx_conf(cfg))
+        return path
+
+    def check(self, cfg: RouterConfig) -> subprocess.CompletedProcess[str]:
+        path = self.write(cfg)
+        return subprocess.run(
+            [self.binary, "-t", "-q", "-p", str(self.workdir), "-c", str(path), "-e", "stderr"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+
+    def start(self, cfg: RouterConfig) -> None:
+        self.stop()
+        path = self.write(cfg)
+        log = self.workdir / "stderr.log"
+        with log.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [self.binary, "-p", str(self.workdir), "-c", str(path), "-e", "stderr"]
+                + ["-g", "daemon off;"],
+                stderr=err,
+            )
+        wait_for("nginx serving", lambda: self.get("/dscache/router/health")[0] == 200, 10, log)
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
+        return self.request("GET", path, None, headers)
+
+    def request(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str]]:
+        """Status and headers (lowercase), the upstream's JSON answer as ``x-<key>`` headers."""
+        resp = call(self.port, path, headers, method=method, body=body)
+        if resp is None:
+            return 0, {}
+        out = {k.lower(): v for k, v in resp.headers.items()}
+        if resp.content.startswith(b"{"):
+            out.update({"x-" + k: str(v) for k, v in resp.json().items() if v is not None})
+        return resp.status_code, out
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc, signal.SIGQUIT)  # graceful: workers finish their requests
+            self.proc = None
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The router's metrics: ``{(sample name, sorted labels): value}``."""
+    resp = call(port, "/dscache/router/metrics")
+    assert resp is not None and resp.status_code == 200, resp
+    assert resp.headers["content-type"].startswith("text/plain")
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def metric(
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], Any], name: str, **labels: str
+) -> float:
+    """One sample's value (0 when absent)."""
+    return float(samples.get((name, tuple(sorted(labels.items()))), 0.0))

@@ -9,35 +9,69 @@ prompt-keyed routing of requests that carry no session id.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from dscache_operator.nginx import DEBIAN_LUA_MODULES, PromptKey, RouterConfig, render_nginx_conf
-from dscache_tools.net import free_port
-from needs import need_nginx
+from dscache_operator.nginx import PromptKey, RouterConfig, render_nginx_conf
 from pydantic import ValidationError
-from router_helpers import Pod, call, stop, wait_for
+from router_helpers import Nginx, Pod
 
 # --------------------------------------------------------------------------- text
 
 
 def test_render_is_deterministic_and_hashes_the_session_key() -> None:
-    cfg = RouterConfig(stable=("10.0.0.1:8000", "10.0.0.2:8000"), canary=("10.0.1.1:8000",))
+    cfg = RouterConfig(
+        stable=("10.0.0.1:8000", "10.0.0.2:8000"), canary=("10.0.1.1:8000",), balance_factor=0
+    )
     text = render_nginx_conf(cfg)
     assert text == render_nginx_conf(cfg.model_copy())
     assert text.count("hash $dscache_key consistent;") == 2
+    assert "balancer_by_lua_block" not in text  # factor 0: NGINX's own consistent hash
     assert "server 10.0.0.1:8000 " in text and "server 10.0.1.1:8000 " in text
-    assert "proxy_set_header X-Session-ID $dscache_key;" in text
+    # Only a client's own id goes upstream as the session; the route key always does.
+    assert "proxy_set_header X-Session-ID $dscache_session_id;" in text
+    assert "proxy_set_header X-Dscache-Route-Key $dscache_key;" in text
     assert "map $http_x_session_id $dscache_client_key" in text
     assert '"" $cookie_dscache_session;' in text
 
 
+def test_bounded_loads_render_a_lua_balancer_per_track() -> None:
+    cfg = RouterConfig(stable=("10.0.0.1:8000", "[fd00::2]:8000"), canary=("10.0.1.1:8000",))
+    assert cfg.balance_factor == 1.25  # on by default
+    text = render_nginx_conf(cfg)
+    assert text == render_nginx_conf(cfg.model_copy())
+    assert "hash $dscache_key consistent;" not in text
+    assert text.count("balancer_by_lua_block") == 2
+    assert 'require("dscache_router").balance("dscache_stable")' in text
+    assert '["dscache_stable"] = {"10.0.0.1:8000", "[fd00::2]:8000"}' in text
+    assert "factor = 1.25," in text and "keepalive 32;" in text
+    assert "factor = 2.0," in render_nginx_conf(cfg.model_copy(update={"balance_factor": 2}))
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"stable": ("pod-a:8000",)}, "resolves no names"),
+        ({"stable": ("10.0.0.1:8000",), "balance_factor": 0.5}, "or at least 1"),
+        ({"stable": ("10.0.0.1:8000",), "balance_factor": -1}, "greater than or equal"),
+        ({"upstream_header": "X-Dscache-Tenant"}, "reserved"),
+    ],
+)
+def test_bad_balancer_inputs_are_rejected_with_a_reason(
+    bad: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message):
+        RouterConfig.model_validate(bad)
+
+
+def test_client_tenant_headers_are_always_dropped() -> None:
+    for cfg in (RouterConfig(stable=("10.0.0.1:8000",)), RouterConfig(canary=("10.0.0.1:8000",))):
+        text = render_nginx_conf(cfg)
+        assert 'proxy_set_header X-Dscache-Tenant "";' in text
+        assert 'proxy_set_header X-Dscache-Gateway-Token "";' in text
+
+
 def test_header_and_cookie_names_are_configurable() -> None:
-    cfg = RouterConfig(stable=("a:1",), session_header="X-Conversation", cookie_name="conv")
+    cfg = RouterConfig(stable=("10.0.0.1:1",), session_header="X-Conversation", cookie_name="conv")
     text = render_nginx_conf(cfg)
     assert "map $http_x_conversation $dscache_client_key" in text
     assert '"" $cookie_conv;' in text
@@ -47,12 +81,12 @@ def test_header_and_cookie_names_are_configurable() -> None:
 @pytest.mark.parametrize(
     ("stable", "canary", "weight", "expected"),
     [
-        (("a:1",), ("b:1",), 10, "10% canary;"),
-        (("a:1",), ("b:1",), 12.5, "12.5% canary;"),
-        (("a:1",), ("b:1",), 0, "default stable;"),
-        (("a:1",), ("b:1",), 100, "default canary;"),
-        (("a:1",), (), 50, "default stable;"),  # no canary pods: everything stable
-        ((), ("b:1",), 10, "default canary;"),  # no stable pods: everything canary
+        (("10.0.0.1:1",), ("10.0.0.2:1",), 10, "10% canary;"),
+        (("10.0.0.1:1",), ("10.0.0.2:1",), 12.5, "12.5% canary;"),
+        (("10.0.0.1:1",), ("10.0.0.2:1",), 0, "default stable;"),
+        (("10.0.0.1:1",), ("10.0.0.2:1",), 100, "default canary;"),
+        (("10.0.0.1:1",), (), 50, "default stable;"),  # no canary pods: everything stable
+        ((), ("10.0.0.2:1",), 10, "default canary;"),  # no stable pods: everything canary
     ],
 )
 def test_track_split(
@@ -65,7 +99,7 @@ def test_track_split(
 
 
 def test_config_watch_is_an_option_and_its_id_names_the_config() -> None:
-    base = RouterConfig(stable=("a:1",), canary=("b:1",), canary_weight=10)
+    base = RouterConfig(stable=("10.0.0.1:1",), canary=("10.0.0.2:1",), canary_weight=10)
     assert "init_worker_by_lua_block" not in render_nginx_conf(base)  # off by default
     assert "dscache-config-id" not in render_nginx_conf(base)
     watched = base.model_copy(update={"watch_config": True, "config_path": "/etc/r/nginx.conf"})
@@ -99,10 +133,16 @@ def test_no_upstreams_answers_503() -> None:
 
 
 def test_prompt_key_is_an_option() -> None:
-    on = render_nginx_conf(RouterConfig(stable=("a:1",), prompt_key=PromptKey(max_bytes=512)))
-    off = render_nginx_conf(RouterConfig(stable=("a:1",), prompt_key=PromptKey(mode="off")))
+    pods = ("10.0.0.1:1",)
+    on = render_nginx_conf(RouterConfig(stable=pods, prompt_key=PromptKey(max_bytes=512)))
+    off = render_nginx_conf(RouterConfig(stable=pods, prompt_key=PromptKey(mode="off")))
     assert "access_by_lua_block" in on and "local max_bytes, max_messages = 512, 2" in on
     assert "access_by_lua_block" not in off
+    # Everything Lua off: a config any NGINX runs, no Lua module needed.
+    bare = RouterConfig(
+        stable=pods, prompt_key=PromptKey(mode="off"), balance_factor=0, metrics=False
+    )
+    assert not bare.uses_lua and "lua" not in render_nginx_conf(bare)
 
 
 @pytest.mark.parametrize(
@@ -115,7 +155,8 @@ def test_prompt_key_is_an_option() -> None:
         {"temp_dir": "/tmp; include /etc/passwd"},
         {"listen": "0.0.0.0:80 default_server"},
         {"canary_weight": 101},
-        {"stable": ("a:1",), "canary": ("a:1",)},
+        {"stable": ("10.0.0.1:1",), "canary": ("10.0.0.1:1",)},
+        {"stable": ('10.0.0.1:1"',)},
     ],
 )
 def test_values_that_could_inject_directives_are_rejected(bad: dict[str, object]) -> None:
@@ -126,100 +167,13 @@ def test_values_that_could_inject_directives_are_rejected(bad: dict[str, object]
 # --------------------------------------------------------------------------- real NGINX
 
 
-class _Nginx:
-    """Real NGINX on a loopback port, reconfigured by restarting it on a new config."""
-
-    def __init__(self, binary: str, workdir: Path) -> None:
-        self.binary = binary
-        self.workdir = workdir
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def config(self, **kwargs: object) -> RouterConfig:
-        return RouterConfig.model_validate(
-            {
-                "listen": f"127.0.0.1:{self.port}",
-                "load_modules": DEBIAN_LUA_MODULES,
-                "pid_file": str(self.workdir / "nginx.pid"),
-                "temp_dir": str(self.workdir),
-                "error_log": str(self.workdir / "error.log"),
-                "debug_headers": True,
-                **kwargs,
-            }
-        )
-
-    def write(self, cfg: RouterConfig) -> Path:
-        path = self.workdir / "nginx.conf"
-        path.write_text(render_nginx_conf(cfg))
-        return path
-
-    def check(self, cfg: RouterConfig) -> subprocess.CompletedProcess[str]:
-        path = self.write(cfg)
-        return subprocess.run(
-            [self.binary, "-t", "-q", "-p", str(self.workdir), "-c", str(path), "-e", "stderr"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-
-    def start(self, cfg: RouterConfig) -> None:
-        self.stop()
-        path = self.write(cfg)
-        log = self.workdir / "stderr.log"
-        with log.open("wb") as err:
-            self.proc = subprocess.Popen(
-                [self.binary, "-p", str(self.workdir), "-c", str(path), "-e", "stderr"]
-                + ["-g", "daemon off;"],
-                stderr=err,
-            )
-        wait_for("nginx serving", lambda: self.get("/dscache/router/health")[0] == 200, 10, log)
-
-    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
-        return self.request("GET", path, None, headers)
-
-    def request(
-        self, method: str, path: str, body: bytes | None, headers: dict[str, str] | None = None
-    ) -> tuple[int, dict[str, str]]:
-        """Status and headers (lowercase), the upstream's JSON answer as ``x-<key>`` headers."""
-        resp = call(self.port, path, headers, method=method, body=body)
-        if resp is None:
-            return 0, {}
-        out = {k.lower(): v for k, v in resp.headers.items()}
-        if resp.content.startswith(b"{"):
-            out.update({"x-" + k: v for k, v in resp.json().items()})
-        return resp.status_code, out
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop(self.proc, signal.SIGQUIT)  # graceful: workers finish their requests
-            self.proc = None
-
-
-@pytest.fixture
-def nginx(tmp_path: Path) -> Iterator[_Nginx]:
-    binary = need_nginx()
-    os.chmod(tmp_path, 0o755)  # NGINX's workers may drop to 'nobody'
-    n = _Nginx(binary, tmp_path)
-    yield n
-    n.stop()
-
-
-@pytest.fixture
-def pods() -> Iterator[dict[str, Pod]]:
-    ups = {n: Pod(n) for n in ("s0", "s1", "s2", "c0", "c1")}
-    yield ups
-    for u in ups.values():
-        u.close()
-
-
 def _tracks(pods: dict[str, Pod]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     stable = tuple(pods[n].address for n in ("s0", "s1", "s2"))
     canary = tuple(pods[n].address for n in ("c0", "c1"))
     return stable, canary
 
 
-def test_nginx_accepts_every_rendering(nginx: _Nginx, pods: dict[str, Pod]) -> None:
+def test_nginx_accepts_every_rendering(nginx: Nginx, pods: dict[str, Pod]) -> None:
     stable, canary = _tracks(pods)
     for kwargs in (
         {"stable": stable, "canary": canary, "canary_weight": 37.5},
@@ -227,12 +181,14 @@ def test_nginx_accepts_every_rendering(nginx: _Nginx, pods: dict[str, Pod]) -> N
         {"canary": canary},
         {},
         {"stable": stable, "prompt_key": PromptKey(mode="off")},
+        {"stable": stable, "canary": canary, "balance_factor": 0, "metrics": False},
+        {"stable": stable, "balance_factor": 3, "session_memory_s": 60, "previous": canary},
     ):
         result = nginx.check(nginx.config(**kwargs))
         assert result.returncode == 0, result.stderr
 
 
-def test_sessions_stick_and_new_ones_get_a_cookie(nginx: _Nginx, pods: dict[str, Pod]) -> None:
+def test_sessions_stick_and_new_ones_get_a_cookie(nginx: Nginx, pods: dict[str, Pod]) -> None:
     stable, canary = _tracks(pods)
     nginx.start(nginx.config(stable=stable, canary=canary, canary_weight=30))
     for i in range(20):
@@ -247,17 +203,20 @@ def test_sessions_stick_and_new_ones_get_a_cookie(nginx: _Nginx, pods: dict[str,
         assert by_cookie["x-pod"] == first["x-pod"]
         assert by_cookie["x-dscache-key-source"] == "cookie"
 
+    # No id at all: routed by a fresh key, which the client gets as a cookie but the
+    # model server never sees as a session; the cookie makes the next turn a session.
     status, fresh = nginx.get("/v1/models")
     assert status == 200 and fresh["x-dscache-key-source"] == "new"
     cookie = fresh["set-cookie"].split(";", 1)[0]
     name, value = cookie.split("=", 1)
-    assert name == "dscache_session" and value == fresh["x-sid"]
+    assert name == "dscache_session" and value == fresh["x-route"]
+    assert fresh["x-sid"] == ""
     follow = nginx.get("/v1/models", {"Cookie": cookie})[1]
     assert follow["x-pod"] == fresh["x-pod"] and follow["x-sid"] == value
 
 
 def test_canary_sessions_stay_on_the_canary_as_the_weight_grows(
-    nginx: _Nginx, pods: dict[str, Pod]
+    nginx: Nginx, pods: dict[str, Pod]
 ) -> None:
     stable, canary = _tracks(pods)
     sids = [f"user-{i}" for i in range(300)]
@@ -283,7 +242,7 @@ def _chat(system: str, turns: list[str]) -> bytes:
 
 
 def test_requests_without_any_id_are_routed_by_their_prompt(
-    nginx: _Nginx, pods: dict[str, Pod]
+    nginx: Nginx, pods: dict[str, Pod]
 ) -> None:
     stable, _ = _tracks(pods)
     nginx.start(nginx.config(stable=stable))
@@ -299,9 +258,11 @@ def test_requests_without_any_id_are_routed_by_their_prompt(
             turns.append(f"follow-up {k}")
             out = nginx.request("POST", "/v1/chat/completions", _chat(system, turns), headers)[1]
             assert out["x-dscache-key-source"] == "prompt"
-            assert out["set-cookie"].startswith("dscache_session=p-")
+            # A prompt key routes; it is neither a session upstream nor a cookie.
+            assert out["x-sid"] == "" and "set-cookie" not in out
+            assert out["x-route"].startswith("p-")
             pods_of.setdefault(c, set()).add(out["x-pod"])
-            keys.setdefault(c, set()).add(out["x-sid"])
+            keys.setdefault(c, set()).add(out["x-route"])
     assert all(len(p) == 1 for p in pods_of.values()), pods_of
     assert all(len(k) == 1 for k in keys.values()), keys
     assert len({next(iter(k)) for k in keys.values()}) == len(conversations)
@@ -311,7 +272,7 @@ def test_requests_without_any_id_are_routed_by_their_prompt(
     nginx.start(nginx.config(stable=stable, prompt_key=PromptKey(mode="off")))
     system, first = conversations[0]
     srcs = {
-        nginx.request("POST", "/v1/chat/completions", _chat(system, first), headers)[1]["x-sid"]
+        nginx.request("POST", "/v1/chat/completions", _chat(system, first), headers)[1]["x-route"]
         for _ in range(3)
     }
     assert len(srcs) == 3

@@ -1,11 +1,14 @@
 """What the router's nginx.conf depends on: :class:`RouterConfig`, validated.
 
 Every string that reaches the file is checked here against a strict pattern,
-so a config value can never inject NGINX directives.
+so a config value can never inject NGINX directives. With bounded loads on
+(``balance_factor`` > 0) every upstream address must be an IP literal: the Lua
+balancer hands NGINX an address and resolves no names.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Literal
 
@@ -23,6 +26,15 @@ _HEADER_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _COOKIE_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 _PATH_RE = re.compile(r"^[A-Za-z0-9_./-]{1,4096}$")
 _LOG_RE = re.compile(r"^(?:off|stderr|[A-Za-z0-9_./-]{1,4096})$")
+
+#: Headers a client may never set for the model server: the router sends them empty.
+#: The tenant is named by whoever authenticated the client, never by the client.
+STRIPPED_HEADERS: tuple[str, ...] = ("X-Dscache-Tenant", "X-Dscache-Gateway-Token")
+#: Header carrying the routing key upstream, whatever its source (for logs only).
+ROUTE_KEY_HEADER = "X-Dscache-Route-Key"
+_RESERVED_HEADERS = frozenset(
+    h.lower() for h in (*STRIPPED_HEADERS, ROUTE_KEY_HEADER, "X-Dscache-Track", "Host")
+)
 
 
 def _matching(pattern: re.Pattern[str], what: str) -> AfterValidator:
@@ -101,7 +113,9 @@ class RouterConfig(BaseModel):
     cookie_name: CookieName = Field(default="dscache_session", description="session cookie")
     cookie_max_age_s: int = Field(default=86400, ge=0, description="cookie lifetime, seconds")
     upstream_header: HeaderName = Field(
-        default="X-Session-ID", description="header carrying the key to the model server"
+        default="X-Session-ID",
+        description="header carrying a real session id (the client's header or cookie) to the "
+        "model server; a prompt-derived or fresh key is never sent as a session",
     )
     prompt_key: PromptKey = Field(default_factory=PromptKey, description="prompt-derived key")
     load_modules: tuple[FilePath, ...] = Field(
@@ -121,6 +135,19 @@ class RouterConfig(BaseModel):
     proxy_read_timeout_s: int = Field(default=600, ge=1, description="upstream read timeout")
     debug_headers: bool = Field(
         default=False, description="add X-Dscache-Track/-Upstream/-Key-Source response headers"
+    )
+    balance_factor: float = Field(
+        default=1.25,
+        ge=0.0,
+        le=100.0,
+        description="bounded-load consistent hashing: a pod takes a request only while its "
+        "in-flight count is below ceil(balance_factor * (in-flight of the track + 1) / live pods), "
+        "else the next pod on the ring does; 0: plain consistent hash (no Lua); else >= 1",
+    )
+    metrics: bool = Field(
+        default=True,
+        description="count requests, retries and upstream errors in Lua and serve them at "
+        "/dscache/router/metrics (needs the Lua module)",
     )
     watch_config: bool = Field(
         default=False,
@@ -148,6 +175,44 @@ class RouterConfig(BaseModel):
             raise ValueError(f"track names must differ: {names}")
         return self
 
+    @model_validator(mode="after")
+    def _balancer_inputs(self) -> RouterConfig:
+        if 0.0 < self.balance_factor < 1.0:
+            raise ValueError(
+                f"balance_factor must be 0 (off) or at least 1, not {self.balance_factor}"
+            )
+        if self.balance_factor > 0.0:
+            names = [a for a in self.stable + self.canary + self.previous if not _is_ip(a)]
+            if names:
+                raise ValueError(
+                    f"upstream addresses {names} are not IP:PORT; the bounded-load balancer "
+                    "(balance_factor > 0) resolves no names: give IPs or set balance_factor=0"
+                )
+        if self.upstream_header.lower() in _RESERVED_HEADERS:
+            raise ValueError(f"upstream_header {self.upstream_header!r} is reserved by the router")
+        return self
+
+    @property
+    def balanced(self) -> bool:
+        """Whether the Lua balancer (bounded loads) picks the pods."""
+        return self.balance_factor > 0.0
+
+    @property
+    def uses_lua(self) -> bool:
+        """Whether the rendered config needs NGINX's Lua module."""
+        return (
+            self.prompt_key.mode == "lua"
+            or self.session_memory_s > 0
+            or self.watch_config
+            or self.metrics
+            or self.balanced
+        )
+
+    @property
+    def all_pods(self) -> tuple[str, ...]:
+        """Every upstream address, stable then canary then previous."""
+        return self.stable + self.canary + self.previous
+
     @property
     def live_tracks(self) -> tuple[str, ...]:
         """Names of the tracks with pods, stable first."""
@@ -166,3 +231,12 @@ class RouterConfig(BaseModel):
         if not self.stable:
             return 100.0
         return round(self.canary_weight, 2)
+
+
+def _is_ip(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].removeprefix("[").removesuffix("]")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

@@ -11,20 +11,37 @@ from __future__ import annotations
 import hashlib
 import json
 
-from dscache_operator.nginx.config import RouterConfig
+from dscache import metricnames as names
+from dscache_operator.nginx.config import ROUTE_KEY_HEADER, STRIPPED_HEADERS, RouterConfig
 from dscache_operator.nginx.lua import LUA_PROMPT_KEY, LUA_SESSION_MEMORY, LUA_WATCH
+from dscache_operator.nginx.lua_router import LUA_ROUTER
 
 #: The second line of a watched config: ``# dscache-config-id: <hex>``.
 CONFIG_ID_PREFIX = "# dscache-config-id: "
+#: Where the router serves its Prometheus metrics (with ``metrics`` on).
+METRICS_PATH = "/dscache/router/metrics"
+#: Seconds a pod that failed a try is passed over (NGINX's ``fail_timeout``).
+FAIL_TIMEOUT_S = 10
 
 
 def _nginx_var(header: str) -> str:
     return "$http_" + header.lower().replace("-", "_")
 
 
-def _upstream(name: str, servers: tuple[str, ...], keepalive: int) -> list[str]:
-    lines = [f"    upstream {name} {{", "        hash $dscache_key consistent;"]
-    lines += [f"        server {a} max_fails=1 fail_timeout=10s;" for a in servers]
+def _upstream(name: str, servers: tuple[str, ...], keepalive: int, balanced: bool) -> list[str]:
+    lines = [f"    upstream {name} {{"]
+    if balanced:
+        lines += [
+            "        server 0.0.0.1;  # never used: the Lua balancer names each try's pod",
+            "        balancer_by_lua_block {",
+            f'            require("dscache_router").balance("{name}")',
+            "        }",
+        ]
+    else:
+        lines.append("        hash $dscache_key consistent;")
+        lines += [
+            f"        server {a} max_fails=1 fail_timeout={FAIL_TIMEOUT_S}s;" for a in servers
+        ]
     if keepalive:
         lines.append(f"        keepalive {keepalive};")
     lines.append("    }")
@@ -44,6 +61,38 @@ def _track_selector(c: RouterConfig) -> list[str]:
         f"        * {c.stable_name};",
         "    }",
     ]
+
+
+def _lua_strings(items: tuple[str, ...]) -> str:
+    # Every item is validated (addresses, track names, metric names): no quote, no backslash.
+    return "{" + ", ".join(f'"{i}"' for i in items) + "}"
+
+
+def _router_lua(c: RouterConfig) -> str:
+    """``init_by_lua_block`` defining the ``dscache_router`` module for ``c``."""
+    tracks = ((c.stable_name, c.stable), (c.canary_name, c.canary), (c.previous_name, c.previous))
+    upstreams = ", ".join(
+        f'["dscache_{name}"] = {_lua_strings(pods)}' for name, pods in tracks if pods and c.balanced
+    )
+    metric = {
+        "requests": names.ROUTER_REQUESTS + "_total",
+        "retries": names.ROUTER_RETRIES + "_total",
+        "tries": names.ROUTER_UPSTREAM_REQUESTS + "_total",
+        "errors": names.ROUTER_UPSTREAM_ERRORS + "_total",
+        "skips": names.ROUTER_OVERLOAD_SKIPS + "_total",
+        "inflight": names.ROUTER_UPSTREAM_INFLIGHT,
+        "weight": names.ROUTER_CANARY_WEIGHT,
+        "factor": names.ROUTER_BALANCE_FACTOR,
+    }
+    table = (
+        f"{{factor = {float(c.balance_factor)!r}, balanced = {str(c.balanced).lower()}, "
+        f"fail_timeout = {FAIL_TIMEOUT_S}, canary_weight = {float(c.effective_weight)!r}, "
+        f"pods = {_lua_strings(c.all_pods)}, "
+        f"tracks = {_lua_strings(('stable', 'canary', 'previous'))}, "
+        f"upstreams = {{{upstreams}}}, "
+        "names = {" + ", ".join(f'{k} = "{v}"' for k, v in metric.items()) + "}}"
+    )
+    return LUA_ROUTER.replace("@CONFIG@", table)
 
 
 def _role_map(c: RouterConfig, track_var: str) -> list[str]:
@@ -124,9 +173,19 @@ def _render_lines(config: RouterConfig) -> list[str]:
         '        "~^:" cookie;',
         "        default header;",
         "    }",
+        # Only a client's own id is a session: a prompt-derived or fresh key routes
+        # the request but is never sent as the session header, so two users who
+        # share an opening never share a session (nor its ordering lock).
+        "    map $dscache_key_source $dscache_session_id {",
+        "        header $dscache_key;",
+        "        cookie $dscache_key;",
+        '        default "";',
+        "    }",
+        # A fresh key becomes the client's session through a cookie; a prompt key never does.
         "    map $dscache_key_source $dscache_set_cookie {",
         '        header "";',
         '        cookie "";',
+        '        prompt "";',
         f'        default "{c.cookie_name}=$dscache_key; Path=/; Max-Age={c.cookie_max_age_s}; '
         'HttpOnly; SameSite=Lax";',
         "    }",
@@ -138,13 +197,16 @@ def _render_lines(config: RouterConfig) -> list[str]:
     lines += _role_map(c, track_var)
     if memory:
         lines.append(f"    lua_shared_dict dscache_sessions {c.session_memory_mib}m;")
+    counted = c.metrics or c.balanced
+    if counted:
+        lines += ["    lua_shared_dict dscache_router 1m;", _router_lua(c)]
     for name, pods in (
         (c.stable_name, c.stable),
         (c.canary_name, c.canary),
         (c.previous_name, c.previous),
     ):
         if pods:
-            lines += _upstream(f"dscache_{name}", pods, c.upstream_keepalive)
+            lines += _upstream(f"dscache_{name}", pods, c.upstream_keepalive, c.balanced)
     status = json.dumps(
         {
             "canary_weight": weight,
@@ -177,6 +239,7 @@ def _render_lines(config: RouterConfig) -> list[str]:
         f"            return 200 '{status}\\n';",
         "        }",
         "",
+        *_metrics_location(c),
         "        location / {",
     ]
     access: list[str] = []
@@ -194,6 +257,12 @@ def _render_lines(config: RouterConfig) -> list[str]:
         access.append(LUA_SESSION_MEMORY % {"live": live, "ttl": c.session_memory_s})
     if access:
         lines += ["        access_by_lua_block {", *access, "        }"]
+    if counted:
+        lines += [
+            "            log_by_lua_block {",
+            '                require("dscache_router").log()',
+        ]
+        lines += ["            }"]
     lines += [
         "            add_header Set-Cookie $dscache_set_cookie always;",
     ]
@@ -211,7 +280,10 @@ def _render_lines(config: RouterConfig) -> list[str]:
     else:
         lines += [
             f"            proxy_pass http://dscache_{track_var};",
-            f"            proxy_set_header {c.upstream_header} $dscache_key;",
+            f"            proxy_set_header {c.upstream_header} $dscache_session_id;",
+            f"            proxy_set_header {ROUTE_KEY_HEADER} $dscache_key;",
+            # A client never names its tenant (an empty value drops the header).
+            *(f'            proxy_set_header {h} "";' for h in STRIPPED_HEADERS),
             "            proxy_set_header Host $host;",
             "            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;",
             "            proxy_set_header X-Dscache-Track $dscache_track;",
@@ -226,3 +298,17 @@ def _render_lines(config: RouterConfig) -> list[str]:
         ]
     lines += ["        }", "    }", "}", ""]
     return lines
+
+
+def _metrics_location(c: RouterConfig) -> list[str]:
+    if not c.metrics:
+        return []
+    return [
+        f"        location = {METRICS_PATH} {{",
+        "            access_log off;",
+        "            content_by_lua_block {",
+        '                require("dscache_router").metrics()',
+        "            }",
+        "        }",
+        "",
+    ]
