@@ -95,12 +95,63 @@ class Figures:
 PROMPT_TOKENS = names.PROMPT_TOKENS_SERIES
 
 
-def token_hit_rate(selector: str, window: str, offset: str = "") -> str:
-    """PromQL: the share of prompt tokens reused from the cache, over ``window``."""
-    reused_sel = f'{names.SOURCE_LABEL}="{names.SOURCE_REUSED}",{selector}'
-    reused = f"sum(rate({PROMPT_TOKENS}{{{reused_sel}}}[{window}]{offset}))"
-    total = f"sum(rate({PROMPT_TOKENS}{{{selector}}}[{window}]{offset}))"
+def _and(*matchers: str) -> str:
+    """The non-empty matcher lists, comma separated."""
+    return ",".join(m for m in matchers if m)
+
+
+def _matchers(selector: str) -> str:
+    """``{selector}``, or nothing for an empty selector."""
+    return f"{{{selector}}}" if selector else ""
+
+
+def sum_rate(series: str, selector: str, window: str, offset: str = "", by: str = "") -> str:
+    """PromQL: ``sum [by (by)] (rate(series{selector}[window] offset))``."""
+    grouping = f" by ({by})" if by else ""
+    return f"sum{grouping}(rate({series}{_matchers(selector)}[{window}]{offset}))"
+
+
+def token_hit_rate(selector: str, window: str, offset: str = "", by: str = "") -> str:
+    """PromQL: the share of prompt tokens reused from the cache, over ``window``.
+
+    ``by`` (label names, comma separated) keeps one rate per group, e.g.
+    ``namespace, service`` for a cluster-wide rule; empty sums everything.
+    """
+    reused_sel = _and(f'{names.SOURCE_LABEL}="{names.SOURCE_REUSED}"', selector)
+    reused = sum_rate(PROMPT_TOKENS, reused_sel, window, offset, by)
+    total = sum_rate(PROMPT_TOKENS, selector, window, offset, by)
     return f"{reused} / {total}"
+
+
+def level_hit_rate(level: str, selector: str, window: str, by: str = "") -> str:
+    """PromQL: hits / (hits + misses) at ``level`` (block or session), over ``window``."""
+    sel = _and(f'{names.LEVEL_LABEL}="{level}"', selector)
+    hits = sum_rate(names.CACHE_HITS + "_total", sel, window, by=by)
+    misses = sum_rate(names.CACHE_MISSES + "_total", sel, window, by=by)
+    return f"{hits} / ({hits} + {misses})"
+
+
+def lookup_p99(selector: str, window: str, by: str = "") -> str:
+    """PromQL: the P99 seconds of the model server's cache lookups, over ``window``."""
+    sel = _and(f'{names.OP_LABEL}="{names.OP_LOOKUP}"', selector)
+    series = f"{names.CACHE_OP_SECONDS}_bucket{_matchers(sel)}"
+    return f"histogram_quantile(0.99, sum by ({_and('le', by)}) (rate({series}[{window}])))"
+
+
+def fallback_ratio(selector: str, window: str, by: str = "") -> str:
+    """PromQL: requests that recomputed because the cache failed, per request served."""
+    fallbacks = sum_rate(names.CACHE_FALLBACKS + "_total", selector, window, by=by)
+    return f"{fallbacks} / {sum_rate(names.REQUESTS + '_total', selector, window, by=by)}"
+
+
+#: The sidecar's metrics port name: a ServiceMonitor target's ``endpoint`` label.
+SIDECAR_ENDPOINT = "metrics"
+
+
+def sidecar_up(selector: str) -> str:
+    """PromQL: the scrape health (``up``) of every sidecar target ``selector`` matches."""
+    endpoint = f'endpoint="{SIDECAR_ENDPOINT}"'
+    return f"up{_matchers(_and(endpoint, selector))}"
 
 
 def _range(seconds: float) -> str:
