@@ -157,6 +157,14 @@ class CacheSpec(SpecModel):
     min_tokens: int = Field(
         default=512, ge=0, le=1 << 20, description="Prompts shorter than this are not cached."
     )
+    tenant_quota: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1.0,
+        description="Largest share of a pod's cache one tenant may hold, in (0, 1]: a tenant "
+        "over it evicts its own least recently used blocks, never another tenant's; "
+        "1 = no quota.",
+    )
 
 
 class SecretKeyRef(SpecModel):

@@ -55,6 +55,13 @@ DEFAULT_ROUTER_MODULES: tuple[str, ...] = DEBIAN_LUA_MODULES
 class RoutingSpec(SpecModel):
     """The NGINX router in front of the model pods."""
 
+    model_config = cel_rules(
+        (
+            "self.balanceFactor == 0.0 || self.balanceFactor >= 1.0",
+            "routing.balanceFactor must be 0 (off) or at least 1",
+        ),
+    )
+
     session_header: Annotated[str, Field(pattern=r"^[A-Za-z0-9-]{1,64}$")] = Field(
         default="X-Session-ID", description="Request header carrying the session id."
     )
@@ -75,6 +82,15 @@ class RoutingSpec(SpecModel):
         "a conversation running when a rollout starts finishes on the track it started on "
         "(and on the warm previous track after promotion), and only new sessions follow the "
         "canary weight; '0s' makes every session follow the weight.",
+    )
+    balance_factor: float = Field(
+        default=1.25,
+        ge=0.0,
+        le=100.0,
+        description="Bounded-load consistent hashing: a pod takes a new request only while its "
+        "in-flight requests are under balanceFactor x the track's mean (plus one), else the "
+        "next pod on the hash ring does, so a hot prompt or session spills instead of "
+        "queueing; 0 = plain consistent hash; else at least 1.",
     )
     replicas: int = Field(default=2, ge=0, le=100, description="Router pods.")
     image: ImageSpec = Field(
@@ -284,6 +300,11 @@ def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
         raise InvalidSpecError(
             "spec.prewarm.apiKeySecretRef is required when spec.auth.apiKeysSecretRef is set "
             "and prewarm prompts are given (the prewarm Job needs a key of the file)"
+        )
+    if 0.0 < spec.routing.balance_factor < 1.0:
+        raise InvalidSpecError(
+            f"spec.routing.balanceFactor must be 0 (off) or at least 1, "
+            f"got {spec.routing.balance_factor}"
         )
     if spec.interval_s < 1:
         raise InvalidSpecError("spec.rollout.interval must be at least 1s")

@@ -17,7 +17,6 @@ from dscache_operator.desired import (
     children,
     model_deployment,
     prewarm_job,
-    prometheus_rule,
     router_config,
     router_configmap,
     router_deployment,
@@ -186,6 +185,31 @@ def test_router_config_follows_the_status(spec: DeepSeekCacheDeploymentSpec) -> 
     assert cfg.session_header == "X-Session-ID"
 
 
+def test_bounded_loads_and_tenant_quotas_reach_the_router_and_the_sidecars(
+    spec: DeepSeekCacheDeploymentSpec,
+) -> None:
+    s = _status_for(spec)
+    cfg = router_config(spec, s, ("10.0.0.1:8000", "10.0.0.2:8000"), ())
+    assert cfg.balance_factor == 1.25 and cfg.balanced  # on by default
+    assert "balancer_by_lua_block" in render_nginx_conf(cfg)
+
+    def sidecar_args(raw: dict[str, Any]) -> list[str]:
+        parsed = parse_spec(raw)
+        dep = model_deployment(OWNER, parsed, _status_for(parsed), "blue")
+        containers = dep["spec"]["template"]["spec"]["containers"]
+        (side,) = [c for c in containers if c["name"] == "sidecar"]
+        return list(side["args"])
+
+    base = spec.model_dump(by_alias=True)
+    assert "--tenant-quota" not in sidecar_args(base)  # no quota, templates as before
+    args = sidecar_args({**base, "cache": {**base["cache"], "tenantQuota": 0.2}})
+    assert args[args.index("--tenant-quota") + 1] == "0.2"
+    off = parse_spec({**base, "routing": {**base["routing"], "balanceFactor": 0}})
+    plain = router_config(off, s, ("10.0.0.1:8000", "10.0.0.2:8000"), ())
+    assert not plain.balanced
+    assert "hash $dscache_key consistent;" in render_nginx_conf(plain)
+
+
 def test_router_tracks_are_slots_and_the_previous_one_keeps_its_sessions(
     spec: DeepSeekCacheDeploymentSpec,
 ) -> None:
@@ -212,12 +236,14 @@ def test_router_tracks_are_slots_and_the_previous_one_keeps_its_sessions(
     assert after.canary == ()
     assert after.live_tracks == (s2.canary_slot, s2.stable_slot)
     text = render_nginx_conf(after)
-    assert f"upstream dscache_{s2.stable_slot} " in text and "lua_shared_dict" in text
+    assert (
+        f"upstream dscache_{s2.stable_slot} " in text and "lua_shared_dict dscache_sessions" in text
+    )
     # sessionMemory 0s: sessions follow the weight, a previous track takes nothing.
     forgetful = parse_spec({**spec2.model_dump(by_alias=True), "routing": {"sessionMemory": "0s"}})
     off = router_config(forgetful, promoted, canary, (), old)
     assert off.session_memory_s == 0 and off.previous == ()
-    assert "lua_shared_dict" not in render_nginx_conf(off)
+    assert "lua_shared_dict dscache_sessions" not in render_nginx_conf(off)
 
 
 def test_frozen_tracks_are_not_applied(spec: DeepSeekCacheDeploymentSpec) -> None:
@@ -373,20 +399,6 @@ def render_text(spec: DeepSeekCacheDeploymentSpec) -> str:
     cfg = router_config(spec, _status_for(spec), ("10.0.0.1:8000",), ())
     text: str = router_configmap(OWNER, cfg)["data"]["nginx.conf"]
     return text
-
-
-def test_prometheus_rule_without_a_floor_alerts_on_a_drop(
-    spec: DeepSeekCacheDeploymentSpec,
-) -> None:
-    rule = prometheus_rule(OWNER, spec)["spec"]["groups"][0]["rules"][0]
-    # No universal good hit rate: alert when it falls under 0.95 x its level of the hour before.
-    assert rule["alert"] == "DscacheHitRateLow" and rule["for"] == "10m"
-    assert "< 0.95 * (" in rule["expr"] and "[1h] offset 10m" in rule["expr"]
-    floor = parse_spec(
-        {**spec.model_dump(by_alias=True), "rollout": {"analysis": {"minHitRate": 0.7}}}
-    )
-    rule = prometheus_rule(OWNER, floor)["spec"]["groups"][0]["rules"][0]
-    assert rule["expr"].endswith("< 0.7") and "offset" not in rule["expr"]
 
 
 def test_the_operators_router_config_passes_nginx_t(

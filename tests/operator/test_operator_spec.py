@@ -156,6 +156,9 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
         ({**MINIMAL, "cache": {"volume": {"type": "hostPath"}}}, "hostPath is required"),
         ({**MINIMAL, "tenantSalt": {"source": "secret"}}, "secretRef is required"),
         ({**MINIMAL, "unknown": 1}, "spec.unknown"),
+        ({**MINIMAL, "routing": {"balanceFactor": 0.5}}, "balanceFactor must be 0"),
+        ({**MINIMAL, "cache": {"tenantQuota": 0}}, "spec.cache.tenantQuota"),
+        ({**MINIMAL, "cache": {"tenantQuota": 1.5}}, "spec.cache.tenantQuota"),
     ],
 )
 def test_invalid_specs_say_what_to_change(raw: dict[str, Any], message: str) -> None:

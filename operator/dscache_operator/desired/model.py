@@ -168,6 +168,9 @@ def _sidecar_container(src: RevisionSource, capacity: int) -> Obj:
     port = src.sidecar.metrics_port
     args = ["sidecar", "--data-dir", CACHE_DIR, "--capacity", str(capacity)]
     args += ["--socket", SOCKET, "--metrics-port", str(port)]
+    if src.cache.tenant_quota < 1.0:
+        # Only when set: pod templates of resources without a quota stay as they were.
+        args += ["--tenant-quota", repr(src.cache.tenant_quota)]
     # The sidecar's gRPC health, as HTTP on its metrics port: no process per probe.
     return {
         **container("sidecar", src.sidecar.image, ["dscache"], args),

@@ -59,6 +59,7 @@ def router_config(
         session_header=r.session_header,
         cookie_name=r.cookie_name,
         prompt_key=PromptKey(mode=r.prompt_key, max_bytes=r.prompt_key_bytes),
+        balance_factor=r.balance_factor,
         load_modules=tuple(r.load_modules),
         pid_file=f"{TMP}/nginx.pid",
         temp_dir=TMP,
