@@ -4,7 +4,10 @@ Each component contributes its subcommands through a
 ``register(subparsers, bench_subparsers)`` function in a light module
 (``<component>.cli``) that imports nothing heavy at module level, so
 ``dscache sidecar`` never loads torch. A component whose extra is not installed
-is reported with the ``pip install`` line that adds it.
+is reported with the ``pip install`` line that adds it: a command whose handler
+cannot import a third-party module exits 2 with ``dscache X needs the 'E' extra:
+pip install 'dscache[E]'`` (no traceback), and a component whose light module
+cannot even be imported is listed at the end of ``dscache --help``.
 """
 
 from __future__ import annotations
@@ -52,13 +55,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks: each prints a table and writes JSON")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     bench.set_defaults(handler=lambda _args: _print_help(bench))
+    missing: list[str] = []
     for module_name, extra in _COMPONENTS:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            _register_missing(sub, module_name, extra, exc)
+            missing.append(_missing_line(module_name, extra, exc))
             continue
+        before = set(sub.choices) | {f"bench {b}" for b in bench_sub.choices}
         module.register(sub, bench_sub)
+        # Each new command remembers the extra that brings its dependencies.
+        for name, command in sub.choices.items():
+            if name not in before:
+                command.set_defaults(extra_=extra)
+        for name, command in bench_sub.choices.items():
+            if f"bench {name}" not in before:
+                command.set_defaults(extra_=extra)
+    if missing:
+        parser.epilog = "not installed:\n  " + "\n  ".join(missing)
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
 
 
@@ -67,17 +82,15 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def _register_missing(
-    sub: Commands,
-    module_name: str,
-    extra: str,
-    exc: ModuleNotFoundError,
-) -> None:
+def _missing_line(module_name: str, extra: str, exc: ModuleNotFoundError) -> str:
     # The component's own module is part of the distribution; only its
     # dependencies can be missing. Say which extra brings them.
     name = module_name.split(".", maxsplit=1)[0]
-    message = f"{name} needs the '{extra}' extra: pip install 'dscache[{extra}]' ({exc})"
-    logging.getLogger(__name__).debug(message)
+    return f"{name}: pip install 'dscache[{extra}]' (missing module {exc.name})"
+
+
+def _ours(module: str | None) -> bool:
+    return bool(module) and str(module).split(".")[0].startswith("dscache")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,7 +105,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 2
-    return handler(args)
+    try:
+        return handler(args)
+    except ModuleNotFoundError as exc:
+        if _ours(exc.name):
+            raise  # our own module missing is a broken install or a bug, not an extra
+        extra = getattr(args, "extra_", "all")
+        command = " ".join(a for a in (args.command, getattr(args, "bench_command", None)) if a)
+        print(
+            f"dscache {command} needs the '{extra}' extra: pip install 'dscache[{extra}]' "
+            f"(missing module {exc.name})",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":
