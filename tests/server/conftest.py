@@ -40,6 +40,15 @@ def live_server(
         yield make
 
 
+@pytest.fixture(scope="module")
+def live_server_module(
+    sidecar: SidecarDaemon, tokenizer: DeepSeekTokenizer
+) -> Iterator[Callable[..., LiveServer]]:
+    """As ``live_server``, for servers shared by a module's tests (hypothesis examples)."""
+    with stopped_after(lambda **kw: LiveServer(make_runtime(sidecar, tokenizer, **kw))) as make:
+        yield make
+
+
 @pytest.fixture
 def prompts_file(tmp_path: Path, tokenizer: DeepSeekTokenizer) -> Callable[..., Path]:
     """Factory ``(seed, n=3) -> path`` of a ``dscache prewarm`` prompts file."""
