@@ -1,4 +1,4 @@
-"""``dscache replay``, ``dscache bench store`` and ``dscache bench ttft``.
+"""``dscache replay`` and the component benchmarks (``bench store``, ``ttft``, ``balance``).
 
 Light module: argument parsing only; each handler imports its implementation,
 so ``dscache --help`` never loads torch or matplotlib.
@@ -75,6 +75,18 @@ def register(sub: Commands, bench: Commands) -> None:
     b.add_argument("--capacity", default="2GiB", help="sidecar capacity (default 2GiB)")
     b.set_defaults(handler=_run_bench_ttft)
 
+    bb = bench.add_parser(
+        "balance",
+        help="router bounded loads vs plain consistent hash: hit ratio, TTFT, pod shares",
+    )
+    bb.add_argument("--quick", action="store_true", help="the short profile (12 sessions)")
+    bb.add_argument("--model", default="tiny-gqa", help="preset of both servers (tiny-gqa)")
+    bb.add_argument("--concurrency", type=int, default=4, help="sessions in flight (4)")
+    bb.add_argument("--max-tokens", type=int, default=8, help="completion tokens (8)")
+    bb.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    bb.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    bb.set_defaults(handler=_run_bench_balance)
+
 
 def _run_replay(args: argparse.Namespace) -> int:
     from dscache_tools.replay import run_cli
@@ -92,3 +104,16 @@ def _run_bench_ttft(args: argparse.Namespace) -> int:
     from dscache_tools.bench.server import run_cli
 
     return run_cli(args)
+
+
+def _run_bench_balance(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.balance import run
+
+    return run(
+        quick=args.quick,
+        model=args.model,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        json_out=args.json_out,
+    )

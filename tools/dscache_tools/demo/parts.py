@@ -78,6 +78,7 @@ class Router:
     canary: tuple[str, ...] = ()
     canary_weight: float = 0.0
     prompt_key: bool = True
+    balance_factor: float = 1.25
 
     @property
     def url(self) -> str:
@@ -101,6 +102,7 @@ class StackOptions:
         sidecar_tmpfs: when set (a size, e.g. ``256MiB``), each sidecar's data dir
             is a tmpfs of that size mounted by the stack (root only), so a test can
             fill it as a full disk; the stack unmounts it on stop.
+        balance_factor: the router's bounded-load factor (0: plain consistent hash).
     """
 
     model: str = "mini-gqa"
@@ -112,6 +114,7 @@ class StackOptions:
     server_args: tuple[str, ...] = ()
     sidecar_args: tuple[str, ...] = ()
     sidecar_tmpfs: str | None = None
+    balance_factor: float = 1.25
 
 
 def child_env() -> dict[str, str]:
@@ -164,6 +167,7 @@ def render_router(router: Router) -> None:
         canary=router.canary,
         canary_weight=router.canary_weight,
         prompt_key=PromptKey(mode="lua" if router.prompt_key else "off"),
+        balance_factor=router.balance_factor,
         load_modules=DEBIAN_LUA_MODULES,
         pid_file=str(router.workdir / "nginx.pid"),
         temp_dir=str(router.workdir),

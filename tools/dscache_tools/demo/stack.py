@@ -279,6 +279,7 @@ class LocalStack:
             canary=tuple(s.address for s in canary or ()),
             canary_weight=canary_weight,
             prompt_key=prompt_key,
+            balance_factor=self.options.balance_factor,
         )
         render_router(router)
         argv = [nginx, "-p", str(workdir), "-c", str(router.conf), "-e", "stderr"]
