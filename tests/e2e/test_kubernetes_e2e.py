@@ -358,6 +358,10 @@ def test_a_host_path_cache_survives_its_pod_and_keeps_the_tracks_apart(
         green = host_dir / ns / f"{name}-green"
         wait_until("the green track's own store", (green / "index").exists, 120)
         assert (blue / "index").exists() and blue != green
+        # Each store is locked by its own track's sidecar (a second daemon on either
+        # directory would refuse to start): two holders, one per track's pod.
+        holders = {json.loads((d / "LOCK").read_text())["host"] for d in (blue, green)}
+        assert len(holders) == 2 and all(h.startswith(f"{name}-") for h in holders), holders
         nodes = {
             p["spec"]["nodeName"]
             for p in c.kubectl_json(
