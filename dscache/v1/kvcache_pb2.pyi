@@ -756,6 +756,7 @@ class StatsResponse(_message.Message):
     CHECKSUM_FAILURES_FIELD_NUMBER: _builtins.int
     STORED_RAW_BYTES_FIELD_NUMBER: _builtins.int
     STORED_PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
+    TENANTS_FIELD_NUMBER: _builtins.int
     blocks: _builtins.int
     used_bytes: _builtins.int
     """bytes of live blocks on disk (extents)"""
@@ -769,6 +770,8 @@ class StatsResponse(_message.Message):
     stored_raw_bytes: _builtins.int
     """sum of decoded sizes, for the compression ratio"""
     stored_payload_bytes: _builtins.int
+    tenants: _builtins.int
+    """tenants holding at least one block"""
     def __init__(
         self,
         *,
@@ -783,10 +786,11 @@ class StatsResponse(_message.Message):
         checksum_failures: _builtins.int = ...,
         stored_raw_bytes: _builtins.int = ...,
         stored_payload_bytes: _builtins.int = ...,
+        tenants: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "blocks", b"blocks", "capacity_bytes", b"capacity_bytes", "checksum_failures", b"checksum_failures", "evicted_blocks", b"evicted_blocks", "pending_writes", b"pending_writes", "policy", b"policy", "segments", b"segments", "stored_payload_bytes", b"stored_payload_bytes", "stored_raw_bytes", b"stored_raw_bytes", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "blocks", b"blocks", "capacity_bytes", b"capacity_bytes", "checksum_failures", b"checksum_failures", "evicted_blocks", b"evicted_blocks", "pending_writes", b"pending_writes", "policy", b"policy", "segments", b"segments", "stored_payload_bytes", b"stored_payload_bytes", "stored_raw_bytes", b"stored_raw_bytes", "tenants", b"tenants", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

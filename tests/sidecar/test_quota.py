@@ -48,6 +48,7 @@ def test_a_tenant_over_its_quota_evicts_its_own_blocks_never_another_tenants(
     assert sc.metric("dscache_sidecar_evictions_total", reason="quota") > 0
     assert sc.metric("dscache_sidecar_evictions_total", reason="capacity") == 0
     assert sc.metric("dscache_sidecar_tenants") == 2
+    assert sc.c.stats().tenants == 2  # the Stats RPC says it too
 
 
 def test_without_a_quota_a_busy_tenant_flushes_everyone(
