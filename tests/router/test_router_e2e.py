@@ -88,25 +88,38 @@ def test_the_same_session_always_reaches_the_same_server(pods: Pods) -> None:
     assert len({next(iter(u)) for u in seen.values()}) >= 2  # sessions do spread
 
 
-def test_a_request_without_id_gets_a_cookie_and_then_sticks(pods: Pods) -> None:
+def test_a_request_without_id_sticks_by_its_prompt_and_is_no_session(pods: Pods) -> None:
     with httpx.Client(base_url=pods.url, timeout=120) as client:
         first = _chat(client, "hello without any id")
+        # No header, no cookie: keyed by the prompt's leading messages. That key routes
+        # the request but names no session: no cookie, no session id upstream, so two
+        # users who share an opening never share a session (nor its ordering lock).
+        assert first.headers["X-Dscache-Key-Source"] == "prompt"
+        assert "set-cookie" not in first.headers
+        assert "X-Session-ID" not in first.headers  # the server was sent none to echo
+        pod = first.headers["X-Dscache-Upstream"]
+    # Another client, same opening: the same pod, by the prompt.
+    with httpx.Client(base_url=pods.url, timeout=120) as other:
+        again = _chat(other, "hello without any id")
+        assert again.headers["X-Dscache-Key-Source"] == "prompt"
+        assert again.headers["X-Dscache-Upstream"] == pod
+
+
+def test_a_request_with_no_key_at_all_gets_a_cookie_and_then_sticks(pods: Pods) -> None:
+    with httpx.Client(base_url=pods.url, timeout=120) as client:
+        # No id and no prompt to key by: a fresh key, issued as the session cookie.
+        first = client.get("/v1/models")
+        assert first.status_code == 200
+        assert first.headers["X-Dscache-Key-Source"] == "new"
         cookie = first.cookies.get("dscache_session")
         assert cookie, first.headers
-        # No header, no cookie: keyed by the prompt's leading messages.
-        assert first.headers["X-Dscache-Key-Source"] == "prompt"
         pod = first.headers["X-Dscache-Upstream"]
         for turn in range(3):
             resp = _chat(client, f"follow-up {turn}")  # the client sends the cookie back
             assert resp.headers["X-Dscache-Key-Source"] == "cookie"
             assert resp.headers["X-Dscache-Upstream"] == pod
-            assert resp.headers["X-Session-ID"] == cookie
+            assert resp.headers["X-Session-ID"] == cookie  # its own id is its session
             assert "set-cookie" not in resp.headers
-    # Another client that keeps no cookie, same opening: the same pod, by the prompt.
-    with httpx.Client(base_url=pods.url, timeout=120) as other:
-        again = _chat(other, "hello without any id")
-        assert again.headers["X-Dscache-Key-Source"] == "prompt"
-        assert again.headers["X-Dscache-Upstream"] == pod
 
 
 def test_canary_sessions_stay_on_the_canary_as_the_weight_grows(pods: Pods) -> None:
