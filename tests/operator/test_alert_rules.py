@@ -250,7 +250,8 @@ def test_the_rendered_charts_rules_pass_promtool_check(tmp_path: Path) -> None:
             str(ROOT / "charts" / "dscache"),
             "--set",
             "monitoring.prometheusRule.enabled=true",
-            "--set",
+            # --set makes 0.7 a string (the schema wants a number); --set-json does not.
+            "--set-json",
             "monitoring.prometheusRule.minHitRate=0.7",
         ],
         capture_output=True,

@@ -548,9 +548,12 @@ def test_monitoring_objects_appear_once_their_crds_exist(rig: Rig) -> None:
         objs = wait_until("ServiceMonitor and PrometheusRule", created, 40)
         sm = objs["ServiceMonitor"]["spec"]
         assert sm["podTargetLabels"] == ["dscache.io/revision", "dscache.io/slot"]
-        rule = objs["PrometheusRule"]["spec"]["groups"][0]["rules"][0]
-        # No minHitRate in the example: the alert is relative to the hour before.
-        assert rule["alert"] == "DscacheHitRateLow" and "< 0.95 * (" in rule["expr"]
+        rules = {r["alert"]: r for r in objs["PrometheusRule"]["spec"]["groups"][0]["rules"]}
+        # No minHitRate in the example: the floor is 0.85, and the drop alert is
+        # relative to the service's own level over the hour before.
+        assert rules["DscacheHitRateLow"]["expr"].endswith("< 0.85")
+        assert "< 0.95 * (" in rules["DscacheHitRateDropped"]["expr"]
+        assert {"DscacheSidecarDown", "DscacheFallbackRateHigh"} <= set(rules)
     finally:
         for crd in crds:
             c.kubectl("delete", "crd", crd["metadata"]["name"], "--wait=false", check=False)
