@@ -107,13 +107,6 @@ def _run_bench_ttft(args: argparse.Namespace) -> int:
 
 
 def _run_bench_balance(args: argparse.Namespace) -> int:
-    from dscache_tools.bench.balance import run
+    from dscache_tools.bench.balance import run_cli
 
-    return run(
-        quick=args.quick,
-        model=args.model,
-        concurrency=args.concurrency,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        json_out=args.json_out,
-    )
+    return run_cli(args)

@@ -25,6 +25,7 @@ JSON (``--json``): ``runs`` (one object per factor with the figures above plus
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import tempfile
@@ -161,30 +162,24 @@ def table(runs: Sequence[BalanceRun], rel: dict[str, float | None]) -> str:
     return "\n".join(lines)
 
 
-def run(
-    *,
-    quick: bool,
-    model: str,
-    concurrency: int,
-    seed: int,
-    max_tokens: int,
-    json_out: str | None,
-) -> int:
-    """``dscache bench balance``: both runs, the table, the JSON."""
-    requests = workload(quick, seed, max_tokens)
+def run_cli(args: argparse.Namespace) -> int:
+    """``dscache bench balance``: both runs, the table, the JSON (exit 1 if any failed)."""
+    requests = workload(args.quick, args.seed, args.max_tokens)
     runs = []
     with terminate_on_sigterm():
         for factor in FACTORS:
             print(f"balance factor {factor:g}: {len(requests)} requests ...", flush=True)
-            runs.append(run_factor(factor, requests, model=model, concurrency=concurrency))
+            runs.append(
+                run_factor(factor, requests, model=args.model, concurrency=args.concurrency)
+            )
     rel = ratios(runs[0], runs[1])
     print(table(runs, rel))
-    if json_out:
+    if args.json_out:
         doc: dict[str, Any] = {
-            "model": model,
-            "concurrency": concurrency,
+            "model": args.model,
+            "concurrency": args.concurrency,
             "runs": [asdict(r) for r in runs],
             "ratios": rel,
         }
-        Path(json_out).write_text(json.dumps(doc, indent=2) + "\n")
+        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n")
     return 1 if any(r.failed for r in runs) else 0
