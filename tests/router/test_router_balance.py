@@ -7,6 +7,8 @@ pods (:class:`router_helpers.Pod`) in this process. What a user would notice:
   hash picks (sessions keep their pods when bounded loads are turned on);
 * a hot key whose pod is over its bound spills to the next pod on the ring, and
   with the factor at 0 it piles on one pod;
+* a session (the client's own id) stays on its pod whatever the load, new sessions
+  spill, and a spilled session stays where it was placed;
 * a dead pod costs no request (retried on the next pod) and shows in the retry
   and upstream-error counters;
 * ``/dscache/router/metrics`` counts requests by track role and status class;
@@ -57,21 +59,27 @@ def test_without_load_the_balancer_picks_nginx_own_consistent_hash_pod(
 
 
 def _send_held(
-    nginx: Nginx, held: list[Pod], count: int, body: bytes, *, balanced: bool
+    nginx: Nginx,
+    held: list[Pod],
+    count: int,
+    body: bytes,
+    *,
+    balanced: bool,
+    headers: list[dict[str, str]] | None = None,
 ) -> list[str]:
-    """``count`` concurrent requests with one prompt key while ``held`` pods hold them."""
+    """``count`` concurrent requests while ``held`` pods hold them: one prompt key, or
+    request ``i`` with ``headers[i]``. The pods that answered, in request order."""
     for p in held:
         p.hold()
     base = sum(p.arrived for p in held)
-    answers: list[str] = []
-    lock = threading.Lock()
+    answers = ["failed"] * count  # in request order
 
-    def one() -> None:
-        out = nginx.request("POST", "/v1/chat/completions", body, {"Content-Type": "x"})[1]
-        with lock:
-            answers.append(out.get("x-pod", "failed"))
+    def one(i: int) -> None:
+        extra = headers[i] if headers else {}
+        out = nginx.request("POST", "/v1/chat/completions", body, {"Content-Type": "x", **extra})[1]
+        answers[i] = out.get("x-pod", "failed")
 
-    threads = [threading.Thread(target=one) for _ in range(count)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
     for i, t in enumerate(threads):
         t.start()
         # One at a time into the router, so each choice sees the ones before it.
@@ -117,6 +125,34 @@ def test_a_hot_prompt_spills_to_the_next_pod_only_with_bounded_loads(
     assert metric(samples, SKIPS, upstream=home_addr) >= 1
     # Every try ended: nothing is left in flight.
     assert all(metric(samples, names.ROUTER_UPSTREAM_INFLIGHT, upstream=a) == 0 for a in stable)
+
+
+def test_a_session_stays_on_its_pod_over_the_bound_new_sessions_spill(
+    nginx: Nginx, pods: dict[str, Pod]
+) -> None:
+    """A session's pod holds its KV: load never moves it; new sessions go elsewhere."""
+    two = (pods["s0"], pods["s1"])
+    stable = tuple(p.address for p in two)
+    body = _body("a conversation of its own " * 5)
+    # Where each id's home pod is (plain hash: the balancer's no-load choice, test above).
+    nginx.start(nginx.config(stable=stable, balance_factor=0))
+    home = {f"user-{i}": nginx.get("/v1/models", {"X-Session-ID": f"user-{i}"})[1]["x-pod"]
+            for i in range(40)}  # fmt: skip
+    pod0 = [sid for sid, pod in home.items() if pod == "s0"]
+    assert len(pod0) >= 7
+    nginx.start(nginx.config(stable=stable, balance_factor=1.25))
+    veteran = pod0[0]
+    assert nginx.get("/v1/models", {"X-Session-ID": veteran})[1]["x-pod"] == "s0"  # pinned
+    # Six requests of the veteran at once: all on s0, far over ceil(1.25 * 6 / 2) = 4.
+    same = [{"X-Session-ID": veteran}] * 6
+    assert Counter(_send_held(nginx, list(two), 6, body, balanced=True, headers=same)) == {"s0": 6}
+    # Six new sessions whose home is s0, at once: s0 takes its bound, the rest spill ...
+    new = [{"X-Session-ID": sid} for sid in pod0[1:7]]
+    placed = _send_held(nginx, list(two), 6, body, balanced=True, headers=new)
+    assert Counter(placed)["s0"] <= 4 and Counter(placed)["s1"] >= 2
+    # ... and a spilled session stays where it was placed, now that s0 is idle again.
+    for h, pod in zip(new, placed, strict=True):
+        assert nginx.get("/v1/models", h)[1]["x-pod"] == pod
 
 
 @pytest.mark.parametrize("factor", [0.0, 1.25])

@@ -107,7 +107,11 @@ class RouterConfig(BaseModel):
         "0: a session follows the weight",
     )
     session_memory_mib: int = Field(
-        default=16, ge=1, le=4096, description="shared memory for remembered sessions, MiB"
+        default=16,
+        ge=1,
+        le=4096,
+        description="shared memory for remembered sessions (their tracks, and their pods "
+        "with bounded loads on), MiB each",
     )
     session_header: HeaderName = Field(default="X-Session-ID", description="client's key header")
     cookie_name: CookieName = Field(default="dscache_session", description="session cookie")
@@ -196,6 +200,12 @@ class RouterConfig(BaseModel):
     def balanced(self) -> bool:
         """Whether the Lua balancer (bounded loads) picks the pods."""
         return self.balance_factor > 0.0
+
+    @property
+    def pin_ttl_s(self) -> int:
+        """Seconds the balancer keeps a session on its pod after its last request:
+        the session memory's, else 30 minutes."""
+        return self.session_memory_s or 1800
 
     @property
     def uses_lua(self) -> bool:

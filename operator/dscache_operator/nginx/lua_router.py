@@ -12,6 +12,15 @@ progress), ``down:<pod>`` (failed within ``fail_timeout`` seconds; expires on
 its own), and the counters ``requests:<track>:<class>``, ``retries:<track>``,
 ``tries:<pod>``, ``errors:<pod>``, ``skips:<pod>``.
 
+A real session (a client's own id: its header or cookie) is pinned: the pod that
+served it is remembered in the ``dscache_pins`` shared dict (``<upstream> \\0 <key>``,
+``pin_ttl`` seconds after its last request) and takes its next requests whatever
+its load, as long as it is up: that pod holds the session's KV, and moving the
+session would recompute its whole history. Only new sessions, prompt-keyed
+requests and retries are placed by the bounded walk below (and a session is pinned
+where that walk put it). A prompt key is never pinned: the opening it stands for
+is worth caching on several pods, and spreading it is the point.
+
 ``balance(upstream)`` (``balancer_by_lua``): the pods in NGINX's own
 ``hash ... consistent`` ring order from the key's point (160 points a pod,
 ``crc32(HOST \\0 PORT PREV_HASH)``, as ``ngx_http_upstream_hash_module`` builds
@@ -34,6 +43,7 @@ LUA_ROUTER = """\
     init_by_lua_block {
         local config = @CONFIG@
         local dict = ngx.shared.dscache_router
+        local pins = ngx.shared.dscache_pins
         local floor, ceil = math.floor, math.ceil
         local M = {}
 
@@ -58,7 +68,9 @@ LUA_ROUTER = """\
                     hashes[#hashes + 1], owners[#owners + 1] = p[1], p[2]
                 end
             end
-            return {pods = pods, hashes = hashes, owners = owners}
+            local has = {}
+            for _, pod in ipairs(pods) do has[pod] = true end
+            return {pods = pods, hashes = hashes, owners = owners, has = has}
         end
 
         local rings, peers = {}, {}
@@ -142,7 +154,21 @@ LUA_ROUTER = """\
                 dict:incr("inflight:" .. state.last, -1, 1)
                 state.last = nil
             end
-            local pod = choose(r, state)
+            local key = ngx.var.dscache_key
+            local source = ngx.var.dscache_key_source
+            local pinned = (source == "header" or source == "cookie") and pins ~= nil
+            local pin = pinned and (name .. "\0" .. key) or nil
+            local pod = pin and pins:get(pin) or nil
+            if pod and (not r.has[pod] or state.tried[pod] or dict:get("down:" .. pod)) then
+                pod = nil  -- gone from the track, failed or down: placed anew
+            end
+            pod = pod or choose(r, state)
+            if pin then
+                local ok, err = pins:set(pin, pod, config.pin_ttl)
+                if not ok then
+                    ngx.log(ngx.WARN, "dscache router: cannot pin a session: ", err)
+                end
+            end
             state.tried[pod] = true
             state.last = pod
             dict:incr("inflight:" .. pod, 1, 0)

@@ -86,7 +86,8 @@ def _router_lua(c: RouterConfig) -> str:
     }
     table = (
         f"{{factor = {float(c.balance_factor)!r}, balanced = {str(c.balanced).lower()}, "
-        f"fail_timeout = {FAIL_TIMEOUT_S}, canary_weight = {float(c.effective_weight)!r}, "
+        f"fail_timeout = {FAIL_TIMEOUT_S}, pin_ttl = {c.pin_ttl_s}, "
+        f"canary_weight = {float(c.effective_weight)!r}, "
         f"pods = {_lua_strings(c.all_pods)}, "
         f"tracks = {_lua_strings(('stable', 'canary', 'previous'))}, "
         f"upstreams = {{{upstreams}}}, "
@@ -199,7 +200,10 @@ def _render_lines(config: RouterConfig) -> list[str]:
         lines.append(f"    lua_shared_dict dscache_sessions {c.session_memory_mib}m;")
     counted = c.metrics or c.balanced
     if counted:
-        lines += ["    lua_shared_dict dscache_router 1m;", _router_lua(c)]
+        lines.append("    lua_shared_dict dscache_router 1m;")
+        if c.balanced:
+            lines.append(f"    lua_shared_dict dscache_pins {c.session_memory_mib}m;")
+        lines.append(_router_lua(c))
     for name, pods in (
         (c.stable_name, c.stable),
         (c.canary_name, c.canary),
