@@ -109,7 +109,15 @@ class Sidecar:
 
 
 class DaemonProcess(SidecarProcess):
-    """``dscache sidecar`` as a real subprocess (for kill -9 and disk tests)."""
+    """``dscache sidecar`` as a real subprocess (for kill -9 and disk tests).
+
+    64 MiB in 16 MiB segments unless the test's flags say otherwise (they come later
+    on the command line and win): the default 4 GiB is zero-filled on disk, and a
+    suite of such daemons left tens of GiB in pytest's kept temp dirs.
+    """
+
+    def __init__(self, data_dir: Path, *extra: str) -> None:
+        super().__init__(data_dir, "--capacity", "64MiB", "--segment-size", "16MiB", *extra)
 
     def start(self, timeout: float = 30) -> None:
         super().start(timeout)
