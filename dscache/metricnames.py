@@ -50,7 +50,9 @@ CACHE_OP_SECONDS: Final = SERVER_PREFIX + "cache_op_seconds"
 OP_LABEL: Final = "op"
 OP_LOOKUP: Final = "lookup"
 
-#: Prefix of every router metric (NGINX's Lua serves them at ``/dscache/router/metrics``).
+#: Where the router (NGINX's Lua) serves its metrics, on its listen port.
+ROUTER_METRICS_PATH: Final = "/dscache/router/metrics"
+#: Prefix of every router metric (served at :data:`ROUTER_METRICS_PATH`).
 ROUTER_PREFIX: Final = "dscache_router_"
 #: Counter: requests the router answered, by ``track`` (stable, canary, previous) and
 #: ``code`` (the status class: 1xx ... 5xx).

@@ -32,6 +32,8 @@ from dscache_tools.devcluster import wait_until
 from dscache_tools.net import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
+from dscache import metricnames as names
+
 T = TypeVar("T")
 
 
@@ -202,7 +204,7 @@ class Nginx:
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The router's metrics: ``{(sample name, sorted labels): value}``."""
-    resp = call(port, "/dscache/router/metrics")
+    resp = call(port, names.ROUTER_METRICS_PATH)
     assert resp is not None and resp.status_code == 200, resp
     assert resp.headers["content-type"].startswith("text/plain")
     out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}

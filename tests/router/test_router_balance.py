@@ -221,5 +221,5 @@ def test_a_client_never_names_its_tenant_nor_a_session_it_did_not_send(
 
 def test_the_metrics_endpoint_is_off_with_metrics_off(nginx: Nginx, pods: dict[str, Pod]) -> None:
     nginx.start(nginx.config(stable=_stable(pods), metrics=False, balance_factor=0))
-    resp = call(nginx.port, "/dscache/router/metrics")
+    resp = call(nginx.port, names.ROUTER_METRICS_PATH)
     assert resp is not None and resp.json()["pod"] in {"s0", "s1", "s2"}  # proxied, not served

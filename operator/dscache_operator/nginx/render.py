@@ -19,7 +19,7 @@ from dscache_operator.nginx.lua_router import LUA_ROUTER
 #: The second line of a watched config: ``# dscache-config-id: <hex>``.
 CONFIG_ID_PREFIX = "# dscache-config-id: "
 #: Where the router serves its Prometheus metrics (with ``metrics`` on).
-METRICS_PATH = "/dscache/router/metrics"
+METRICS_PATH = names.ROUTER_METRICS_PATH
 #: Seconds a pod that failed a try is passed over (NGINX's ``fail_timeout``).
 FAIL_TIMEOUT_S = 10
 

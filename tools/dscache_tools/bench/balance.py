@@ -42,8 +42,6 @@ from dscache_tools.demo.stack import LocalStack, StackOptions
 from dscache_tools.loadgen import LoadConfig, LoadReport, run_load
 from dscache_tools.workload import ChatRequest, WorkloadConfig, generate
 
-#: Where the router serves its counters (``dscache_operator.nginx.render.METRICS_PATH``).
-METRICS_PATH = "/dscache/router/metrics"
 #: Factors compared: the plain consistent hash (the baseline) and the router's default.
 FACTORS = (0.0, 1.25)
 
@@ -123,7 +121,7 @@ def run_factor(
             progress=False,
         )
         report: LoadReport = asyncio.run(run_load(cfg, requests))
-        skips = counters.read(router.url + METRICS_PATH, names.ROUTER_OVERLOAD_SKIPS)
+        skips = counters.read(router.url + names.ROUTER_METRICS_PATH, names.ROUTER_OVERLOAD_SKIPS)
     return BalanceRun(
         balance_factor=factor,
         requests=report.requests,

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 #: Families summed per endpoint kind (``_total`` samples of these counters).
 FALLBACKS = names.CACHE_FALLBACKS
-ROUTER_PREFIX = "dscache_router_"
+ROUTER_PREFIX = names.ROUTER_PREFIX
 RETRIES_WORD = "retr"
 
 

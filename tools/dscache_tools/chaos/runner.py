@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from dscache import metricnames as names
 from dscache_tools.chaos import counters
 from dscache_tools.chaos.cases import CASES, Case
 from dscache_tools.chaos.faults import DiskMethod, FaultDriver
@@ -144,7 +145,7 @@ def run_case(
     """One case: the load in a thread, the fault and its undo here, mid-load."""
     st = driver.stack
     fallback_urls = [s.metrics_url for s in st.servers]
-    router_url = st.router.url + "/dscache/router/metrics" if st.router else ""
+    router_url = st.router.url + names.ROUTER_METRICS_PATH if st.router else ""
     before = _counts(fallback_urls, router_url)
     third, two_thirds = threading.Event(), threading.Event()
     n = opts.per_case
@@ -213,7 +214,7 @@ def _result(
     before: dict[str, float | None],
     after: dict[str, float | None],
 ) -> CaseResult:
-    router = {k for k in after if k.endswith("/dscache/router/metrics")}
+    router = {k for k in after if k.endswith(names.ROUTER_METRICS_PATH)}
     return CaseResult(
         name=case.name,
         fault=case.fault,
