@@ -31,6 +31,7 @@ other implementation proves compatibility by reproducing them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -238,12 +239,18 @@ def block_keys(
     """Keys of every full block of ``token_ids``; a trailing partial block has none."""
     if block_tokens <= 0:
         raise ValueError("block_tokens must be positive")
-    arr = np.asarray(token_ids)
-    n_full = len(arr) // block_tokens
+    if len(root) != KEY_BYTES:
+        raise ValueError("previous key must be 32 bytes")
+    n_full = len(token_ids) // block_tokens
+    # One encoding (and one range check) for the whole prompt, then a hash per block:
+    # the same bytes as chain_key per block, without its per-block conversions.
+    enc = encode_tokens(np.asarray(token_ids)[: n_full * block_tokens])
+    step = 4 * block_tokens
+    head = struct.pack("<I", block_tokens)
     keys: list[bytes] = []
     prev = root
     for i in range(n_full):
-        prev = chain_key(prev, arr[i * block_tokens : (i + 1) * block_tokens])
+        prev = hashlib.sha256(_DOMAIN_BLOCK + prev + head + enc[i * step : (i + 1) * step]).digest()
         keys.append(prev)
     return keys
 
@@ -258,11 +265,11 @@ class KeyChain:
     fingerprint: ModelFingerprint
     salt: bytes = b""
 
-    @property
+    @functools.cached_property
     def root(self) -> bytes:
         return root_key(self.fingerprint, self.salt)
 
-    @property
+    @functools.cached_property
     def tenant(self) -> str:
         return tenant_label(self.salt)
 
