@@ -11,6 +11,18 @@ Contract:
     * With ``verify=True`` every loaded block is checked against its checksum; a
       mismatch truncates the result at that block (prefix semantics), is reported
       to the daemon (which drops the block) and is never returned.
+    * With ``verify="background"`` raw blocks are returned at once and checked on
+      the client's verifier thread while the caller computes; the caller must ask
+      ``LoadedBlocks.verified()`` (how many leading blocks matched) before anything
+      derived from them leaves the process, and redo what used a block past that
+      count. A mismatch is reported to the daemon as above. Compressed blocks are
+      checked before they are decoded, as with ``verify=True``.
+    * ``lookup`` reads the daemon's LMDB index read-only in this process
+      (:class:`~dscache_sidecar.index.IndexReader`) when ``data_dir`` is given: no
+      round trip. While the index cannot be opened (the daemon has not created it
+      yet; the daemon runs in this very process; another PID namespace holds this
+      process id's lock slot) it asks the daemon over gRPC instead, and tries the
+      index again after ``DIRECT_RETRY_S``.
     * Every failure of the cache surfaces as ``SidecarError`` (or a subclass):
       callers treat it as a miss and recompute.
 """
@@ -18,19 +30,24 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
+import lmdb
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dscache.v1 import kvcache_pb2 as pb
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
+from dscache_sidecar.blockstore import tenant_bytes
 from dscache_sidecar.codec import Codec, CodecPolicy, decode, dtype_name
 from dscache_sidecar.errors import (
     SidecarError,
@@ -39,6 +56,7 @@ from dscache_sidecar.errors import (
     SidecarUnavailableError,
     wrap_rpc_error,
 )
+from dscache_sidecar.index import IndexReader
 from dscache_sidecar.mapped import MappedSegments
 from dscache_sidecar.segments import checksum
 
@@ -46,7 +64,9 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BlockData",
+    "Verify",
     "LoadedBlocks",
+    "LookupAnswer",
     "SidecarClient",
     "SidecarError",
     "SidecarFullError",
@@ -55,6 +75,12 @@ __all__ = [
 ]
 
 _CHUNK = 1024 * 1024
+#: Seconds before a client that could not open the index read-only tries again.
+DIRECT_RETRY_S = 5.0
+#: Seconds between checks that the index on disk is still the one opened.
+_REPLACED_CHECK_S = 1.0
+#: How loads check checksums: before returning, on the verifier thread, or not.
+Verify = bool | Literal["background"]
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _OPTIONS = [
     ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
@@ -93,9 +119,24 @@ class LoadedBlocks:
     lease_id: str = ""
     _release: Any = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
+    _checking: Future[int] | None = field(default=None, repr=False)
+    #: Seconds the Lease call and the mapping took (filled in by the caller that timed them).
+    lease_s: float = 0.0
+    map_s: float = 0.0
 
     def __len__(self) -> int:
         return len(self.arrays)
+
+    def verified(self, timeout_s: float | None = None) -> int:
+        """How many leading blocks passed their checksum (all, unless checked in the
+        background: then this waits for the check).
+
+        Raises:
+            TimeoutError: the background check did not end in ``timeout_s``.
+        """
+        if self._checking is None:
+            return len(self.arrays)
+        return self._checking.result(timeout_s)
 
     def release(self) -> None:
         """Ends the lease; best effort (a dead daemon's leases expire anyway)."""
@@ -115,6 +156,95 @@ class LoadedBlocks:
         self.release()
 
 
+@dataclass(frozen=True)
+class _Check:
+    """A raw block whose checksum the verifier thread checks: its index in the load,
+    its bytes, the checksum it must have, and where it lives."""
+
+    index: int
+    payload: memoryview
+    expected: int
+    segment: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class LookupAnswer:
+    """How many leading blocks are stored, and whether the index said so (no RPC)."""
+
+    found: int
+    direct: bool
+
+
+class _DirectIndex:
+    """The client's read-only handle on the daemon's index, opened lazily.
+
+    ``get()`` gives None while the index cannot be opened, and tries again after
+    ``DIRECT_RETRY_S``; a handle whose file was replaced (a new data directory) is
+    dropped and opened anew.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._reader: IndexReader | None = None
+        self._next_try = 0.0
+        self._next_check = 0.0
+        self._told = False  # the fallback was logged
+        self._lock = threading.Lock()
+
+    def get(self) -> IndexReader | None:
+        now = time.monotonic()
+        reader = self._reader
+        if reader is not None and now < self._next_check:
+            return reader
+        with self._lock:
+            if self._reader is not None:
+                self._next_check = now + _REPLACED_CHECK_S
+                if not self._reader.replaced():
+                    return self._reader
+                self._drop()
+            if now < self._next_try:
+                return None
+            try:
+                self._reader = IndexReader(self._path)
+            except (OSError, lmdb.Error) as exc:
+                self._next_try = now + DIRECT_RETRY_S
+                # Once at info (a pod without a shared PID namespace stays this way);
+                # the retries every few seconds at debug.
+                level = logging.DEBUG if self._told else logging.INFO
+                self._told = True
+                log.log(level, "lookups go over gRPC: the index is not readable here (%s)", exc)
+                return None
+            if self._told:
+                log.info("lookups read the index directly again")
+                self._told = False
+            self._next_check = now + _REPLACED_CHECK_S
+            return self._reader
+
+    def failed(self, exc: Exception) -> None:
+        """Drops the handle after a read failed; the next ``get`` waits out the retry."""
+        log.info("direct index read failed, back to gRPC lookups for a while: %s", exc)
+        with self._lock:
+            self._drop()
+            self._next_try = time.monotonic() + DIRECT_RETRY_S
+
+    def _drop(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            with contextlib.suppress(Exception):
+                reader.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+            self._next_try = float("inf")
+
+
+@functools.lru_cache(maxsize=4096)
+def _tenant_id(tenant: str) -> bytes:
+    return tenant_bytes(tenant)
+
+
 def _new_block(b: BlockData, codec: Codec, stored: bytes | memoryview) -> pb.NewBlock:
     arr = b.array
     return pb.NewBlock(
@@ -131,14 +261,17 @@ def _new_block(b: BlockData, codec: Codec, stored: bytes | memoryview) -> pb.New
 
 
 def _decode_location(
-    segments: MappedSegments, loc: pb.BlockLocation, verify: bool, sizes: dict[str, int]
-) -> np.ndarray | None:
+    segments: MappedSegments, loc: pb.BlockLocation, verify: Verify, sizes: dict[str, int]
+) -> tuple[np.ndarray | None, memoryview | None]:
+    """The block's array (a view for raw blocks), None when its checksum fails; and,
+    with ``verify="background"``, the raw payload still to be checked."""
     info = loc.info
     payload = segments.view(loc.segment, loc.offset, info.stored_bytes, sizes)
-    if verify and checksum(payload) != info.checksum:
-        return None
+    later = verify == "background" and Codec(info.codec) is Codec.RAW
+    if verify and not later and checksum(payload) != info.checksum:
+        return None, None
     arr = decode(payload, Codec(info.codec), info.dtype, tuple(info.shape))
-    return arr
+    return arr, payload if later else None
 
 
 class SidecarClient:
@@ -171,9 +304,11 @@ class SidecarClient:
         self._stub = pb_grpc.KVCacheStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._segments = MappedSegments(Path(data_dir)) if data_dir else None
+        self._index = _DirectIndex(Path(data_dir) / "index") if data_dir else None
         self._connected = False
         self._long_timeout_s = timeout_s * 20
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
+        self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")
 
     def _ready(self) -> None:
         """Connects with one health check under a longer deadline, once.
@@ -197,12 +332,24 @@ class SidecarClient:
 
     def lookup(self, tenant: str, keys: Sequence[bytes], block_tokens: int = 0) -> int:
         """Number of leading keys stored; no side effects."""
+        return self.find(tenant, keys, block_tokens).found
+
+    def find(self, tenant: str, keys: Sequence[bytes], block_tokens: int = 0) -> LookupAnswer:
+        """Number of leading keys stored, from the index when it is readable here, else
+        over gRPC (``Lookup``); no side effects either way."""
         if not keys:
-            return 0
+            return LookupAnswer(0, direct=True)
+        reader = self._index.get() if self._index is not None else None
+        if reader is not None:
+            try:
+                return LookupAnswer(reader.leading(_tenant_id(tenant), keys), direct=True)
+            except lmdb.Error as exc:
+                assert self._index is not None
+                self._index.failed(exc)
         self._ready()
         request = pb.LookupRequest(tenant=tenant, keys=list(keys), block_tokens=block_tokens)
         resp = _call(self._stub.Lookup, request, self.timeout_s)
-        return int(resp.hit_blocks)
+        return LookupAnswer(int(resp.hit_blocks), direct=False)
 
     def load(
         self,
@@ -210,32 +357,66 @@ class SidecarClient:
         keys: Sequence[bytes],
         *,
         ttl_s: float = 30.0,
-        verify: bool = True,
+        verify: Verify = True,
         block_tokens: int = 0,
     ) -> LoadedBlocks:
-        """Leases and maps the leading stored blocks (streams them without data_dir)."""
+        """Leases and maps the leading stored blocks (streams them without data_dir).
+
+        ``verify``: True checks every checksum before returning, ``"background"``
+        checks raw blocks on the verifier thread (see ``LoadedBlocks.verified``),
+        False trusts the bytes.
+        """
+        grant = self.lease(tenant, keys, ttl_s=ttl_s, block_tokens=block_tokens)
+        return self.map_lease(grant, verify=verify, tenant=tenant, keys=keys)
+
+    def lease(
+        self, tenant: str, keys: Sequence[bytes], *, ttl_s: float = 30.0, block_tokens: int = 0
+    ) -> pb.LeaseResponse | None:
+        """Leases the leading stored blocks (one RPC); None without the shared volume."""
         if not keys:
-            return LoadedBlocks([], [])
+            return pb.LeaseResponse()
         self._ready()
         if self._segments is None:
-            return self._load_streaming(tenant, keys, verify)
+            return None
         request = pb.LeaseRequest(
             tenant=tenant, keys=list(keys), ttl_ms=int(ttl_s * 1000), block_tokens=block_tokens
         )
-        resp = _call(self._stub.Lease, request, self.timeout_s)
+        resp: pb.LeaseResponse = _call(self._stub.Lease, request, self.timeout_s)
+        return resp
+
+    def map_lease(
+        self,
+        resp: pb.LeaseResponse | None,
+        *,
+        verify: Verify = True,
+        tenant: str = "",
+        keys: Sequence[bytes] = (),
+    ) -> LoadedBlocks:
+        """The leased blocks as arrays on the mapped segments (``lease``'s answer);
+        without the shared volume (None) they are streamed (``tenant``, ``keys``)."""
+        if resp is None:
+            return self._load_streaming(tenant, keys, bool(verify))
+        assert self._segments is not None
         out = LoadedBlocks([], [], resp.lease_id, self._release)
         corrupt: list[bytes] = []
         sizes: dict[str, int] = {}
+        deferred: list[_Check] = []
         try:
             for loc in resp.blocks:
                 try:
-                    arr = _decode_location(self._segments, loc, verify, sizes)
+                    arr, unchecked = _decode_location(self._segments, loc, verify, sizes)
                 except (SidecarError, ValueError) as exc:
                     log.warning("cached block unreadable, treated as a miss: %s", exc)
-                    arr = None
+                    arr, unchecked = None, None
                 if arr is None:
                     corrupt.append(bytes(loc.key))
                     break
+                if unchecked is not None:
+                    deferred.append(
+                        _Check(
+                            len(out.arrays), unchecked, loc.info.checksum, loc.segment, loc.offset
+                        )
+                    )
                 out.keys.append(bytes(loc.key))
                 out.arrays.append(arr)
         except BaseException:
@@ -243,7 +424,26 @@ class SidecarClient:
             raise
         if corrupt:
             self._report_corrupt(corrupt)
+        if deferred:
+            out._checking = self._verifier.submit(self._check_background, out, deferred)
         return out
+
+    def _check_background(self, loaded: LoadedBlocks, checks: list[_Check]) -> int:
+        """The verifier thread's job: how many leading blocks of ``loaded`` match.
+
+        ``checks`` are the raw blocks in chain order (compressed ones were checked
+        before decoding); the first mismatch is reported to the daemon. Every block
+        is first read ahead at once, so pages evicted since they were mapped come in
+        while the caller computes, not on the caller's first touch.
+        """
+        assert self._segments is not None
+        for c in checks:
+            self._segments.prefetch(c.segment, c.offset, len(c.payload))
+        for c in checks:
+            if checksum(c.payload) != c.expected:
+                self._report_corrupt([loaded.keys[c.index]])
+                return c.index
+        return len(loaded.arrays)
 
     def _report_corrupt(self, keys: list[bytes]) -> None:
         try:
@@ -387,6 +587,9 @@ class SidecarClient:
 
     def close(self) -> None:
         self._hasher.shutdown(wait=False)
+        self._verifier.shutdown(wait=False)
+        if self._index is not None:
+            self._index.close()
         self._channel.close()
         if self._segments is not None:
             self._segments.close()

@@ -11,12 +11,21 @@ Databases in one LMDB environment (``<data_dir>/index``):
 Invariant: a record exists only for a block whose bytes and header are on disk
 (the store commits the index last). LMDB's own copy-on-write commits make the index
 crash safe; ``sync`` follows the store's durability setting.
+
+Readers in other processes: :class:`IndexReader` opens the same environment
+read-only (LMDB allows any number of reader processes beside its one writer, each
+registered in the lock file's reader table), so a client answers "how many leading
+blocks are stored" without a round trip to the daemon. The daemon stays the only
+writer. Its answer is a hint, as any lookup is: the lease that follows is checked
+by the daemon again. LMDB keys reader slots by process id, so processes sharing one
+environment must share a PID namespace (in Kubernetes: ``shareProcessNamespace``).
 """
 
 from __future__ import annotations
 
+import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +34,10 @@ import lmdb
 _RECORD = struct.Struct("<IQQQQQBBB6I16s32sQ")
 _STATS = struct.Struct("<QI")
 INDEX_VERSION = b"1"
+#: Where the 16-byte tenant id sits in a packed record (after the location,
+#: sizes, checksum, codec, dtype and shape fields).
+_TENANT_AT = struct.calcsize("<IQQQQQBBB6I")
+TENANT_FIELD = slice(_TENANT_AT, _TENANT_AT + 16)
 
 
 @dataclass(slots=True)
@@ -169,4 +182,62 @@ class BlockIndex:
             return int(txn.stat(self._blocks)["entries"])
 
     def close(self) -> None:
+        self._env.close()
+
+
+class IndexReader:
+    """A read-only view of a daemon's index from another process: lookups, no RPC.
+
+    Args:
+        path: the index directory (``<data_dir>/index``), written by a running or
+            stopped daemon.
+
+    Raises:
+        lmdb.Error: the index does not exist yet, or this process cannot open it
+            (LMDB refuses a second handle on one environment in one process: a
+            daemon in this process holds it already).
+    """
+
+    def __init__(self, path: Path) -> None:
+        data = path / "data.mdb"
+        self._inode = os.stat(data).st_ino  # raises before LMDB would create anything
+        self.path = path
+        self._env = lmdb.open(
+            str(path), readonly=True, lock=True, max_dbs=8, subdir=True, create=False
+        )
+        try:
+            self._blocks = self._env.open_db(b"blocks", create=False)
+        except BaseException:
+            self._env.close()
+            raise
+
+    def replaced(self) -> bool:
+        """Whether the index file on disk is no longer the one this reader opened."""
+        try:
+            return os.stat(self.path / "data.mdb").st_ino != self._inode
+        except OSError:
+            return True
+
+    def leading(self, tenant: bytes, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` have a record of ``tenant`` (one short read txn)."""
+        for _ in range(2):
+            try:
+                return self._leading(tenant, keys)
+            except lmdb.MapResizedError:
+                self._env.set_mapsize(0)  # adopt the writer's larger map, then retry
+        return self._leading(tenant, keys)
+
+    def _leading(self, tenant: bytes, keys: Sequence[bytes]) -> int:
+        found = 0
+        with self._env.begin(db=self._blocks, buffers=True) as txn:
+            get = txn.get
+            for key in keys:
+                value = get(key)
+                if value is None or value[TENANT_FIELD] != tenant:
+                    break
+                found += 1
+        return found
+
+    def close(self) -> None:
+        """Closes the environment (its reader slots go with it)."""
         self._env.close()

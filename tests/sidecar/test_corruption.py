@@ -67,6 +67,29 @@ def test_flipped_payload_byte_is_a_miss_from_there_and_the_block_is_dropped(
         assert_prefix(keys, got.keys, got.arrays)
 
 
+def test_background_check_catches_a_flipped_byte_after_the_views_are_handed_out(
+    sidecar: Sidecar,
+) -> None:
+    """``verify="background"`` returns the views at once (the caller computes while the
+    verifier thread checks them); ``verified()`` then says how many leading blocks
+    are good, and the bad one is reported and dropped as with ``verify=True``."""
+    ch = chain()
+    keys = ch.keys(prompt(5, 7))
+    sidecar.c.store(ch.tenant, blocks_for(keys))
+    with sidecar.c.load(ch.tenant, keys, verify="background") as got:
+        assert len(got) == 5
+        assert got.verified(timeout_s=10) == 5
+        assert_prefix(keys, got.keys, got.arrays)
+    flip_payload(sidecar, keys[2])
+    with sidecar.c.load(ch.tenant, keys, verify="background") as got:
+        assert len(got) == 5  # handed out before any check ...
+        assert got.verified(timeout_s=10) == 2  # ... and only the first two are good
+        assert_prefix(keys[:2], got.keys[:2], got.arrays[:2])
+    assert sidecar.c.lookup(ch.tenant, keys) == 2
+    assert sidecar.store.record(keys[3]) is None
+    assert sidecar.metric(FAILURES, where="read") == 1
+
+
 def test_flipped_payload_byte_via_streaming_get(sidecar: Sidecar) -> None:
     ch = chain()
     keys = ch.keys(prompt(5, 1))
