@@ -50,6 +50,30 @@ CACHE_OP_SECONDS: Final = SERVER_PREFIX + "cache_op_seconds"
 OP_LABEL: Final = "op"
 OP_LOOKUP: Final = "lookup"
 
+#: Histogram: seconds one request spent in each ``phase`` (:data:`PHASES`).
+REQUEST_PHASE_SECONDS: Final = SERVER_PREFIX + "request_phase_seconds"
+PHASE_LABEL: Final = "phase"
+#: The phases of a request, in the order they happen. On its way to the first token:
+#: ``tokenize`` (JSON, chat template, tokenizer), ``queue`` (waiting for the engine),
+#: ``lookup`` (block keys, how many are stored), ``lease`` (pinning them),
+#: ``map_verify`` (views on the segment files, and any wait for their checksums),
+#: ``prefill`` (the forward over the uncached tail). Then ``first_decode`` (the
+#: forward of the first generated token) and, off the request's path, ``store``
+#: (exporting and writing its new blocks in the background).
+PHASES: Final = (
+    "tokenize",
+    "queue",
+    "lookup",
+    "lease",
+    "map_verify",
+    "prefill",
+    "first_decode",
+    "store",
+)
+#: Counter: lookups by ``path``: ``direct`` (the index read in the server's process)
+#: or ``rpc`` (asked of the sidecar).
+CACHE_LOOKUPS: Final = SERVER_PREFIX + "cache_lookups"
+
 #: Where the router (NGINX's Lua) serves its metrics, on its listen port.
 ROUTER_METRICS_PATH: Final = "/dscache/router/metrics"
 #: Prefix of every router metric (served at :data:`ROUTER_METRICS_PATH`).

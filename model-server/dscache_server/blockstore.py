@@ -5,6 +5,12 @@ Contract:
       load (leases the leading stored blocks), store, healthy, close. Its methods
       raise ``CacheError`` only; ``CacheError.reason`` is a label of
       ``dscache_server_cache_fallbacks_total``.
+    * A load may return before its checksums are checked (``background_verify``):
+      ``Loaded.verified()`` then says how many leading blocks matched, and nothing
+      computed from a block past that count may leave the process.
+    * ``SidecarBlockStore.lookup`` reads the sidecar's index directly when it can
+      (no RPC; ``dscache_server_cache_lookups_total{path="direct"}``), else asks
+      the daemon (``path="rpc"``); only a lease needs the daemon.
     * ``SidecarBlockStore`` reaches the sidecar only through ``dscache_sidecar.client``.
       After a connection failure (unavailable, deadline, unexpected error) the store
       is skipped for ``cooldown_s`` (``circuit_open``) and the client is rebuilt, so a
@@ -24,6 +30,7 @@ from typing import Protocol
 
 import numpy as np
 from dscache_sidecar import client as sidecar
+from prometheus_client import Counter
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +53,23 @@ class NewBlock:
 
 
 class Loaded(Protocol):
-    """Leased blocks; arrays stay valid until ``release()``."""
+    """Leased blocks; arrays stay valid until ``release()``.
+
+    Attributes:
+        keys: the blocks' keys, in chain order.
+        arrays: their arrays (views on the store's mapping where it has one).
+        lease_s: seconds the lease took (its round trip).
+        map_s: seconds mapping (and, unless in the background, checking) took.
+    """
 
     keys: list[bytes]
     arrays: list[np.ndarray]
+    lease_s: float
+    map_s: float
+
+    def verified(self, timeout_s: float | None = None) -> int:
+        """How many leading blocks passed their checksum (waits for a background check)."""
+        ...
 
     def release(self) -> None:
         """Ends the lease."""
@@ -63,8 +83,10 @@ class KVBlockStore(Protocol):
         """Number of leading keys stored; no side effects."""
         ...
 
-    def load(self, tenant: str, keys: Sequence[bytes], *, ttl_s: float) -> Loaded:
-        """Leases and maps the leading stored blocks."""
+    def load(
+        self, tenant: str, keys: Sequence[bytes], *, ttl_s: float, background_verify: bool = False
+    ) -> Loaded:
+        """Leases and maps the leading stored blocks (checked now, or in the background)."""
         ...
 
     def store(self, tenant: str, blocks: Sequence[NewBlock]) -> int:
@@ -114,10 +136,12 @@ class SidecarBlockStore:
         timeout_s: float = 0.5,
         compress: bool | None = None,
         cooldown_s: float = 2.0,
+        lookups: Counter | None = None,
     ) -> None:
         self._connect = partial(
             sidecar.SidecarClient, socket_path, data_dir=data_dir, timeout_s=timeout_s
         )
+        self._lookups = lookups
         self._compress = compress
         self._cooldown = cooldown_s
         self._lock = threading.Lock()  # guards the client swap and the circuit state
@@ -150,18 +174,29 @@ class SidecarBlockStore:
         return CacheError(reason, f"{type(exc).__name__}: {exc}")
 
     def lookup(self, tenant: str, keys: Sequence[bytes]) -> int:
-        """Leading keys stored."""
+        """Leading keys stored (from the index when readable here, else over gRPC)."""
         client = self._get_client()
         try:
-            return client.lookup(tenant, keys)
+            answer = client.find(tenant, keys)
         except Exception as exc:
             raise self._failed(exc) from exc
+        if self._lookups is not None:
+            self._lookups.labels(path="direct" if answer.direct else "rpc").inc()
+        return answer.found
 
-    def load(self, tenant: str, keys: Sequence[bytes], *, ttl_s: float) -> Loaded:
-        """Leases the leading stored blocks."""
+    def load(
+        self, tenant: str, keys: Sequence[bytes], *, ttl_s: float, background_verify: bool = False
+    ) -> Loaded:
+        """Leases the leading stored blocks and maps them."""
         client = self._get_client()
         try:
-            return client.load(tenant, keys, ttl_s=ttl_s, verify=True)
+            t0 = time.perf_counter()
+            grant = client.lease(tenant, keys, ttl_s=ttl_s)
+            t1 = time.perf_counter()
+            verify: sidecar.Verify = "background" if background_verify else True
+            loaded = client.map_lease(grant, verify=verify, tenant=tenant, keys=keys)
+            loaded.lease_s, loaded.map_s = t1 - t0, time.perf_counter() - t1
+            return loaded
         except Exception as exc:
             raise self._failed(exc) from exc
 

@@ -9,6 +9,12 @@ Contract:
     * Lookups have no side effects; loaded blocks are leased, and the lease is held
       until the request's ``Restored.release()``. A request that runs longer than half
       the lease copies its restored prefix into private memory first.
+    * Checksums are checked while the prefill runs (``background_verify``, on by
+      default): ``PrefixCache.confirm`` must be called before the first token is
+      sampled; when a block failed, the request is told to recompute from nothing
+      (counted as ``corrupt``), so a corrupt byte never reaches a token.
+    * ``Restored`` carries the seconds each cache phase took (``lookup``, ``lease``,
+      ``map_verify``) for the request's time breakdown.
     * At least the last prompt token is always recomputed: the request needs its
       logits, and a cache holds KV, not logits.
     * New full blocks are exported and stored on a background thread (``writer``); a
@@ -83,6 +89,10 @@ class Restored:
     cacheable_blocks: int = 0
     admitted: bool = False
     fallback: str | None = None
+    lookup_s: float = 0.0
+    lease_s: float = 0.0
+    map_verify_s: float = 0.0
+    confirm_s: float = 0.0  # of map_verify_s: the wait for a background check
     _loaded: Loaded | None = None
     _leased_at: float = 0.0
 
@@ -114,6 +124,12 @@ class PrefixCache:
         min_tokens: prompts shorter than this skip the cache.
         lease_ttl_s: lease requested on loads.
         store_queue: background jobs pending at most.
+        background_verify: check checksums while the prefill runs (see ``confirm``)
+            instead of before it starts.
+        verify_timeout_s: how long ``confirm`` waits for a background check before
+            it gives up on the blocks (and the request recomputes).
+        store_nice: niceness of the background store thread (Linux; 0 = as the
+            request threads), so stores take what the requests leave.
     """
 
     store: KVBlockStore | None
@@ -124,12 +140,17 @@ class PrefixCache:
     min_tokens: int = 512
     lease_ttl_s: float = 60.0
     store_queue: InitVar[int] = 64
+    background_verify: bool = True
+    verify_timeout_s: float = 10.0
+    store_nice: InitVar[int] = 0
     _writer: BlockWriter | None = field(init=False, default=None)
     _last_warning: float = field(init=False, default=0.0)
 
-    def __post_init__(self, store_queue: int) -> None:
+    def __post_init__(self, store_queue: int, store_nice: int) -> None:
         if self.store is not None:
-            self._writer = BlockWriter(self.store, self.adapter, self.metrics, queue=store_queue)
+            self._writer = BlockWriter(
+                self.store, self.adapter, self.metrics, queue=store_queue, nice=store_nice
+            )
 
     @property
     def block_tokens(self) -> int:
@@ -164,23 +185,32 @@ class PrefixCache:
         if usable == 0:
             return result
         try:
-            keys = chain.keys(token_ids[: usable * self.block_tokens])
             t0 = time.perf_counter()
+            keys = chain.keys(token_ids[: usable * self.block_tokens])
             found = self.store.lookup(chain.tenant, keys)
             t1 = time.perf_counter()
+            result.lookup_s = t1 - t0
             self.metrics.cache_op_seconds.labels(op="lookup").observe(t1 - t0)
             result.lookup_blocks = found
             if found == 0:
                 return result
-            loaded = self.store.load(chain.tenant, keys[:found], ttl_s=self.lease_ttl_s)
+            loaded = self.store.load(
+                chain.tenant,
+                keys[:found],
+                ttl_s=self.lease_ttl_s,
+                background_verify=self.background_verify,
+            )
             result._loaded, result._leased_at = loaded, time.monotonic()
+            result.lease_s = loaded.lease_s
             got = min(len(loaded.arrays), found)
             if got and loaded.keys[:got] != keys[:got]:
                 raise CacheError("corrupt", "the store returned blocks of other keys")
+            t2 = time.perf_counter()
             try:
                 self.adapter.restore(seq, loaded.arrays[:got])
             except ValueError as exc:
                 raise CacheError("corrupt", str(exc)) from exc
+            result.map_verify_s = loaded.map_s + (time.perf_counter() - t2)
             self.metrics.cache_op_seconds.labels(op="load").observe(time.perf_counter() - t1)
             result.hit_blocks = got
             if got < found:
@@ -192,6 +222,34 @@ class PrefixCache:
             self._reset(seq, result)
             self._fallback(result, "error", f"{type(exc).__name__}: {exc}")
         return result
+
+    def confirm(self, result: Restored) -> bool:
+        """Waits for the restored blocks' checksums; False when one failed (or the
+        check did not finish in time): the caller then recomputes from nothing.
+
+        Call it after the prefill and before the first token is sampled. A failure
+        ends the lease and is counted as a ``corrupt`` fallback.
+        """
+        loaded = result._loaded
+        if loaded is None or result.hit_blocks == 0:
+            return True
+        t0 = time.perf_counter()
+        try:
+            good = loaded.verified(self.verify_timeout_s)
+        except TimeoutError:
+            good, why = -1, f"checksums not checked within {self.verify_timeout_s:g}s"
+        except Exception as exc:  # a bug in the check must not fail the request
+            good, why = -1, f"{type(exc).__name__}: {exc}"
+        else:
+            why = f"block {good} of {result.hit_blocks} failed its checksum"
+        result.confirm_s = time.perf_counter() - t0
+        result.map_verify_s += result.confirm_s
+        if good >= result.hit_blocks:
+            return True
+        result.release()
+        result.hit_blocks = 0
+        self._fallback(result, "corrupt", why)
+        return False
 
     def _reset(self, seq: SequenceKV, result: Restored) -> None:
         result.release()

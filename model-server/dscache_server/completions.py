@@ -83,7 +83,9 @@ async def _answer(
     rt, scheduler = serving
     settings = rt.settings
     body = await read_json(request, settings.max_request_bytes)
+    t0 = time.perf_counter()
     parsed = parse_request(rt, endpoint, body, principal, started)
+    parsed.generation.timings["tokenize"] = time.perf_counter() - t0
     parsed.generation.session_id = session_id
     request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
     log.info(
@@ -105,6 +107,7 @@ async def _answer(
                 code="queue_full",
                 retry_after=settings.retry_after_s,
             ) from None
+        parsed.generation.timings["queue"] = waited
         if parsed.stream:
             events = stream_completion(
                 rt,

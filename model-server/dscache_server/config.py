@@ -45,7 +45,17 @@ class ServerSettings(BaseSettings):
     # -- HTTP
     host: str = Field(default="0.0.0.0", description="listen address")
     port: int = Field(default=8000, ge=0, le=65535, description="listen port (0 = any free)")
-    max_concurrency: int = Field(default=1, ge=1, description="requests generating at once")
+    max_concurrency: int = Field(
+        default=8,
+        ge=1,
+        description="requests in the engine at once (decoded together, prefilled in turn)",
+    )
+    prefill_chunk: int = Field(
+        default=512,
+        ge=1,
+        description="prompt tokens prefilled per engine iteration at most (all requests); "
+        "bounds how long a long prompt stalls the others' decoding, tokens",
+    )
     max_queue: int = Field(default=32, ge=0, description="requests waiting beyond that; then 429")
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After on 429/503, seconds")
     max_request_bytes: int = Field(
@@ -97,10 +107,23 @@ class ServerSettings(BaseSettings):
         default=2.0, ge=0, description="after a sidecar failure, skip the cache this long, seconds"
     )
     store_compress: Literal["auto", "raw", "zstd"] = Field(
-        default="auto", description="codec of stored blocks; auto = where a sample pays"
+        default="raw",
+        description="codec of stored blocks: raw (zero-copy hits), zstd, or auto (zstd where "
+        "a sample compresses well; every hit on such a block decompresses it first)",
     )
     store_queue: int = Field(
         default=64, ge=1, description="background store jobs pending at most; more are dropped"
+    )
+    store_nice: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="niceness of the background store thread (0 = as the requests)",
+    )
+    verify_in_background: bool = Field(
+        default=True,
+        description="check restored blocks' checksums while the prefill runs (before any "
+        "token is sampled) instead of before it starts",
     )
     calibrate: bool = Field(default=True, description="measure prefill and load speed at start-up")
     prefill_tokens_per_s: float | None = Field(
@@ -147,7 +170,11 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--max-context": ("max_context_tokens", {"type": int, "help": "prompt + completion cap"}),
     "--host": ("host", {"help": "listen address (default 0.0.0.0)"}),
     "--port": ("port", {"type": int, "help": "listen port (default 8000; 0 = any)"}),
-    "--max-concurrency": ("max_concurrency", {"type": int, "help": "requests at once (1)"}),
+    "--max-concurrency": ("max_concurrency", {"type": int, "help": "requests at once (8)"}),
+    "--prefill-chunk": (
+        "prefill_chunk",
+        {"type": int, "help": "prompt tokens per engine iteration (512)"},
+    ),
     "--max-queue": ("max_queue", {"type": int, "help": "waiting requests before 429 (32)"}),
     "--sidecar-socket": ("sidecar_socket", {"help": "sidecar unix socket (unset: no cache)"}),
     "--sidecar-data-dir": ("sidecar_data_dir", {"help": "cache volume path (zero-copy reads)"}),
@@ -161,7 +188,7 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--store-compress": (
         "store_compress",
-        {"choices": ["auto", "raw", "zstd"], "help": "codec of stored blocks (auto)"},
+        {"choices": ["auto", "raw", "zstd"], "help": "codec of stored blocks (raw)"},
     ),
 }
 

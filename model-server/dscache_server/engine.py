@@ -13,6 +13,10 @@ Contract:
       logits as running everything at once, to float rounding (<= 1e-4 in fp32).
     * Restored chunks are only read, never written: they may be read-only views on
       a mapped segment.
+    * ``Engine.decode(seqs, ids)`` appends one token to each sequence in one batched
+      forward (projections, MLPs and the output layer once for the batch, attention
+      per sequence); row ``i`` of its logits equals ``forward(seqs[i], [ids[i]])``
+      to float rounding.
     * Forwards of different sequences may run on different threads at once (the
       modules are only read); one sequence is driven by one thread at a time.
       Exporting blocks of a finished prefill from another thread is safe (``kv``
@@ -64,6 +68,10 @@ class Engine(Protocol):
 
     def forward(self, seq: SequenceKV, token_ids: Sequence[int]) -> torch.Tensor:
         """Appends ``token_ids`` to ``seq``; returns the next-token logits ``(vocab,)``."""
+        ...
+
+    def decode(self, seqs: Sequence[SequenceKV], token_ids: Sequence[int]) -> torch.Tensor:
+        """Appends one token to each sequence in one forward; logits ``(len(seqs), vocab)``."""
         ...
 
 
@@ -145,23 +153,46 @@ class TransformersEngine:
             raise ValueError("forward needs at least one token")
         if seq.length + n > self.max_context:
             raise ValueError("sequence longer than the model's context")
-        embed, norm, rotary, lm_head = self._modules
         ids = torch.tensor(list(token_ids), dtype=torch.long).unsqueeze(0)
         positions = torch.arange(seq.length, seq.length + n).unsqueeze(0)
+        return self._run([seq], ids, positions)[0]
+
+    @torch.no_grad()
+    def decode(self, seqs: Sequence[SequenceKV], token_ids: Sequence[int]) -> torch.Tensor:
+        """One new token for each of ``seqs`` in one batched forward.
+
+        Returns:
+            Next-token logits ``(len(seqs), vocab)``; row ``i`` equals
+            ``forward(seqs[i], [token_ids[i]])`` to float rounding.
+        """
+        if len(seqs) != len(token_ids) or not seqs:
+            raise ValueError("decode needs one token per sequence")
+        if any(s.length + 1 > self.max_context for s in seqs):
+            raise ValueError("sequence longer than the model's context")
+        ids = torch.tensor(list(token_ids), dtype=torch.long).unsqueeze(1)
+        positions = torch.tensor([s.length for s in seqs], dtype=torch.long).unsqueeze(1)
+        return self._run(seqs, ids, positions)
+
+    def _run(
+        self, seqs: Sequence[SequenceKV], ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Rows ``ids`` ``(B, n)`` at ``positions`` after each sequence; last-token logits."""
+        embed, norm, rotary, lm_head = self._modules
         hidden = embed(ids)
         cos, sin = rotary(hidden, positions)
         rope = Rope(self._rope_fn, cos, sin)
         for i, layer in enumerate(self._layers):
             normed = layer.input_layernorm(hidden)
-            state = seq.layers[i]
-            if isinstance(state, MlaLayerKV):
-                attn = attend_mla(layer.self_attn, normed, rope, state)
+            states = [seq.layers[i] for seq in seqs]
+            if isinstance(states[0], MlaLayerKV):
+                attn = attend_mla(layer.self_attn, normed, rope, states)  # type: ignore[arg-type]
             else:
-                attn = attend_gqa(layer.self_attn, normed, rope, state)
+                attn = attend_gqa(layer.self_attn, normed, rope, states)  # type: ignore[arg-type]
             hidden = hidden + attn
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        seq.length += n
-        logits: torch.Tensor = lm_head(norm(hidden[:, -1:, :]))[0, -1]
+        for seq in seqs:
+            seq.length += ids.shape[1]
+        logits: torch.Tensor = lm_head(norm(hidden[:, -1, :]))
         return logits
 
     def reference_logits(self, token_ids: Sequence[int]) -> torch.Tensor:

@@ -1,33 +1,27 @@
-"""One request's path through the engine: restore, prefill the rest, generate, store.
+"""What a request is and what it reports, and the pieces that turn logits into text.
+
+A tokenized ``GenerationRequest`` goes to the engine thread (``batcher.Batcher``),
+which answers with a ``GenerationResult``. Here: sampling, incremental
+detokenization, stop strings and the session hit tracker.
 
 Contract:
-    * ``Generator.run`` runs on a worker thread and owns the engine for the duration
-      of one forward at a time; ``emit`` is called with text deltas in order and must
-      not block.
-    * The cached prefix never changes the output: the request restores what the
-      cache has, prefills the rest, and generates as a full recompute would.
-    * New full prompt blocks are queued for storing right after the prefill, before
-      the first token is emitted, on the cache's background thread.
     * Stop strings are never emitted, not even partly: text that could be the start
       of a stop string is held back until it is known not to be.
+    * The detokenizer emits text only once it is complete (no half UTF-8 character).
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from cachetools import LRUCache
 
 from dscache.keys import KeyChain
-from dscache_server.cache import PrefixCache
-from dscache_server.engine import Engine
-from dscache_server.metrics import ServerMetrics
 from dscache_server.tokenizer import DeepSeekTokenizer
 
 log = logging.getLogger(__name__)
@@ -63,6 +57,9 @@ class GenerationRequest:
     tenant_label: str = "default"  # the metrics' tenant label (dscache_server.auth)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    #: Seconds per phase (``dscache.metricnames.PHASES``); the HTTP layer fills in
+    #: ``tokenize`` and ``queue``, the generator the rest.
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,6 +74,7 @@ class GenerationResult:
     token_ids: list[int]
     ttft_s: float
     fallback: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -162,104 +160,3 @@ class SessionTracker:
         """Remembers this turn's cacheable blocks."""
         with self._lock:
             self._blocks[session_id] = blocks
-
-
-class Generator:
-    """Runs requests on the engine, with the prefix cache around them."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        tokenizer: DeepSeekTokenizer,
-        cache: PrefixCache,
-        metrics: ServerMetrics,
-        sessions: SessionTracker | None = None,
-    ) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.cache = cache
-        self.metrics = metrics
-        self.sessions = sessions or SessionTracker()
-
-    def run(self, req: GenerationRequest, emit: Callable[[str], None]) -> GenerationResult:
-        """Generates the completion of one request; ``emit`` gets text deltas."""
-        engine, cache, m = self.engine, self.cache, self.metrics
-        ids = req.token_ids
-        seq = engine.new_sequence()
-        restored = cache.restore(req.chain, ids, seq)
-        try:
-            hit_tokens = seq.restored_tokens
-            self._count_hits(req, restored.admitted, hit_tokens, restored.hit_blocks)
-            logits = engine.forward(seq, ids[hit_tokens:])
-            cache.store_async(req.chain, ids, seq, restored.hit_blocks)
-            tenant = req.tenant_label
-            m.prompt_tokens.labels(source="reused", tenant=tenant).inc(hit_tokens)
-            m.prompt_tokens.labels(source="recomputed", tenant=tenant).inc(len(ids) - hit_tokens)
-
-            params = req.params
-            generator = torch.Generator().manual_seed(
-                params.seed if params.seed is not None else secrets.randbits(63)
-            )
-            detok = IncrementalDetokenizer(self.tokenizer)
-            stops = StopMatcher(params.stop)
-            finish = "length"
-            ttft = 0.0
-            eos = engine.eos_token_ids
-            while True:
-                token = sample(logits, params, generator)
-                if not detok.ids:
-                    ttft = time.perf_counter() - req.arrived
-                    m.ttft.labels(cache="hit" if hit_tokens else "miss").observe(ttft)
-                if token in eos:
-                    finish = "stop"
-                    break
-                delta, stopped = stops.feed(detok.push(token))
-                if delta:
-                    emit(delta)
-                if stopped:
-                    finish = "stop"
-                    break
-                if len(detok.ids) >= params.max_tokens or seq.length + 1 >= engine.max_context:
-                    break
-                if req.cancelled.is_set():
-                    finish = "cancelled"
-                    break
-                restored.guard_lease(seq, cache.lease_ttl_s)
-                logits = engine.forward(seq, [token])
-            tail = stops.flush()
-            if tail:
-                emit(tail)
-            m.generated_tokens.inc(len(detok.ids))
-            return GenerationResult(
-                text=stops.text,
-                finish_reason=finish,
-                prompt_tokens=len(ids),
-                cached_tokens=hit_tokens,
-                completion_tokens=len(detok.ids),
-                token_ids=list(detok.ids),
-                ttft_s=ttft,
-                fallback=restored.fallback,
-            )
-        finally:
-            restored.release()
-
-    def _count_hits(
-        self, req: GenerationRequest, admitted: bool, hit_tokens: int, hit_blocks: int
-    ) -> None:
-        if not admitted:
-            return
-        m = self.metrics
-        bt = self.cache.block_tokens
-        usable = (len(req.token_ids) - 1) // bt
-        m.cache_hits.labels(level="token").inc(hit_tokens)
-        m.cache_misses.labels(level="token").inc(len(req.token_ids) - hit_tokens)
-        m.cache_hits.labels(level="block").inc(hit_blocks)
-        m.cache_misses.labels(level="block").inc(max(usable - hit_blocks, 0))
-        if req.session_id is None:
-            return
-        previous = self.sessions.previous(req.session_id)
-        if previous:
-            expected = min(previous, usable)
-            level = m.cache_hits if hit_blocks >= expected else m.cache_misses
-            level.labels(level="session").inc()
-        self.sessions.record(req.session_id, len(req.token_ids) // bt)

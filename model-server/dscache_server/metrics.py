@@ -33,6 +33,28 @@ P = names.SERVER_PREFIX
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 #: Cache operations, seconds: 0.5 ms to 2.5 s.
 CACHE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+#: Request phases, seconds: 50 us (a direct lookup) to 2 min (a long queue).
+PHASE_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    120,
+)
 
 FALLBACK_REASONS = (
     "unavailable",
@@ -130,6 +152,27 @@ _SPECS: dict[str, _Spec] = {
         "Latency of cache operations (lookup, load, store).",
         CACHE_BUCKETS,
     ),
+    "phase_seconds": _Spec(
+        Histogram,
+        names.REQUEST_PHASE_SECONDS,
+        (names.PHASE_LABEL,),
+        "Seconds a request spent in each phase (tokenize, queue, lookup, lease, map_verify, "
+        "prefill, first_decode; store runs in the background).",
+        PHASE_BUCKETS,
+    ),
+    "decode_batch": _Spec(
+        Histogram,
+        P + "decode_batch_size",
+        (),
+        "Requests decoded together in one engine step.",
+        (1, 2, 4, 8, 16, 32, 64, 128),
+    ),
+    "lookups": _Spec(
+        Counter,
+        names.CACHE_LOOKUPS,
+        ("path",),
+        "Cache lookups by path: direct (the sidecar's index read here) or rpc.",
+    ),
     "blocks_stored": _Spec(
         Counter,
         P + "blocks_stored_total",
@@ -152,6 +195,8 @@ _SPECS: dict[str, _Spec] = {
 #: Labelled series created at start, so they scrape as 0 before the first event.
 _FIXED_SERIES: dict[str, tuple[dict[str, str], ...]] = {
     "fallbacks": tuple({"reason": r} for r in FALLBACK_REASONS),
+    "phase_seconds": tuple({names.PHASE_LABEL: p} for p in names.PHASES),
+    "lookups": ({"path": "direct"}, {"path": "rpc"}),
     "cache_hits": tuple({names.LEVEL_LABEL: level} for level in names.HIT_LEVELS),
     "cache_misses": tuple({names.LEVEL_LABEL: level} for level in names.HIT_LEVELS),
 }
@@ -176,6 +221,9 @@ class ServerMetrics:
     fallbacks: Counter
     admission: Counter
     cache_op_seconds: Histogram
+    phase_seconds: Histogram
+    decode_batch: Histogram
+    lookups: Counter
     blocks_stored: Counter
     queue_depth: Gauge
     inflight: Gauge

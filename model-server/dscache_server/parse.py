@@ -78,7 +78,7 @@ def parse_request(
             code="model_not_found",
             param="model",
         )
-    ids = _prompt_ids(rt, api)
+    ids = _prompt_ids(rt, api, principal.tenant)
     params = SamplingParams(
         max_tokens=_max_tokens(rt, api, len(ids)),
         temperature=api.temperature,
@@ -106,11 +106,13 @@ def _validate(endpoint: Endpoint, body: JSON) -> ChatCompletionRequest | Complet
         raise validation_error(exc.errors()) from None
 
 
-def _prompt_ids(rt: Runtime, api: ChatCompletionRequest | CompletionRequest) -> list[int]:
+def _prompt_ids(
+    rt: Runtime, api: ChatCompletionRequest | CompletionRequest, tenant: str
+) -> list[int]:
     try:
         if isinstance(api, ChatCompletionRequest):
             messages = [ChatMessage(m.role, m.text()) for m in api.messages]
-            ids = rt.tokenizer.apply_chat_template(messages)
+            ids = rt.tokenizer.apply_chat_template(messages, pieces=rt.pieces, scope=tenant)
         else:
             ids = _completion_ids(rt, api.prompt)
     except (TemplateError, ValueError) as exc:

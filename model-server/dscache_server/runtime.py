@@ -1,8 +1,9 @@
 """Builds the server's objects from its settings and passes them down.
 
 ``build_runtime(settings, metrics)`` is the one place that wires engine, tokenizer,
-sidecar store, cost model, prefix cache, generator and authenticator together;
-nothing is global, so tests build as many runtimes as they like.
+sidecar store, cost model, prefix cache, batcher (the engine thread) and
+authenticator together; nothing is global, so tests build as many runtimes as they
+like.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from threading import Lock
@@ -19,15 +19,16 @@ from cachetools import LRUCache
 
 from dscache.keys import KeyChain, tenant_salt
 from dscache_server.auth import Authenticator
+from dscache_server.batcher import Batcher
 from dscache_server.blockstore import KVBlockStore, SidecarBlockStore
 from dscache_server.cache import PrefixCache
 from dscache_server.calibrate import calibrate
 from dscache_server.config import ServerSettings
 from dscache_server.engine import TransformersEngine
-from dscache_server.generate import GenerationRequest, GenerationResult, Generator
+from dscache_server.generate import GenerationRequest, GenerationResult
 from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
-from dscache_server.tokenizer import DeepSeekTokenizer
+from dscache_server.tokenizer import DeepSeekTokenizer, PieceCache
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,10 @@ class Runtime:
     engine: TransformersEngine
     tokenizer: DeepSeekTokenizer
     cache: PrefixCache
-    generator: Generator
+    batcher: Batcher
     metrics: ServerMetrics
-    executor: ThreadPoolExecutor
     auth: Authenticator
+    pieces: PieceCache = field(default_factory=PieceCache)
     _chains: LRUCache[str, KeyChain] = field(default_factory=lambda: LRUCache(CHAIN_CACHE_SIZE))
     _chains_lock: Lock = field(default_factory=Lock)
 
@@ -69,13 +70,12 @@ class Runtime:
     async def generate(
         self, req: GenerationRequest, emit: Callable[[str], None] = lambda _delta: None
     ) -> GenerationResult:
-        """Runs ``req`` on an engine worker; ``emit`` gets text deltas on that thread.
+        """Runs ``req`` on the engine thread; ``emit`` gets text deltas on that thread.
 
-        Cancelling the caller (the client went away) tells the worker to stop at its
-        next token and re-raises; the worker's thread is never interrupted mid-forward.
+        Cancelling the caller (the client went away) tells the engine to stop the
+        request at its next iteration and re-raises; a forward is never interrupted.
         """
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self.executor, self.generator.run, req, emit)
+        future = asyncio.wrap_future(self.batcher.submit(req, emit))
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -83,8 +83,8 @@ class Runtime:
             raise
 
     def close(self) -> None:
-        """Stops workers and closes the cache."""
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """Stops the engine thread and closes the cache."""
+        self.batcher.close()
         self.cache.close()
 
 
@@ -97,7 +97,9 @@ def build_auth(settings: ServerSettings) -> Authenticator:
     )
 
 
-def build_store(settings: ServerSettings) -> KVBlockStore | None:
+def build_store(
+    settings: ServerSettings, metrics: ServerMetrics | None = None
+) -> KVBlockStore | None:
     """The sidecar store, or None when no socket is configured."""
     if not settings.sidecar_socket:
         log.warning("no sidecar socket configured: running without a KV cache")
@@ -109,6 +111,7 @@ def build_store(settings: ServerSettings) -> KVBlockStore | None:
         timeout_s=settings.sidecar_timeout_s,
         compress=compress,
         cooldown_s=settings.circuit_cooldown_s,
+        lookups=metrics.lookups if metrics is not None else None,
     )
 
 
@@ -143,7 +146,7 @@ def build_runtime(
     auth = build_auth(settings)
     metrics.add_tenants(auth.known_labels())
     if store is None:
-        store = build_store(settings)
+        store = build_store(settings, metrics)
     cost = calibrate(
         engine,
         store,
@@ -162,16 +165,16 @@ def build_runtime(
         min_tokens=settings.min_cache_tokens,
         lease_ttl_s=settings.lease_ttl_s,
         store_queue=settings.store_queue,
+        background_verify=settings.verify_in_background,
+        store_nice=settings.store_nice,
     )
-    generator = Generator(engine, tokenizer, cache, metrics)
-    executor = ThreadPoolExecutor(max_workers=settings.max_concurrency, thread_name_prefix="engine")
+    batcher = Batcher(engine, tokenizer, cache, metrics, prefill_chunk=settings.prefill_chunk)
     return Runtime(
         settings=settings,
         engine=engine,
         tokenizer=tokenizer,
         cache=cache,
-        generator=generator,
+        batcher=batcher,
         metrics=metrics,
-        executor=executor,
         auth=auth,
     )

@@ -209,19 +209,27 @@ class _Identified(TypedDict):
 
 
 class Completion(_Identified):
-    """A whole (non-streamed) chat or text completion."""
+    """A whole (non-streamed) chat or text completion.
+
+    ``timings`` is dscache's extension (as llama.cpp's server has one): seconds this
+    request spent in each phase (``dscache.metricnames.PHASES`` on its path, and
+    ``ttft``, the server's own time to the first token). Clients ignore it.
+    """
 
     object: Literal["chat.completion", "text_completion"]
     choices: list[ChatChoice] | list[TextChoice]
     usage: Usage
+    timings: dict[str, float]
 
 
 class Chunk(_Identified):
-    """One server-sent event of a stream; the last one may carry only ``usage``."""
+    """One server-sent event of a stream; the last one may carry only ``usage``
+    (and then ``timings``, as in :class:`Completion`)."""
 
     object: Literal["chat.completion.chunk", "text_completion"]
     choices: list[ChatChunkChoice] | list[TextChoice]
     usage: NotRequired[Usage]
+    timings: NotRequired[dict[str, float]]
 
 
 def usage(result: GenerationResult) -> Usage:
@@ -257,4 +265,10 @@ def completion_body(
         "model": model,
         "choices": choices,
         "usage": usage(result),
+        "timings": timings(result),
     }
+
+
+def timings(result: GenerationResult) -> dict[str, float]:
+    """The ``timings`` extension: seconds per phase, rounded to microseconds."""
+    return {phase: round(seconds, 6) for phase, seconds in result.timings.items()}

@@ -38,6 +38,7 @@ from dscache_server.schemas import (
     Endpoint,
     TextChoice,
     finish_reason,
+    timings,
     usage,
 )
 
@@ -90,6 +91,7 @@ class ChunkMaker:
         final = self.chunk(None, None)
         final["choices"] = []
         final["usage"] = usage(result)
+        final["timings"] = timings(result)
         return final
 
 

@@ -11,15 +11,22 @@ Invariants:
     * Chat rendering follows DeepSeek-V3: ``BOS {system}`` then ``USER {text}`` and
       ``ASSISTANT {text} EOS`` per turn, and a trailing ``ASSISTANT`` as the
       generation prompt (the special tokens below, spelt with full-width bars).
+    * Because pieces are tokenized on their own, a piece's ids can be remembered
+      (``PieceCache``): a conversation re-sends its whole history every turn, and
+      only the new messages are tokenized again. Pieces are remembered per scope
+      (the tenant), so no tenant can time another's tokenization.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachetools import LRUCache
 from tokenizers import Tokenizer
 
 _BAR = "\uff5c"  # DeepSeek's special tokens use the full-width vertical bar
@@ -55,6 +62,40 @@ def default_tokenizer_path() -> Path:
     return Path(str(root / "tokenizer.json"))
 
 
+class PieceCache:
+    """Token ids of message pieces already seen, per scope; bounded by ids held.
+
+    Args:
+        max_tokens: ids kept at most (4 bytes each as stored), least recently used
+            pieces go first.
+        min_chars: shorter pieces are tokenized every time (not worth a lookup).
+    """
+
+    def __init__(self, max_tokens: int = 4_000_000, min_chars: int = 256) -> None:
+        self._ids: LRUCache[bytes, tuple[int, ...]] = LRUCache(max_tokens, getsizeof=len)
+        self._min_chars = min_chars
+        self._lock = threading.Lock()  # LRUCache is not thread safe
+
+    def ids(self, scope: str, text: str, encode: Callable[[str], list[int]]) -> list[int]:
+        """The ids of ``text``, from memory when this scope saw it before."""
+        if len(text) < self._min_chars:
+            return encode(text)
+        h = hashlib.blake2b(digest_size=16)
+        scoped = scope.encode("utf-8", "surrogatepass")
+        h.update(len(scoped).to_bytes(4, "little") + scoped)
+        h.update(text.encode("utf-8", "surrogatepass"))
+        key = h.digest()
+        with self._lock:
+            hit = self._ids.get(key)
+        if hit is not None:
+            return list(hit)
+        ids = encode(text)
+        if len(ids) <= self._ids.maxsize:
+            with self._lock:
+                self._ids[key] = tuple(ids)
+        return ids
+
+
 class DeepSeekTokenizer:
     """Encodes text and chats to DeepSeek token ids and decodes them back."""
 
@@ -88,26 +129,41 @@ class DeepSeekTokenizer:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special))
 
     def apply_chat_template(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool = True,
+        pieces: PieceCache | None = None,
+        scope: str = "",
     ) -> list[int]:
         """Renders a conversation the way DeepSeek-V3 was trained on it.
+
+        Args:
+            messages: the conversation.
+            add_generation_prompt: end with the assistant's turn marker.
+            pieces: remembered pieces (same ids, tokenized once per ``scope``).
+            scope: whose pieces these are (the tenant).
 
         Raises:
             TemplateError: an unknown role, or no message at all.
         """
         if not messages:
             raise TemplateError("messages must not be empty")
+
+        def encode(text: str) -> list[int]:
+            return pieces.ids(scope, text, self.encode) if pieces else self.encode(text)
+
         system = [m.content for m in messages if m.role in ("system", "developer")]
-        ids = [self.bos_id, *self.encode("\n\n".join(system))]
+        ids = [self.bos_id, *encode("\n\n".join(system))]
         for m in messages:
             if m.role not in ROLES:
                 raise TemplateError(f"unsupported role {m.role!r}")
             if m.role == "user":
                 ids.append(self.user_id)
-                ids.extend(self.encode(m.content))
+                ids.extend(encode(m.content))
             elif m.role == "assistant":
                 ids.append(self.assistant_id)
-                ids.extend(self.encode(m.content))
+                ids.extend(encode(m.content))
                 ids.append(self.eos_id)
         if add_generation_prompt:
             ids.append(self.assistant_id)

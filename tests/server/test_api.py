@@ -113,6 +113,35 @@ def test_streaming_chat_and_completions(
     assert (again.usage.prompt_tokens_details.cached_tokens or 0) >= 64
 
 
+def test_answers_report_where_their_time_went(
+    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer
+) -> None:
+    """Every answer carries ``timings`` (seconds per phase), streamed or not, and the
+    same phases go to ``dscache_server_request_phase_seconds``; the second turn's
+    lookup reads the sidecar's index directly (no RPC)."""
+    srv = live_server()
+    text = random_text(tokenizer, 150, seed=12)
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 3}
+    whole = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+    phases = {"tokenize", "queue", "lookup", "lease", "map_verify", "prefill", "ttft"}
+    assert phases <= whole["timings"].keys()
+    assert whole["timings"]["prefill"] > 0
+    wait_stored(srv)
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json=stream_body, timeout=60) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data: {")]
+    last = events[-1]
+    assert last["choices"] == [] and last["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    t = last["timings"]
+    assert phases <= t.keys()
+    path = sum(t[p] for p in ("tokenize", "queue", "lookup", "lease", "map_verify", "prefill"))
+    assert path <= t["ttft"] + 1e-3
+    assert srv.metric("dscache_server_request_phase_seconds_count", phase="prefill") == 2
+    assert srv.metric("dscache_server_request_phase_seconds_count", phase="store") >= 1
+    assert srv.metric("dscache_server_cache_lookups_total", path="direct") >= 1
+    assert srv.metric("dscache_server_cache_lookups_total", path="rpc") == 0
+
+
 def test_models_health_ready_metrics(live_server: Callable[..., LiveServer]) -> None:
     srv = live_server()
     models = client(srv).models.list()

@@ -23,6 +23,11 @@ FIRST_CALL_STALL_S = 0.6
 class _Leased:
     keys: list[bytes]
     arrays: list[np.ndarray]
+    lease_s: float = 0.0
+    map_s: float = 0.0
+
+    def verified(self, timeout_s: float | None = None) -> int:
+        return len(self.arrays)
 
     def release(self) -> None:
         return None
@@ -44,7 +49,9 @@ class StallingMemoryStore:
             n += 1
         return n
 
-    def load(self, tenant: str, keys: Sequence[bytes], *, ttl_s: float) -> _Leased:
+    def load(
+        self, tenant: str, keys: Sequence[bytes], *, ttl_s: float, background_verify: bool = False
+    ) -> _Leased:
         return _Leased(list(keys), [self.blocks[k] for k in keys])
 
     def store(self, tenant: str, blocks: Sequence[NewBlock]) -> int:

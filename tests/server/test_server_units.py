@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -21,8 +23,11 @@ from dscache_server.generate import (
 from dscache_server.kv import flash_part, latent_part, merge_parts
 from dscache_server.metrics import ServerMetrics
 from dscache_server.scheduler import QueueFullError, Scheduler
-from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer, TemplateError
+from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer, PieceCache, TemplateError
+from dscache_server.writer import BlockWriter
 from srv_helpers import engine_for
+
+from dscache.keys import KeyChain, tenant_salt
 
 
 def test_merged_chunks_equal_attention_over_the_concatenation() -> None:
@@ -182,3 +187,50 @@ def test_session_tracker_forgets_the_least_recently_seen_session() -> None:
     assert sessions.previous("a") == 3  # "a" is now the most recently seen
     sessions.record("c", 5)
     assert (sessions.previous("a"), sessions.previous("b"), sessions.previous("c")) == (3, None, 5)
+
+
+def test_remembered_pieces_tokenize_the_same_and_stay_per_tenant(
+    tokenizer: DeepSeekTokenizer,
+) -> None:
+    doc = " ".join(f"Revenue in {y} was {y * 7 % 1000} million." for y in range(1990, 2090))
+    msgs = [ChatMessage("system", "You are an analyst."), ChatMessage("user", doc)]
+    pieces = PieceCache()
+    plain = tokenizer.apply_chat_template(msgs)
+    calls: list[str] = []
+
+    def counting(text: str) -> list[int]:
+        calls.append(text)
+        return tokenizer.encode(text)
+
+    assert pieces.ids("alice", doc, counting) == tokenizer.encode(doc)
+    assert pieces.ids("alice", doc, counting) == tokenizer.encode(doc)
+    assert len(calls) == 1  # the second time from memory
+    pieces.ids("bob", doc, counting)
+    assert len(calls) == 2  # another tenant's pieces are its own
+    with_cache = tokenizer.apply_chat_template(msgs, pieces=pieces, scope="alice")
+    assert with_cache == plain
+    again = tokenizer.apply_chat_template(msgs, pieces=pieces, scope="alice")
+    assert again == plain
+
+
+def test_the_store_thread_runs_niced(tokenizer: DeepSeekTokenizer) -> None:
+    """Background stores take the CPU the requests leave (Linux: niceness per thread)."""
+    engine = engine_for("mini-gqa")
+    seen: list[int] = []
+
+    class Recorder:
+        def store(self, tenant: str, blocks: object) -> int:
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            return 0
+
+    writer = BlockWriter(Recorder(), engine.adapter, ServerMetrics(), queue=2, nice=7)  # type: ignore[arg-type]
+    try:
+        seq = engine.new_sequence()
+        ids = list(range(100, 100 + 2 * engine.adapter.block_tokens))
+        engine.forward(seq, ids)
+        chain = KeyChain(engine.fingerprint, tenant_salt("nice"))
+        assert writer.submit(chain, ids, seq, 0, 2)
+        assert writer.wait_idle(30)
+    finally:
+        writer.close()
+    assert seen == [os.getpriority(os.PRIO_PROCESS, 0) + 7]
