@@ -7,7 +7,15 @@ import itertools
 from collections.abc import Iterator
 
 import pytest
-from dscache_tools.loadgen import LoadConfig, parse_counters, percentile, run_load, think_times
+from dscache_tools.loadgen import (
+    LoadConfig,
+    format_report,
+    parse_counters,
+    percentile,
+    run_load,
+    think_times,
+)
+from dscache_tools.loadgen.breakdown import format_breakdown
 from dscache_tools.workload import ChatRequest, WorkloadConfig, generate
 from fakes.openai_sse import FakeChatServer
 
@@ -106,6 +114,34 @@ def test_request_cap_and_cache_figures_from_metrics(fake: FakeChatServer) -> Non
     assert report.token_hit_ratio == pytest.approx(0.75, abs=0.01)
     assert report.recomputed_share == pytest.approx(0.25, abs=0.01)
     assert report.client_token_hit_ratio == pytest.approx(0.75, abs=0.01)
+
+
+def test_the_report_splits_each_ttft_into_the_servers_phases(fake: FakeChatServer) -> None:
+    fake.first_token_delay_s = 0.08
+    report = _run(
+        LoadConfig(
+            target=fake.url,
+            concurrency=2,
+            requests=6,
+            metrics_urls=(fake.url + "/metrics",),
+            progress=False,
+        ),
+        _workload(),
+    )
+    b = report.breakdown
+    assert b["requests"] == 6
+    phases = b["phases"]
+    rows = ("tokenize", "queue", "lookup", "lease", "map_verify", "prefill", "until_text")
+    total = sum(phases[r]["mean_s"] for r in (*rows, "server_other", "transport"))
+    assert total == pytest.approx(phases["ttft"]["mean_s"], rel=1e-6)  # the rows add up
+    assert phases["prefill"]["mean_s"] == pytest.approx(0.08)
+    assert phases["transport"]["mean_s"] >= 0  # the client saw the token after the server
+    assert 0.5 < phases["prefill"]["share"] <= 1.0
+    assert b["ttft_over_floor_p50"] is not None and b["ttft_over_floor_p50"] > 0
+    assert b["store"] == {"count": 6, "mean_s": pytest.approx(0.004)}
+    table = format_breakdown({"run": b})
+    assert "prefill of the uncached tail" in table and "TTFT P50 / floor P50" in table
+    assert "where the time to first token went" in format_report(report)
 
 
 def test_duration_stops_new_requests(fake: FakeChatServer) -> None:

@@ -39,12 +39,14 @@ class FakeChatServer:
         rest_delay_s: wait between the first content chunk and the end.
         fail_when: requests whose last user message contains this get HTTP 500.
         cached_share: share of prompt tokens reported as cached (usage + /metrics).
+        store_s: seconds each request's background store took (the store phase histogram).
     """
 
     first_token_delay_s: float = 0.05
     rest_delay_s: float = 0.05
     fail_when: str | None = None
     cached_share: float = 0.5
+    store_s: float = 0.004  # each request's background store, in /metrics
     seen: list[Seen] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     reused: float = 0.0
@@ -65,10 +67,15 @@ class FakeChatServer:
                     return
                 with fake.lock:
                     series = f"{names.PROMPT_TOKENS_SERIES}{{{names.SOURCE_LABEL}="
+                    phase = f"{names.REQUEST_PHASE_SECONDS}"
+                    store = f'{{{names.PHASE_LABEL}="store"}}'
                     body = (
                         f"# TYPE {names.PROMPT_TOKENS} counter\n"
                         f'{series}"{names.SOURCE_REUSED}"}} {fake.reused}\n'
                         f'{series}"{names.SOURCE_RECOMPUTED}"}} {fake.recomputed}\n'
+                        f"# TYPE {phase} histogram\n"
+                        f"{phase}_sum{store} {fake.store_s * len(fake.seen)}\n"
+                        f"{phase}_count{store} {len(fake.seen)}\n"
                     ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -129,7 +136,16 @@ class FakeChatServer:
                     "total_tokens": prompt + 2,
                     "prompt_tokens_details": {"cached_tokens": cached},
                 }
-                sse({"choices": [], "usage": usage})
+                # The server's timings extension: what it spent on this request.
+                timings = {
+                    "tokenize": 0.001,
+                    "queue": 0.0,
+                    "prefill": fake.first_token_delay_s,
+                    "first_decode": fake.rest_delay_s,
+                    "ttft": fake.first_token_delay_s + 0.001,
+                    "first_text": fake.first_token_delay_s + 0.001,
+                }
+                sse({"choices": [], "usage": usage, "timings": timings})
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.wfile.flush()
                 rec.end = time.monotonic()

@@ -6,9 +6,10 @@ each a median (``--repeat`` full prefills, ``--hit-repeat`` hit/floor pairs), me
 in one process and one run:
 
 * ``full_prefill_s``: prefill of the whole prompt, then the first token;
-* ``hit_s``: the cache-hit path through the real sidecar daemon (started here as a
-  subprocess on a temp dir): block keys, Lookup, Lease + mmap (zero copy), prefill
-  of the new tokens over the mapped blocks, first token;
+* ``hit_s``: the model server's cache-hit path on its engine thread (``Batcher``),
+  through the real sidecar daemon (started here as a subprocess on a temp dir):
+  block keys, the index lookup, Lease + mmap (zero copy), prefill of the new
+  tokens over the mapped blocks while their checksums are checked, first token;
 * ``in_memory_s``: the same new-token prefill with the same blocks already in
   process memory (the floor the cache can approach).
 
@@ -30,11 +31,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from dscache_server.batcher import Batcher
 from dscache_server.blockstore import SidecarBlockStore
 from dscache_server.cache import CostModel, PrefixCache
 from dscache_server.engine import TransformersEngine
+from dscache_server.generate import GenerationRequest, SamplingParams
 from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
+from dscache_server.tokenizer import DeepSeekTokenizer
 
 from dscache.keys import KeyChain, tenant_salt
 from dscache_tools.sidecarproc import SidecarProcess
@@ -51,6 +55,7 @@ def _timed(fn: Callable[[], object]) -> float:
 def bench_context(
     engine: TransformersEngine,
     cache: PrefixCache,
+    batcher: Batcher,
     *,
     context: int,
     new_tokens: int,
@@ -84,16 +89,15 @@ def bench_context(
     cache_ops: list[float] = []
 
     def hit() -> int:
-        s = engine.new_sequence()
-        t0 = time.perf_counter()
-        restored = cache.restore(chain, ids, s)
-        cache_ops.append(time.perf_counter() - t0)
-        try:
-            if s.restored_tokens != context:
-                raise RuntimeError(f"hit path restored {s.restored_tokens} of {context} tokens")
-            return int(torch.argmax(engine.forward(s, ids[context:])))
-        finally:
-            restored.release()
+        # The server's own path, on its engine thread: restore, prefill the rest while
+        # the checksums are checked, wait for them, sample the first token.
+        req = GenerationRequest(ids, SamplingParams(max_tokens=1, temperature=0.0), chain)
+        result = batcher.run(req)
+        t = result.timings
+        cache_ops.append(t["lookup"] + t["lease"] + t["map_verify"])
+        if result.cached_tokens != context:
+            raise RuntimeError(f"hit path restored {result.cached_tokens} of {context} tokens")
+        return result.token_ids[0] if result.token_ids else -1
 
     def in_memory() -> int:
         s = engine.new_sequence()
@@ -148,13 +152,17 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         daemon.start()
         always = CostModel(1.0, 1e12, 0.0, 1)
-        cache = PrefixCache(make_store(), engine.adapter, ServerMetrics(), always, min_tokens=0)
+        metrics = ServerMetrics()
+        cache = PrefixCache(make_store(), engine.adapter, metrics, always, min_tokens=0)
+        tokenizer = DeepSeekTokenizer()
+        batcher = Batcher(engine, tokenizer, cache, metrics, prefill_chunk=1 << 30)
         results = []
         for i, context in enumerate(contexts):
             log.info("context %d ...", context)
             row = bench_context(
                 engine,
                 cache,
+                batcher,
                 context=context,
                 new_tokens=args.new_tokens,
                 repeat=args.repeat,
@@ -169,6 +177,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 row["in_memory_s"],
             )
             results.append(row)
+        batcher.close()
         cache.close()
     finally:
         daemon.stop()

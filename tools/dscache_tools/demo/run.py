@@ -135,6 +135,7 @@ class PassResult:
         out["prompt_tokens"] = d["prompt_tokens"]
         out["cached_tokens"] = d["cached_tokens"]
         out["error_kinds"] = d["error_kinds"]
+        out["breakdown"] = d["breakdown"]
         out["startup_s"] = self.startup_s
         out["load_avg"] = self.load_avg
         # A cache-off server counts no hits; its hit ratio is 0 by definition.

@@ -2,7 +2,9 @@
 
 Contract:
     * ``check_targets`` judges the cache-on pass against the cache-off pass with
-      the issue's goals; a figure that cannot be computed is None and not met.
+      the issue's goals (and the cache-on TTFT P50 against its floor, the prefill of
+      the uncached tail plus one decode step); a figure that cannot be computed is
+      None and not met.
     * ``format_table`` prints markdown, so it pastes into docs as is.
 """
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dscache_tools.demo.output import cell, pyplot
+from dscache_tools.loadgen.breakdown import format_breakdown
 
 
 def _div(a: float | None, b: float | None) -> float | None:
@@ -40,6 +43,8 @@ def check_targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     add("ttft_p99_on_over_off", ttft, "<= 0.4", ttft is not None and ttft <= 0.4)
     qps = _div(on["qps"], off["qps"])
     add("qps_on_over_off", qps, ">= 1.8", qps is not None and qps >= 1.8)
+    floor = (on.get("breakdown") or {}).get("ttft_over_floor_p50")
+    add("ttft_p50_on_over_floor", floor, "<= 1.3", floor is not None and floor <= 1.3)
     errors = float(on["errors"] + off["errors"])
     add("errors", errors, "== 0", errors == 0)
     return {n: {"value": v, "goal": g, "met": m} for n, v, g, m in rows}
@@ -90,6 +95,11 @@ def format_table(result: dict[str, Any]) -> str:
             "note: other work competed for the CPU during the runs; the latency and QPS "
             "ratios are only as fair as that load was even"
         )
+    runs = {titles[c]: result[c]["breakdown"] for c in cols if result[c].get("breakdown")}
+    if runs:
+        lines += ["", "where the time to first token went (server timings, client TTFT):", ""]
+        lines.append(format_breakdown(runs))
+        lines.append("")
     for name, t in result["targets"].items():
         mark = "met" if t["met"] else "MISSED"
         lines.append(f"target {name}: {cell(t['value'], '.3f')} (goal {t['goal']}) {mark}")

@@ -130,9 +130,16 @@ def _usage(res: RequestResult, usage: dict[str, Any] | None) -> None:
         res.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
+def _timings(res: RequestResult, timings: object) -> None:
+    """Keeps the server's per-phase seconds (its ``timings`` extension), if any."""
+    if isinstance(timings, dict):
+        res.timings = {str(k): float(v) for k, v in timings.items() if isinstance(v, int | float)}
+
+
 def _absorb(res: RequestResult, chunk: dict[str, Any], started: float) -> None:
-    """Takes usage and the first token's time from one streamed chunk."""
+    """Takes usage, timings and the first token's time from one streamed chunk."""
     _usage(res, chunk.get("usage"))
+    _timings(res, chunk.get("timings"))
     for choice in chunk.get("choices") or ():
         text = (choice.get("delta") or {}).get("content")
         if res.ttft_s is None and (text or choice.get("finish_reason")):
@@ -161,6 +168,7 @@ async def _read_whole(resp: httpx.Response, res: RequestResult, started: float) 
     answer = json.loads(await resp.aread())
     res.ttft_s = time.perf_counter() - started
     _usage(res, answer.get("usage"))
+    _timings(res, answer.get("timings"))
     if not answer.get("choices"):
         res.error = "answer without choices"
         return False

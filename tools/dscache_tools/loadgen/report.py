@@ -7,7 +7,8 @@ Contract:
       from :mod:`dscache.metricnames`) over the run, summed over servers; the
       client-side ``client_token_hit_ratio`` comes from each response's ``usage``.
     * ``LoadReport.to_dict`` is what ``--json`` writes: its keys are a contract
-      (``docs/demo.md``).
+      (``docs/demo.md``); ``breakdown`` is where the time to first token went
+      (:mod:`dscache_tools.loadgen.breakdown`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dscache import metricnames as names
+from dscache_tools.loadgen.breakdown import breakdown, format_breakdown, phase_series
 
 if TYPE_CHECKING:
     import httpx
@@ -58,6 +60,7 @@ class RequestResult:
     upstream: str | None = None
     set_cookie: bool = False
     error: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # the server's, per phase
 
 
 @dataclass
@@ -86,6 +89,7 @@ class LoadReport:
     recomputed_share: float | None
     server_counters: dict[str, float] = field(default_factory=dict)
     error_kinds: dict[str, int] = field(default_factory=dict)
+    breakdown: dict[str, Any] = field(default_factory=dict)
     results: list[RequestResult] = field(default_factory=list)
 
     def to_dict(self, *, with_results: bool = True) -> dict[str, Any]:
@@ -116,9 +120,15 @@ def parse_counters(text: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = {(f, lbl, v) for f, lbl, v in _SERVER_COUNTERS}
+    phase_sums = {names.REQUEST_PHASE_SECONDS + "_sum", names.REQUEST_PHASE_SECONDS + "_count"}
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name in phase_sums:
+                suffix = sample.name.rsplit("_", 1)[1]
+                key = phase_series(sample.labels.get(names.PHASE_LABEL, ""), suffix)
+                out[key] = out.get(key, 0.0) + sample.value
+                continue
             if not sample.name.endswith("_total"):
                 continue
             base = sample.name[: -len("_total")]
@@ -209,6 +219,9 @@ def build_report(
         recomputed_share=figures["recomputed_share"],
         server_counters=delta,
         error_kinds=kinds,
+        breakdown=breakdown(
+            [(r.ttft_s, r.timings) for r in ok if r.ttft_s is not None and r.timings], delta
+        ),
         results=results,
     )
 
@@ -230,6 +243,9 @@ def format_report(r: LoadReport) -> str:
     ]
     if r.error_kinds:
         lines.append("errors: " + ", ".join(f"{k} x{n}" for k, n in sorted(r.error_kinds.items())))
+    if r.breakdown.get("requests"):
+        lines += ["", "where the time to first token went:"]
+        lines.append(format_breakdown({"this run": r.breakdown}))
     return "\n".join(lines)
 
 
