@@ -93,7 +93,10 @@ class ServerSpec(SpecModel):
     image: ImageSpec = Field(default=DEFAULT_IMAGE, description="Model server image.")
     port: int = Field(default=8000, ge=1, le=65535, description="HTTP port of the OpenAI API.")
     max_concurrency: int = Field(
-        default=1, ge=1, le=1024, description="Requests generating at once."
+        default=8,
+        ge=1,
+        le=1024,
+        description="Requests in the engine at once (decoded together in one batch).",
     )
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec, description="Resources of the model server container."
@@ -152,7 +155,9 @@ class CacheSpec(SpecModel):
         default=256, ge=16, le=8192, description="Tokens per cached block (part of the cache key)."
     )
     codec: Literal["auto", "raw", "zstd"] = Field(
-        default="auto", description="Block codec policy: auto compresses only where it pays."
+        default="raw",
+        description="Block codec: raw (zero-copy hits; the default), zstd, or auto (zstd where "
+        "a sample compresses well; each hit then decompresses on its request's path).",
     )
     min_tokens: int = Field(
         default=512, ge=0, le=1 << 20, description="Prompts shorter than this are not cached."
@@ -164,6 +169,12 @@ class CacheSpec(SpecModel):
         description="Largest share of a pod's cache one tenant may hold, in (0, 1]: a tenant "
         "over it evicts its own least recently used blocks, never another tenant's; "
         "1 = no quota.",
+    )
+    direct_lookup: bool = Field(
+        default=True,
+        description="The model server reads the sidecar's LMDB index itself (no RPC per "
+        "lookup). LMDB tells its reader processes apart by process id, so the pod then "
+        "shares one PID namespace (shareProcessNamespace); false keeps lookups on gRPC.",
     )
 
 
@@ -268,9 +279,24 @@ class RevisionSource(SpecModel):
                 data = {**data, "sidecar": {**sidecar, "image": image}}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stored_before_direct_lookups(cls, data: Any) -> Any:
+        # A source stored by an older operator has no cache.directLookup: its pods ran
+        # without a shared PID namespace, and keep doing so (an operator upgrade must
+        # not restart them); the track's next revision takes the spec's value.
+        if isinstance(data, dict):
+            cache = data.get("cache")
+            if isinstance(cache, dict) and not {"directLookup", "direct_lookup"} & cache.keys():
+                data = {**data, "cache": {**cache, "directLookup": False}}
+        return data
+
 
 #: RevisionSource fields added after release (their defaults change no revision).
 _ADDED_LATER = ("auth",)
+#: Fields of sections added after release: (section, field); left out of the hash
+#: while they hold the spec's default, as :data:`_ADDED_LATER`.
+_NESTED_ADDED_LATER = (("cache", "direct_lookup"),)
 
 
 def revision_of(source: RevisionSource) -> str:
@@ -284,5 +310,11 @@ def revision_of(source: RevisionSource) -> str:
         field = RevisionSource.model_fields[name]
         if getattr(source, name) == field.get_default(call_default_factory=True):
             dumped.pop(field.alias or name, None)
+    for section_name, name in _NESTED_ADDED_LATER:
+        section = getattr(source, section_name)
+        field = type(section).model_fields[name]
+        if getattr(section, name) == field.get_default(call_default_factory=True):
+            sfield = RevisionSource.model_fields[section_name]
+            dumped[sfield.alias or section_name].pop(field.alias or name, None)
     data = json.dumps(dumped, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()[:10]

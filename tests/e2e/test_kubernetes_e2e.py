@@ -199,6 +199,18 @@ def test_demo_kubernetes_promotes_the_good_revision_and_rolls_back_the_bad_one(
     revisions = {s["metric"].get("dscache_io_revision") for s in result}
     # Revisions 1, 2 and the bad one; every series carries its pod's revision.
     assert None not in revisions and len(revisions) >= 3, result
+    # In the pods (one PID namespace each), the server read its sidecar's LMDB index
+    # itself: every lookup was direct, none went over gRPC.
+    lookups = urllib.parse.quote(
+        "sum by (path) (last_over_time("
+        'dscache_server_cache_lookups_total{namespace="e2e-demo"}[2h]))'
+    )
+    with urllib.request.urlopen(f"{dev_cluster.prometheus_url}/api/v1/query?query={lookups}") as r:
+        by_path = {
+            s["metric"]["path"]: float(s["value"][1])
+            for s in json.loads(r.read())["data"]["result"]
+        }
+    assert by_path.get("direct", 0) > 0 and by_path.get("rpc", 0) == 0, by_path
 
 
 # ----------------------------------------------------------------------------- steering

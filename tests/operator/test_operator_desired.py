@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
@@ -208,6 +210,34 @@ def test_bounded_loads_and_tenant_quotas_reach_the_router_and_the_sidecars(
     plain = router_config(off, s, ("10.0.0.1:8000", "10.0.0.2:8000"), ())
     assert not plain.balanced
     assert "hash $dscache_key consistent;" in render_nginx_conf(plain)
+
+
+def test_direct_lookups_share_the_pid_namespace_and_an_upgrade_restarts_no_pod(
+    spec: DeepSeekCacheDeploymentSpec,
+) -> None:
+    """LMDB tells reader processes apart by pid: the server reading the sidecar's
+    index needs one PID namespace in the pod. Tracks stored by an older operator
+    keep their template (no restart on upgrade) and their revision."""
+    s = _status_for(spec)
+    pod = model_deployment(OWNER, spec, s, "blue")["spec"]["template"]["spec"]
+    assert pod["shareProcessNamespace"] is True
+    base = spec.model_dump(by_alias=True)
+    off = parse_spec({**base, "cache": {**base["cache"], "directLookup": False}})
+    off_pod = model_deployment(OWNER, off, _status_for(off), "blue")["spec"]["template"]["spec"]
+    assert "shareProcessNamespace" not in off_pod
+    assert revision_of(off.revision_source()) != revision_of(spec.revision_source())
+    # What an older operator stored: no cache.directLookup in the track's source.
+    legacy = s.model_copy(deep=True)
+    del legacy.slots["blue"].source["cache"]["directLookup"]
+    legacy_pod = model_deployment(OWNER, spec, legacy, "blue")["spec"]["template"]
+    off_template = model_deployment(OWNER, off, _status_for(off), "blue")["spec"]["template"]
+    assert "shareProcessNamespace" not in legacy_pod["spec"]
+    assert legacy_pod["spec"] == off_template["spec"]
+    # ... and the spec (read with the new default) keeps the revision it had then.
+    old_source = spec.revision_source().model_dump(mode="json", by_alias=True)
+    del old_source["cache"]["directLookup"], old_source["auth"]
+    digest = hashlib.sha256(json.dumps(old_source, sort_keys=True).encode()).hexdigest()[:10]
+    assert revision_of(spec.revision_source()) == digest
 
 
 def test_router_tracks_are_slots_and_the_previous_one_keeps_its_sessions(

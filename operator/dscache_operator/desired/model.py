@@ -207,6 +207,11 @@ def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) ->
             *_auth_volumes(src)[0],
         ],
     }
+    if src.cache.direct_lookup:
+        # LMDB registers each reader process by its pid: the server and the sidecar
+        # (both pid 1 in their own namespaces) would collide, and lookups fall back to
+        # gRPC. One namespace gives them distinct pids (and the pod a pause pid 1).
+        spec["shareProcessNamespace"] = True
     if src.cache.volume.type == "hostPath":
         # Two pods of a track on one node would share one store directory.
         term = {"labelSelector": {"matchLabels": sel}, "topologyKey": "kubernetes.io/hostname"}
