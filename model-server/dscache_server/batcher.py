@@ -252,12 +252,17 @@ class Batcher:
         seq, restored = a.seq, a.restored
         assert restored is not None
         take = min(len(ids) - a.done, budget)
+        last = a.done + take == len(ids)
         t0 = time.perf_counter()
-        logits = self.engine.forward(seq, ids[a.done : a.done + take])
+        chunk = ids[a.done : a.done + take]
+        if not last:  # no logits for a chunk that is not the prompt's last
+            self.engine.extend(seq, chunk)
+            a.compute_s += time.perf_counter() - t0
+            a.done += take
+            return take
+        logits = self.engine.forward(seq, chunk)
         a.compute_s += time.perf_counter() - t0
         a.done += take
-        if a.done < len(ids):
-            return take
         if not self.cache.confirm(restored):
             # A restored block failed its checksum while the prefill ran: nothing
             # computed from it may reach a token, so the whole prompt is recomputed.

@@ -74,6 +74,10 @@ class Engine(Protocol):
         """Appends one token to each sequence in one forward; logits ``(len(seqs), vocab)``."""
         ...
 
+    def extend(self, seq: SequenceKV, token_ids: Sequence[int]) -> None:
+        """Appends ``token_ids`` to ``seq`` without computing logits."""
+        ...
+
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -155,7 +159,22 @@ class TransformersEngine:
             raise ValueError("sequence longer than the model's context")
         ids = torch.tensor(list(token_ids), dtype=torch.long).unsqueeze(0)
         positions = torch.arange(seq.length, seq.length + n).unsqueeze(0)
-        return self._run([seq], ids, positions)[0]
+        logits = self._run([seq], ids, positions, head=True)
+        assert logits is not None
+        return logits[0]
+
+    @torch.no_grad()
+    def extend(self, seq: SequenceKV, token_ids: Sequence[int]) -> None:
+        """Appends ``token_ids`` to ``seq`` without computing logits (a prefill chunk
+        that is not the prompt's last: the output layer is a decode step's cost)."""
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("extend needs at least one token")
+        if seq.length + n > self.max_context:
+            raise ValueError("sequence longer than the model's context")
+        ids = torch.tensor(list(token_ids), dtype=torch.long).unsqueeze(0)
+        positions = torch.arange(seq.length, seq.length + n).unsqueeze(0)
+        self._run([seq], ids, positions, head=False)
 
     @torch.no_grad()
     def decode(self, seqs: Sequence[SequenceKV], token_ids: Sequence[int]) -> torch.Tensor:
@@ -171,12 +190,20 @@ class TransformersEngine:
             raise ValueError("sequence longer than the model's context")
         ids = torch.tensor(list(token_ids), dtype=torch.long).unsqueeze(1)
         positions = torch.tensor([s.length for s in seqs], dtype=torch.long).unsqueeze(1)
-        return self._run(seqs, ids, positions)
+        logits = self._run(seqs, ids, positions, head=True)
+        assert logits is not None
+        return logits
 
     def _run(
-        self, seqs: Sequence[SequenceKV], ids: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """Rows ``ids`` ``(B, n)`` at ``positions`` after each sequence; last-token logits."""
+        self,
+        seqs: Sequence[SequenceKV],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head: bool,
+    ) -> torch.Tensor | None:
+        """Rows ``ids`` ``(B, n)`` at ``positions`` after each sequence; the last
+        token's logits when ``head``."""
         embed, norm, rotary, lm_head = self._modules
         hidden = embed(ids)
         cos, sin = rotary(hidden, positions)
@@ -192,6 +219,8 @@ class TransformersEngine:
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         for seq in seqs:
             seq.length += ids.shape[1]
+        if not head:
+            return None
         logits: torch.Tensor = lm_head(norm(hidden[:, -1, :]))
         return logits
 
