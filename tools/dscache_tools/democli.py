@@ -130,7 +130,7 @@ def _add_demo(sub: Commands) -> None:
         help="run sidecars, two model servers and NGINX locally; replay the finance "
         "workload with the cache off and on; print the gain",
     )
-    d.add_argument("--quick", action="store_true", help="the ~2-minute profile")
+    d.add_argument("--quick", action="store_true", help="the ~1-minute profile")
     d.add_argument("--model", default="mini-gqa", help="model preset (default mini-gqa)")
     d.add_argument("--json", dest="json_out", type=Path, default=None, help="write the report")
     d.add_argument("--png", dest="png_out", type=Path, default=None, help="write the figure")

@@ -73,7 +73,7 @@ class DemoOptions:
     """Knobs of ``dscache demo``.
 
     Attributes:
-        quick: the ~2-minute profile (fewer sessions and companies, two passes).
+        quick: the ~1-minute profile (fewer sessions and companies, two passes).
         model: model preset for both servers.
         servers: model servers (pods) in the stable track.
         concurrency: sessions in flight (the same for both passes).

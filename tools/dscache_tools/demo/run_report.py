@@ -90,7 +90,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"machine load average during the runs ({cores} cores): "
         + ", ".join(f"{titles[c]} {v:.1f}" for c, v in loads.items())
     )
-    if max(loads.values()) > cores:
+    # The demo's own servers keep every core busy (load ~ cores); well above that,
+    # something else was running too.
+    if max(loads.values()) > 1.5 * cores:
         lines.append(
             "note: other work competed for the CPU during the runs; the latency and QPS "
             "ratios are only as fair as that load was even"
