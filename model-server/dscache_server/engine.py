@@ -152,14 +152,7 @@ class TransformersEngine:
     @torch.no_grad()
     def forward(self, seq: SequenceKV, token_ids: Sequence[int]) -> torch.Tensor:
         """Runs ``token_ids`` after ``seq``; returns next-token logits ``(vocab,)``."""
-        n = len(token_ids)
-        if n == 0:
-            raise ValueError("forward needs at least one token")
-        if seq.length + n > self.max_context:
-            raise ValueError("sequence longer than the model's context")
-        ids = torch.tensor(list(token_ids), dtype=torch.long).unsqueeze(0)
-        positions = torch.arange(seq.length, seq.length + n).unsqueeze(0)
-        logits = self._run([seq], ids, positions, head=True)
+        logits = self._append(seq, token_ids, head=True)
         assert logits is not None
         return logits[0]
 
@@ -167,14 +160,19 @@ class TransformersEngine:
     def extend(self, seq: SequenceKV, token_ids: Sequence[int]) -> None:
         """Appends ``token_ids`` to ``seq`` without computing logits (a prefill chunk
         that is not the prompt's last: the output layer is a decode step's cost)."""
+        self._append(seq, token_ids, head=False)
+
+    def _append(
+        self, seq: SequenceKV, token_ids: Sequence[int], *, head: bool
+    ) -> torch.Tensor | None:
         n = len(token_ids)
         if n == 0:
-            raise ValueError("extend needs at least one token")
+            raise ValueError("a forward needs at least one token")
         if seq.length + n > self.max_context:
             raise ValueError("sequence longer than the model's context")
         ids = torch.tensor(list(token_ids), dtype=torch.long).unsqueeze(0)
         positions = torch.arange(seq.length, seq.length + n).unsqueeze(0)
-        self._run([seq], ids, positions, head=False)
+        return self._run([seq], ids, positions, head=head)
 
     @torch.no_grad()
     def decode(self, seqs: Sequence[SequenceKV], token_ids: Sequence[int]) -> torch.Tensor:
