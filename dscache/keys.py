@@ -229,7 +229,11 @@ def chain_key(prev: bytes, block_token_ids: Sequence[int] | np.ndarray) -> bytes
     """The key of one block given its predecessor's key (or the root)."""
     if len(prev) != KEY_BYTES:
         raise ValueError("previous key must be 32 bytes")
-    enc = encode_tokens(block_token_ids)
+    return _block_hash(prev, encode_tokens(block_token_ids))
+
+
+def _block_hash(prev: bytes, enc: bytes) -> bytes:
+    """A block's key from its predecessor's key and its encoded token ids."""
     return hashlib.sha256(_DOMAIN_BLOCK + prev + struct.pack("<I", len(enc) // 4) + enc).digest()
 
 
@@ -243,14 +247,13 @@ def block_keys(
         raise ValueError("previous key must be 32 bytes")
     n_full = len(token_ids) // block_tokens
     # One encoding (and one range check) for the whole prompt, then a hash per block:
-    # the same bytes as chain_key per block, without its per-block conversions.
+    # chain_key's bytes, without its per-block conversions.
     enc = encode_tokens(np.asarray(token_ids)[: n_full * block_tokens])
     step = 4 * block_tokens
-    head = struct.pack("<I", block_tokens)
     keys: list[bytes] = []
     prev = root
     for i in range(n_full):
-        prev = hashlib.sha256(_DOMAIN_BLOCK + prev + head + enc[i * step : (i + 1) * step]).digest()
+        prev = _block_hash(prev, enc[i * step : (i + 1) * step])
         keys.append(prev)
     return keys
 

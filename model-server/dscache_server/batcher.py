@@ -90,7 +90,6 @@ class _Active:
     hit_tokens: int = 0
     ttft: float = 0.0
     finish: str = "length"
-    decoded: bool = False
 
     @property
     def prefilling(self) -> bool:
@@ -253,16 +252,16 @@ class Batcher:
         assert restored is not None
         take = min(len(ids) - a.done, budget)
         last = a.done + take == len(ids)
-        t0 = time.perf_counter()
         chunk = ids[a.done : a.done + take]
-        if not last:  # no logits for a chunk that is not the prompt's last
+        t0 = time.perf_counter()
+        if last:
+            logits = self.engine.forward(seq, chunk)
+        else:  # no logits for a chunk that is not the prompt's last
             self.engine.extend(seq, chunk)
-            a.compute_s += time.perf_counter() - t0
-            a.done += take
-            return take
-        logits = self.engine.forward(seq, chunk)
         a.compute_s += time.perf_counter() - t0
         a.done += take
+        if not last:
+            return take
         if not self.cache.confirm(restored):
             # A restored block failed its checksum while the prefill ran: nothing
             # computed from it may reach a token, so the whole prompt is recomputed.
@@ -318,9 +317,7 @@ class Batcher:
         elapsed = time.perf_counter() - t0
         self.metrics.decode_batch.observe(len(batch))
         for i, a in enumerate(batch):
-            if not a.decoded:
-                a.decoded = True
-                a.req.timings["first_decode"] = elapsed
+            a.req.timings.setdefault("first_decode", elapsed)
             a.logits = logits[i]
             self._take_token(a, first=False)
 

@@ -91,8 +91,7 @@ class Restored:
     fallback: str | None = None
     lookup_s: float = 0.0
     lease_s: float = 0.0
-    map_verify_s: float = 0.0
-    confirm_s: float = 0.0  # of map_verify_s: the wait for a background check
+    map_verify_s: float = 0.0  # views, restore, and any wait for a background check
     _loaded: Loaded | None = None
     _leased_at: float = 0.0
 
@@ -242,8 +241,7 @@ class PrefixCache:
             good, why = -1, f"{type(exc).__name__}: {exc}"
         else:
             why = f"block {good} of {result.hit_blocks} failed its checksum"
-        result.confirm_s = time.perf_counter() - t0
-        result.map_verify_s += result.confirm_s
+        result.map_verify_s += time.perf_counter() - t0
         if good >= result.hit_blocks:
             return True
         result.release()

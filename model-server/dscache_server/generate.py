@@ -58,7 +58,7 @@ class GenerationRequest:
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     #: Seconds per phase (``dscache.metricnames.PHASES``); the HTTP layer fills in
-    #: ``tokenize`` and ``queue``, the generator the rest.
+    #: ``tokenize`` and ``queue``, the engine thread the rest.
     timings: dict[str, float] = field(default_factory=dict)
 
 

@@ -220,12 +220,11 @@ class IndexReader:
 
     def leading(self, tenant: bytes, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` have a record of ``tenant`` (one short read txn)."""
-        for _ in range(2):
-            try:
-                return self._leading(tenant, keys)
-            except lmdb.MapResizedError:
-                self._env.set_mapsize(0)  # adopt the writer's larger map, then retry
-        return self._leading(tenant, keys)
+        try:
+            return self._leading(tenant, keys)
+        except lmdb.MapResizedError:
+            self._env.set_mapsize(0)  # adopt the writer's larger map, then once more
+            return self._leading(tenant, keys)
 
     def _leading(self, tenant: bytes, keys: Sequence[bytes]) -> int:
         found = 0

@@ -181,21 +181,13 @@ def _lookup_ms(
     return np.array(lat) * 1000
 
 
-def _rpc_lookup(client: SidecarClient) -> Callable[[str, list[bytes]], int]:
+def _lookup_by(client: SidecarClient, *, direct: bool) -> Callable[[str, list[bytes]], int]:
+    """``client.find`` that insists on one path: the index (``direct``) or gRPC."""
+
     def lookup(tenant: str, keys: list[bytes]) -> int:
         answer = client.find(tenant, keys)
-        if answer.direct:
-            raise RuntimeError("a client without the data directory read the index")
-        return answer.found
-
-    return lookup
-
-
-def _direct_lookup(client: SidecarClient) -> Callable[[str, list[bytes]], int]:
-    def lookup(tenant: str, keys: list[bytes]) -> int:
-        answer = client.find(tenant, keys)
-        if not answer.direct:
-            raise RuntimeError("the index could not be read directly (see the log)")
+        if answer.direct != direct:
+            raise RuntimeError(f"lookup took the other path (direct={answer.direct})")
         return answer.found
 
     return lookup
@@ -236,10 +228,10 @@ def _dscache(arrays: list[np.ndarray], tokens: int, repeat: int, data_dir: Path)
             ],
             compress=False,
         )
-        lat_ms = _lookup_ms(_rpc_lookup(streamer), chains)
+        lat_ms = _lookup_ms(_lookup_by(streamer, direct=False), chains)
         out["lookup_p50_ms"] = float(np.percentile(lat_ms, 50))
         out["lookup_p99_ms"] = float(np.percentile(lat_ms, 99))
-        direct_ms = _lookup_ms(_direct_lookup(client), chains)
+        direct_ms = _lookup_ms(_lookup_by(client, direct=True), chains)
         out["direct_lookup_p50_ms"] = float(np.percentile(direct_ms, 50))
         out["direct_lookup_p99_ms"] = float(np.percentile(direct_ms, 99))
     finally:
