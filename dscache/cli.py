@@ -26,6 +26,7 @@ _COMPONENTS: tuple[tuple[str, str], ...] = (
     ("dscache_sidecar.cli", "sidecar"),
     ("dscache_server.cli", "server"),
     ("dscache_operator.cli", "operator"),
+    ("dscache_vllm.cli", "vllm"),
     ("dscache_tools.benchcli", "bench"),
     ("dscache_tools.devcli", "dev"),
     ("dscache_tools.democli", "all"),

@@ -39,6 +39,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -283,3 +284,27 @@ class KeyChain:
     def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
         """Keys of the full blocks of a prompt."""
         return block_keys(self.root, token_ids, self.fingerprint.block_tokens)
+
+
+def checkpoint_revision(path: Path) -> str:
+    """A cheap revision of a local checkpoint: config plus each weight file's size and ends.
+
+    Hashing hundreds of GB of weights at start-up is not an option, so the digest
+    covers ``config.json``, every weight file's name and size, and its first and last
+    MiB. Pass an explicit revision (``--revision``) when that is not enough.
+    """
+    h = hashlib.sha256()
+    config = path / "config.json"
+    if config.exists():
+        h.update(config.read_bytes())
+    for f in sorted(path.iterdir()):
+        if f.suffix not in {".safetensors", ".bin", ".pt"}:
+            continue
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read())
+    return h.hexdigest()

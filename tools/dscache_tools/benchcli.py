@@ -1,4 +1,5 @@
-"""``dscache replay`` and the component benchmarks (``bench store``, ``ttft``, ``balance``).
+"""``dscache replay`` and the component benchmarks (``bench store``, ``ttft``, ``balance``,
+``vllm``).
 
 Light module: argument parsing only; each handler imports its implementation,
 so ``dscache --help`` never loads torch or matplotlib.
@@ -87,6 +88,27 @@ def register(sub: Commands, bench: Commands) -> None:
     bb.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
     bb.set_defaults(handler=_run_bench_balance)
 
+    bv = bench.add_parser(
+        "vllm",
+        help="real vLLM restarted warm: dscache vs ExampleConnector vs recompute, lookups",
+    )
+    bv.add_argument("--context", default="8192", help="comma-separated prompt lengths (8192)")
+    bv.add_argument("--model", default="small", help="local checkpoint size: tiny or small (small)")
+    bv.add_argument("--repeat", type=int, default=3, help="TTFT runs per figure, median (3)")
+    bv.add_argument(
+        "--lookup-repeat", type=int, default=2000, help="lookups timed for the p99 (2000)"
+    )
+    bv.add_argument(
+        "--sessions",
+        type=int,
+        default=6,
+        help="finance sessions of the multi-turn comparison; 0 skips it (6)",
+    )
+    bv.add_argument("--capacity", default="2GiB", help="sidecar capacity (2GiB)")
+    bv.add_argument("--work-dir", default=None, help="where stores and logs go (a temp dir)")
+    bv.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    bv.set_defaults(handler=_run_bench_vllm)
+
 
 def _run_replay(args: argparse.Namespace) -> int:
     from dscache_tools.replay import run_cli
@@ -102,6 +124,12 @@ def _run_bench_store(args: argparse.Namespace) -> int:
 
 def _run_bench_ttft(args: argparse.Namespace) -> int:
     from dscache_tools.bench.server import run_cli
+
+    return run_cli(args)
+
+
+def _run_bench_vllm(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.vllm import run_cli
 
     return run_cli(args)
 

@@ -1,7 +1,9 @@
 """The model tracks: per slot, the Deployment and Service ``<name>-<slot>`` (pure).
 
 Each model pod runs the model server (server image, torch) and the KV sidecar
-(slim core image), sharing the cache volume and the sidecar's socket. A
+(slim core image), sharing the cache volume and the sidecar's socket. With
+``spec.engine: vllm`` the server container runs ``dscache vllm serve`` (vLLM with
+the dscache KV connector) from ``spec.vllm.image`` instead. A
 hostPath cache lives in ``<hostPath>/<namespace>/<name>-<slot>``: one
 directory per track, the same after a pod restart, handed to the pods' user by
 the ``cache-owner`` init container. With ``spec.auth.apiKeysSecretRef`` the
@@ -137,7 +139,35 @@ def _shared_mounts(tmp_sub_path: str) -> list[Obj]:
     ]
 
 
+def _vllm_container(src: RevisionSource) -> Obj:
+    """``dscache vllm serve``: vLLM with dscache as its KV connector, beside the sidecar."""
+    port = src.server.port
+    args = ["vllm", "serve", "--socket", SOCKET, "--data-dir", CACHE_DIR]
+    args += ["--block-tokens", str(src.cache.block_tokens)]
+    if src.model.revision:
+        args += ["--revision", src.model.revision]
+    args += [src.model.name, "--host", "0.0.0.0", "--port", str(port)]
+    args += ["--max-num-seqs", str(src.server.max_concurrency), *src.vllm.args]
+    env = [{**e, "name": "DSCACHE_VLLM_TENANT_SECRET"} for e in _tenant_env(src)] + [
+        {"name": "HF_HUB_OFFLINE", "value": "1"}
+    ]
+    probe = {"httpGet": {"path": "/health", "port": "http"}}
+    return {
+        **container("server", src.vllm.image, ["dscache"], args),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        # vLLM loads weights and profiles memory before /health answers: minutes.
+        "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
+        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 2},
+        "resources": resources(src.server.resources),
+        "volumeMounts": _shared_mounts("server"),
+    }
+
+
 def _server_container(src: RevisionSource) -> Obj:
+    if src.engine == "vllm":
+        return _vllm_container(src)
     port = src.server.port
     args = ["server", "--model", src.model.name, "--port", str(port)]
     args += ["--sidecar-socket", SOCKET, "--sidecar-data-dir", CACHE_DIR]

@@ -1,0 +1,287 @@
+"""``dscache bench vllm``: a real vLLM engine restarted warm from dscache.
+
+Every figure comes from fresh vLLM processes (``dscache_tools.vllmprobe``) on one
+local checkpoint, in one run, so each is a ratio to a baseline measured beside it:
+
+* **Restart-warm TTFT** per context: a prompt computed and stored by one engine,
+  then answered (one token) by a *new* engine that loads its KV from dscache
+  (``dscache_s``), from vLLM's own ``ExampleConnector`` on the same disk
+  (``example_connector_s``), or recomputes it (``recompute_s``). Each new engine
+  first answers an unrelated prompt (start-up costs are not TTFT) and keeps
+  vLLM's own prefix cache off, so repeats load again; figures are medians.
+* **Lookup cost** on the scheduler's loop (``lookup_p99_ms``): the connector's
+  whole lookup for a new 32-block request (keys, then the index read in-process),
+  against the stored blocks.
+* **Multi-turn** (``multi_turn``): the finance workload's sessions, their first
+  turns on one engine, the rest on a restarted one, vLLM's prefix cache on in
+  both arms, with and without dscache: token hit ratio (tokens vLLM reported
+  cached over prompt tokens) and TTFT of the turns after the restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dscache_tools.sidecarproc import SidecarProcess
+from dscache_tools.vllmprobe import VllmProbe
+
+log = logging.getLogger(__name__)
+
+#: vLLM pages of the engines; dscache blocks are 256 tokens.
+PAGE_TOKENS = 128
+BLOCK_TOKENS = 256
+#: Targets of the issue, as ratios.
+TARGET_VS_RECOMPUTE = 10.0
+TARGET_VS_EXAMPLE = 3.0
+TARGET_LOOKUP_P99_MS = 0.1
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 128_000) for _ in range(n)]
+
+
+def _config(model: Path, connector: str | None, extra: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    return {
+        "model": str(model),
+        "connector": connector,
+        "extra": extra,
+        "block_size": PAGE_TOKENS,
+        "max_model_len": kw.pop("max_model_len"),
+        "prefix_caching": kw.pop("prefix_caching", False),
+        "kv_space_gib": kw.pop("kv_space_gib", 2),
+    }
+
+
+def _ttft(probe: VllmProbe, prompt: list[int]) -> tuple[float, int]:
+    out = probe.generate([{"prompt_token_ids": prompt}], max_tokens=1)
+    return float(out["seconds"]), int(out["outputs"][0]["cached_tokens"])
+
+
+def _measure(probe: VllmProbe, prompts: dict[int, list[int]], repeat: int) -> dict[int, Any]:
+    """Median TTFT of each prompt in an engine that first answered an unrelated one."""
+    probe.generate([{"prompt_token_ids": _prompt(300, 999)}], max_tokens=1)
+    out: dict[int, Any] = {}
+    for ctx, prompt in prompts.items():
+        runs = [_ttft(probe, prompt) for _ in range(repeat)]
+        out[ctx] = (statistics.median(s for s, _ in runs), min(c for _, c in runs))
+    return out
+
+
+def _lookup_cost(sidecar: SidecarProcess, fingerprint: Any, repeat: int) -> dict[str, float]:
+    """The scheduler side's lookup for new 32-block requests, against stored blocks."""
+    from dscache_sidecar.client import SidecarClient
+    from dscache_vllm.plan import Planner
+
+    from dscache.keys import KeyChain, tenant_salt
+
+    chain = KeyChain(fingerprint, tenant_salt("default"))
+    prompt = _prompt(32 * BLOCK_TOKENS + 1, 4242)
+    with SidecarClient(sidecar.socket, data_dir=str(sidecar.data_dir)) as client:
+        keys = chain.keys(prompt)
+        client.store(chain.tenant, _blocks(chain, prompt, fingerprint), compress=False)
+        assert client.find(chain.tenant, keys).direct, "the index was not read in-process"
+        planner = Planner(
+            lambda _t: chain,
+            lambda t, k: client.find(t, k).found,
+            BLOCK_TOKENS,
+            PAGE_TOKENS,
+        )
+        whole: list[float] = []
+        index: list[float] = []
+        for i in range(repeat):
+            start = time.perf_counter()
+            hit = planner.matched(f"r{i}", prompt, None, 0)
+            whole.append(time.perf_counter() - start)
+            planner.finished(f"r{i}")
+            start = time.perf_counter()
+            client.find(chain.tenant, keys)
+            index.append(time.perf_counter() - start)
+            assert hit == 32 * BLOCK_TOKENS
+    q = statistics.quantiles
+    return {
+        "lookup_p50_ms": statistics.median(whole) * 1e3,
+        "lookup_p99_ms": q(whole, n=100)[98] * 1e3,
+        "index_read_p99_ms": q(index, n=100)[98] * 1e3,
+    }
+
+
+def _blocks(chain: Any, prompt: list[int], fingerprint: Any) -> list[Any]:
+    """Zero-filled blocks of the prompt's keys (the lookup reads only the index)."""
+    import numpy as np
+    from dscache_sidecar.client import BlockData
+
+    layout = fingerprint.layout
+    shape = (layout.num_layers, 2, layout.num_kv_heads, BLOCK_TOKENS, layout.head_dim)
+    keys = chain.keys(prompt)
+    return [
+        BlockData(k, keys[i - 1] if i else b"", np.zeros(shape, dtype=np.float32))
+        for i, k in enumerate(keys)
+    ]
+
+
+def _multi_turn(
+    model: Path, sidecar: SidecarProcess, base: Path, sessions: int, max_len: int
+) -> dict[str, Any]:
+    """Finance sessions split by a restart, with and without dscache."""
+    from dscache_tools.workload import WorkloadConfig, generate, load_server_tokenizer
+    from dscache_tools.workload import prompt_ids as render
+
+    tokenizer = load_server_tokenizer()
+    requests = generate(WorkloadConfig(sessions=sessions, max_turns=4, seed=3))
+    before = [r for r in requests if r.turn < 2]
+    after = [r for r in requests if r.turn >= 2]
+    ids = {id(r): render(tokenizer, r)[: max_len - 8] for r in requests}
+    extra = {"socket": sidecar.socket, "data_dir": str(sidecar.data_dir)}
+    out: dict[str, Any] = {}
+    for arm, connector in (("with_dscache", "dscache"), ("vllm_only", None)):
+        cfg = _config(model, connector, extra, max_model_len=max_len, prefix_caching=True)
+        for phase, batch in (("first", before), ("restarted", after)):
+            with VllmProbe(cfg, base / f"multi-{arm}-{phase}.log") as probe:
+                rows = [(len(ids[id(r)]), *_ttft(probe, ids[id(r)])[::-1]) for r in batch]
+                if connector:
+                    probe.flush(120)
+        prompt_tokens = sum(n for n, _, _ in rows)
+        ttfts = sorted(s for _, _, s in rows)
+        out[arm] = {
+            "requests": len(rows),
+            "token_hit_ratio": sum(c for _, c, _ in rows) / prompt_tokens,
+            "ttft_p50_s": statistics.median(ttfts),
+            "ttft_p99_s": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
+        }
+    return out
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from dscache_vllm.models import SIZES, cached_checkpoint
+    from dscache_vllm.settings import fingerprint
+
+    contexts = [int(c) for c in str(args.context).split(",")]
+    model = cached_checkpoint(args.model)
+    layers, _hidden, _heads, kv_heads, _inter = SIZES[args.model]
+    max_len = max(max(contexts) + 64, 8192)
+    prompts = {ctx: _prompt(ctx, ctx) for ctx in contexts}
+    base = Path(args.work_dir or tempfile.mkdtemp(prefix="dscache-bench-vllm-"))
+    base.mkdir(parents=True, exist_ok=True)
+    sidecar = SidecarProcess(base / "store", "--capacity", args.capacity, "--segment-size", "64MiB")
+    sidecar.start()
+    extra = {"socket": sidecar.socket, "data_dir": str(sidecar.data_dir)}
+    example = {"shared_storage_path": str(base / "example")}
+    try:
+        # 1. Compute and store, with each connector (the first request's cost too).
+        with VllmProbe(
+            _config(model, "dscache", extra, max_model_len=max_len), base / "a.log"
+        ) as p:
+            stored = _measure(p, prompts, 1)
+            p.flush(300)
+        with VllmProbe(
+            _config(model, "example", example, max_model_len=max_len), base / "b.log"
+        ) as p:
+            _measure(p, prompts, 1)
+        # 2. Fresh engines: load from dscache, load from ExampleConnector, recompute.
+        with VllmProbe(
+            _config(model, "dscache", extra, max_model_len=max_len), base / "c.log"
+        ) as p:
+            warm = _measure(p, prompts, args.repeat)
+        with VllmProbe(
+            _config(model, "example", example, max_model_len=max_len), base / "d.log"
+        ) as p:
+            ex = _measure(p, prompts, args.repeat)
+        with VllmProbe(_config(model, None, {}, max_model_len=max_len), base / "e.log") as p:
+            cold = _measure(p, prompts, args.repeat)
+        fp = fingerprint(
+            model=str(model),
+            revision=None,
+            num_layers=layers,
+            kv_heads=kv_heads,
+            head_size=64,
+            dtype="float32",
+            block_tokens=BLOCK_TOKENS,
+        )
+        lookup = _lookup_cost(sidecar, fp, args.lookup_repeat)
+        multi = (
+            _multi_turn(model, sidecar, base, args.sessions, 8192) if args.sessions > 0 else None
+        )
+    finally:
+        sidecar.stop()
+    results = []
+    for ctx in contexts:
+        d, cached = warm[ctx]
+        results.append(
+            {
+                "context": ctx,
+                "dscache_s": d,
+                "dscache_cached_tokens": cached,
+                "recompute_s": cold[ctx][0],
+                "example_connector_s": ex[ctx][0],
+                "first_request_with_store_s": stored[ctx][0],
+                "recompute_over_dscache": cold[ctx][0] / d,
+                "example_over_dscache": ex[ctx][0] / d,
+            }
+        )
+    return {
+        "model": f"{args.model} ({layers} layers, {kv_heads} KV heads of 64, float32)",
+        "page_tokens": PAGE_TOKENS,
+        "block_tokens": BLOCK_TOKENS,
+        "repeat": args.repeat,
+        "results": results,
+        **lookup,
+        "multi_turn": multi,
+        "targets": {
+            "recompute_over_dscache": TARGET_VS_RECOMPUTE,
+            "example_over_dscache": TARGET_VS_EXAMPLE,
+            "lookup_p99_ms": TARGET_LOOKUP_P99_MS,
+        },
+    }
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """The plain-text report."""
+    lines = [
+        f"vLLM restart-warm TTFT on {doc['model']}, {doc['page_tokens']}-token vLLM blocks, "
+        f"medians of {doc['repeat']}",
+        f"{'context':>8} {'dscache_s':>10} {'example_s':>10} {'recompute_s':>12} "
+        f"{'recompute/dscache':>18} {'example/dscache':>16} {'1st+store_s':>12}",
+    ]
+    for r in doc["results"]:
+        lines.append(
+            f"{r['context']:>8} {r['dscache_s']:>10.3f} {r['example_connector_s']:>10.3f} "
+            f"{r['recompute_s']:>12.3f} {r['recompute_over_dscache']:>18.1f} "
+            f"{r['example_over_dscache']:>16.1f} {r['first_request_with_store_s']:>12.3f}"
+        )
+    lines.append(
+        f"scheduler-side lookup, new 32-block request: p50 {doc['lookup_p50_ms']:.3f} ms, "
+        f"p99 {doc['lookup_p99_ms']:.3f} ms (index read alone p99 "
+        f"{doc['index_read_p99_ms']:.3f} ms; target p99 <= {TARGET_LOOKUP_P99_MS} ms)"
+    )
+    multi = doc.get("multi_turn")
+    if multi:
+        lines.append("multi-turn finance sessions after a vLLM restart (vLLM prefix cache on):")
+        for arm, m in multi.items():
+            lines.append(
+                f"  {arm:<13} token hit ratio {m['token_hit_ratio']:.3f}  TTFT p50 "
+                f"{m['ttft_p50_s']:.3f} s  p99 {m['ttft_p99_s']:.3f} s  ({m['requests']} turns)"
+            )
+    return "\n".join(lines)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Entry point of ``dscache bench vllm``."""
+    try:
+        doc = run_bench(args)
+    except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
+        log.error("bench vllm failed: %s", exc)
+        return 1
+    print(format_table(doc))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json_out}")
+    return 0

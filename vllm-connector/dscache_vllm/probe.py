@@ -1,0 +1,175 @@
+"""A vLLM engine in a process of its own, driven line by line (tests and benchmarks).
+
+``python -m dscache_vllm.probe`` reads JSON commands on stdin, one per line, and
+answers each with one stdout line ``@@probe <json>`` (vLLM logs on the same
+streams; readers take only the marked lines). The first command configures the
+engine; then:
+
+* ``{"op": "generate", "prompts": [{"prompt_token_ids": [...], "cache_salt": ...}],
+  "max_tokens": N, "logprobs": K}`` -> ``{"outputs": [{"token_ids", "logprobs",
+  "cached_tokens"}], "seconds"}`` (greedy; ``logprobs`` is, per generated
+  position, the top-K ``[token_id, logprob]`` pairs);
+* ``{"op": "flush"}`` waits until the connector's queued saves are written;
+* ``{"op": "metrics"}`` -> the ``dscache_vllm_*`` counters of this process;
+* ``{"op": "keys", "token_ids": [...], "salt": null}`` -> ``{"tenant", "keys"}``:
+  the sidecar tenant and the hex block keys the connector uses for those tokens;
+* ``{"op": "quit"}``.
+
+The configure command: ``{"model": DIR, "connector": "dscache" | "example" | null,
+"extra": {...}, "block_size": 128, "prefix_caching": false, "max_model_len": N,
+"kv_space_gib": 1}``. The engine runs in this process (no engine or worker
+subprocesses): one process start per engine, and the connector is reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+MARK = "@@probe "
+
+
+def _engine(cfg: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if cfg.get("connector") == "dscache":
+        kv = KVTransferConfig(
+            kv_connector="DscacheConnector",
+            kv_connector_module_path="dscache_vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=cfg.get("extra", {}),
+        )
+    elif cfg.get("connector") == "example":
+        kv = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=cfg.get("extra", {}),
+        )
+    return LLM(
+        model=cfg["model"],
+        dtype=cfg.get("dtype", "float32"),
+        max_model_len=int(cfg.get("max_model_len", 16384)),
+        block_size=int(cfg.get("block_size", 128)),
+        enable_prefix_caching=bool(cfg.get("prefix_caching", False)),
+        enforce_eager=True,
+        gpu_memory_utilization=0.1,
+        distributed_executor_backend="uni",
+        kv_transfer_config=kv,
+        seed=0,
+    )
+
+
+def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    k = int(cmd.get("logprobs", 0))
+    params = SamplingParams(
+        temperature=0.0, max_tokens=int(cmd.get("max_tokens", 1)), logprobs=k or None
+    )
+    prompts = [
+        {key: p[key] for key in ("prompt_token_ids", "cache_salt") if p.get(key) is not None}
+        for p in cmd["prompts"]
+    ]
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    outputs = []
+    for r in results:
+        out = r.outputs[0]
+        logprobs = []
+        for pos in out.logprobs or []:
+            top = sorted(pos.items(), key=lambda kv: -kv[1].logprob)[:k]
+            logprobs.append([[int(t), float(lp.logprob)] for t, lp in top])
+        outputs.append(
+            {
+                "token_ids": list(out.token_ids),
+                "logprobs": logprobs,
+                "cached_tokens": int(r.num_cached_tokens or 0),
+            }
+        )
+    return {"outputs": outputs, "seconds": seconds}
+
+
+def _connector() -> Any:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    return get_kv_transfer_group() if has_kv_transfer_group() else None
+
+
+def _flush(timeout_s: float) -> dict[str, Any]:
+    connector = _connector()
+    worker = getattr(connector, "_worker", None)
+    ok = worker.wait_idle(timeout_s) if worker is not None else True
+    return {"idle": ok}
+
+
+def _keys(cmd: dict[str, Any]) -> dict[str, Any]:
+    from dscache_vllm.plan import DEFAULT_TENANT
+
+    chain = _connector()._chain_for(cmd.get("salt") or DEFAULT_TENANT)
+    return {"tenant": chain.tenant, "keys": [k.hex() for k in chain.keys(cmd["token_ids"])]}
+
+
+def _metrics() -> dict[str, Any]:
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        if not family.name.startswith("dscache_vllm_"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith(("_created", "_bucket")):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(MARK + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    cfg = json.loads(sys.stdin.readline())
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.get("kv_space_gib", 1)))
+    start = time.perf_counter()
+    llm = _engine(cfg)
+    _reply({"ready": True, "startup_s": time.perf_counter() - start})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        try:
+            if op == "generate":
+                _reply(_generate(llm, cmd))
+            elif op == "flush":
+                _reply(_flush(float(cmd.get("timeout_s", 60))))
+            elif op == "metrics":
+                _reply(_metrics())
+            elif op == "keys":
+                _reply(_keys(cmd))
+            elif op == "quit":
+                _reply({"bye": True})
+                break
+            else:
+                _reply({"error": f"unknown op {op!r}"})
+        except Exception as exc:  # report, keep serving the driver
+            _reply({"error": f"{type(exc).__name__}: {exc}"})
+    connector = _connector()
+    if connector is not None:
+        connector.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
