@@ -131,3 +131,91 @@ class VllmProbe:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class VllmServer:
+    """``dscache vllm serve`` (vLLM's OpenAI server with the connector) as a child process.
+
+    Args:
+        model: the checkpoint directory.
+        log: file that receives the server's output.
+        socket, data_dir: the sidecar (None: vLLM alone, ``vllm serve`` without the
+            connector, for baselines).
+        vllm_args: more ``vllm serve`` flags.
+        timeout_s: how long start-up may take.
+    """
+
+    def __init__(
+        self,
+        model: Path,
+        log: Path,
+        *,
+        socket: str | None,
+        data_dir: str | None,
+        vllm_args: tuple[str, ...] = (),
+        timeout_s: float = 300.0,
+    ) -> None:
+        import httpx
+
+        from dscache_tools.net import free_port
+        from dscache_tools.polling import wait_until
+
+        self.port = free_port()
+        python = vllm_python()
+        serve_args = [
+            str(model), "--port", str(self.port), "--host", "127.0.0.1",
+            "--enforce-eager", "--gpu-memory-utilization", "0.1",
+            "--enable-prompt-tokens-details", *vllm_args,
+        ]  # fmt: skip
+        if socket is not None:
+            store = ["--socket", socket] + (["--data-dir", data_dir] if data_dir else [])
+            cmd = [str(python.with_name("dscache")), "vllm", "serve", *store, *serve_args]
+        else:
+            cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", *serve_args]
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self._log = log.open("a")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._httpx = httpx
+        try:
+            wait_until("vllm serve's /health", self._healthy, timeout=timeout_s, interval=1)
+        except BaseException:
+            self.stop()
+            raise
+        self.model = str(httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"])
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see its log")
+        try:
+            return bool(self._httpx.get(f"{self.url}/health", timeout=2).status_code == 200)
+        except self._httpx.HTTPError:
+            return False
+
+    def metric(self, name: str) -> float:
+        """Sum of a series over its labels on vLLM's ``/metrics``."""
+        text = self._httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith((name + "{", name + " "))
+        )
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after a minute; idempotent."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> VllmServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -43,9 +42,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from dscache.keys import KeyChain, ModelFingerprint, tenant_salt
-from dscache_vllm.metrics import ConnectorMetrics
+from dscache_vllm.metrics import ConnectorMetrics, export, merge
 from dscache_vllm.paged import DTYPES, PagedKV
 from dscache_vllm.plan import Planner, Scheduled, StepPlan
 from dscache_vllm.settings import ConnectorSettings, fingerprint
@@ -57,17 +60,42 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _CHAINS = 1024  # tenants whose key chain stays cached
-_METRICS: ConnectorMetrics | None = None
-_METRICS_LOCK = threading.Lock()
 
 
-def _metrics() -> ConnectorMetrics:
-    """One set per process (vLLM may build a scheduler and a worker connector in one)."""
-    global _METRICS  # noqa: PLW0603 - prometheus_client's registry is process-wide
-    with _METRICS_LOCK:
-        if _METRICS is None:
-            _METRICS = ConnectorMetrics.create()
-        return _METRICS
+@dataclass
+class DscacheStats(KVConnectorStats):  # type: ignore[misc]
+    """Counter increments of one interval (``dscache_vllm.metrics``), shipped by vLLM
+    from the scheduler and the workers to its API server."""
+
+    def reset(self) -> None:
+        self.data = dict[str, float]()
+
+    def aggregate(self, other: KVConnectorStats) -> DscacheStats:
+        merge(self.data, dict(other.data))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class DscachePromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    """The ``dscache_vllm_*`` counters on vLLM's own ``/metrics``."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._observe = export(self._counter_cls, labelnames, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        self._observe(transfer_stats_data, engine_idx)
 
 
 @dataclass
@@ -110,7 +138,7 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.settings = ConnectorSettings.from_extra(
             self._kv_transfer_config.kv_connector_extra_config
         )
-        self.metrics = _metrics()
+        self.metrics = ConnectorMetrics.create()
         self.page_tokens = int(vllm_config.cache_config.block_size)
         self.fingerprint = self._fingerprint(vllm_config, tp_rank=self._tp_rank(role))
         self._client = SidecarClient(
@@ -191,9 +219,10 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         n = self.planner.matched(
             request.request_id, request.all_token_ids, request.cache_salt, num_computed_tokens
         )
-        self.metrics.lookup_seconds.observe(time.perf_counter() - start)
         failed = self.planner.lookup_failures > failures
-        self.metrics.lookups.labels(result="error" if failed else "hit" if n else "miss").inc()
+        self.metrics.lookup(
+            "error" if failed else "hit" if n else "miss", time.perf_counter() - start
+        )
         return n, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -303,11 +332,31 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._worker.save(save)
             except Exception as exc:  # never fail the step for a save
                 log.warning("dscache could not copy blocks out for saving: %s", exc)
-                self.metrics.store_failures.inc(len(save.keys))
+                self.metrics.store_failed(len(save.keys))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # ------------------------------------------------------------------- metrics
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        increments = self.metrics.take()
+        return DscacheStats(data=increments) if increments else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return DscacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return DscachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

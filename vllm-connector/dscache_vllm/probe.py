@@ -117,10 +117,10 @@ def _keys(cmd: dict[str, Any]) -> dict[str, Any]:
 
 
 def _metrics() -> dict[str, Any]:
-    from prometheus_client import REGISTRY
+    from dscache_vllm.metrics import process_registry
 
     out: dict[str, float] = {}
-    for family in REGISTRY.collect():
+    for family in process_registry().collect():
         if not family.name.startswith("dscache_vllm_"):
             continue
         for sample in family.samples:

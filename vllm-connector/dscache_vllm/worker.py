@@ -76,7 +76,7 @@ class KVWorker:
             loaded = self.client.load(spec.tenant, list(spec.keys), verify=self.verify)
         except Exception as exc:  # the cache never fails a request
             log.warning("dscache load failed (%s); vLLM recomputes %d pages", exc, spec.tokens)
-            self.metrics.load_failures.labels(reason="unavailable").inc(len(spec.page_ids))
+            self.metrics.load_failed("unavailable", len(spec.page_ids))
             return set(spec.page_ids)
         try:
             filled = self.paged.scatter(
@@ -92,8 +92,8 @@ class KVWorker:
             # Fewer blocks than planned: evicted since the lookup, or one failed its
             # checksum (the client stops at it and tells the daemon to drop it).
             reason = "missing" if len(loaded) < len(spec.keys) else "layout"
-            self.metrics.load_failures.labels(reason=reason).inc(len(missing))
-        self.metrics.loaded_tokens.inc(filled * self.paged.geometry.page_tokens)
+            self.metrics.load_failed(reason, len(missing))
+        self.metrics.loaded(filled * self.paged.geometry.page_tokens)
         return missing
 
     # -- saves
@@ -103,7 +103,7 @@ class KVWorker:
         n = len(spec.keys)
         with self._lock:
             if self._queued + n > self._queue_blocks:
-                self.metrics.store_dropped.inc(n)
+                self.metrics.dropped(n)
                 return
             self._queued += n
             self._idle.clear()
@@ -132,10 +132,10 @@ class KVWorker:
                 return
             try:
                 self.client.store(item.tenant, item.blocks, compress=False)
-                self.metrics.stored_blocks.inc(len(item.blocks))
+                self.metrics.stored(len(item.blocks))
             except Exception as exc:  # a failed store is a future miss, nothing more
                 log.warning("dscache store of %d blocks failed: %s", len(item.blocks), exc)
-                self.metrics.store_failures.inc(len(item.blocks))
+                self.metrics.store_failed(len(item.blocks))
             finally:
                 self._done(len(item.blocks))
 
