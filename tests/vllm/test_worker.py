@@ -49,7 +49,7 @@ def worker(
     registry = CollectorRegistry()
     client = SidecarClient(daemon.socket, data_dir=str(daemon.data_dir))
     return KVWorker(
-        client, PagedKV(layers, BLOCK, PAGE), ConnectorMetrics.create(registry), **kw
+        client, PagedKV(layers, BLOCK, PAGE, PAGES), ConnectorMetrics.create(registry), **kw
     ), registry
 
 

@@ -49,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from dscache.keys import KeyChain, ModelFingerprint, tenant_salt
 from dscache_vllm.metrics import ConnectorMetrics, export, merge
-from dscache_vllm.paged import DTYPES, PagedKV
+from dscache_vllm.paged import DTYPES, LayoutError, PagedKV
 from dscache_vllm.plan import Planner, Scheduled, StepPlan
 from dscache_vllm.settings import ConnectorSettings, fingerprint
 from dscache_vllm.worker import KVWorker
@@ -175,6 +175,11 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
         cache_dtype = vllm_config.cache_config.cache_dtype
+        if getattr(model, "use_mla", False):
+            raise ValueError(
+                "dscache's vLLM connector stores MHA/GQA KV; MLA models (DeepSeek-V2/V3) "
+                "are served with dscache by the reference server for now"
+            )
         torch_dtype = model.dtype if cache_dtype == "auto" else None
         if torch_dtype not in DTYPES:
             raise ValueError(
@@ -283,19 +288,21 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
-        paged = PagedKV(layers, self.settings.block_tokens, self.page_tokens)
+        pages = int(self._kv_cache_config.num_blocks)
+        paged = PagedKV(layers, self.settings.block_tokens, self.page_tokens, pages)
         g = paged.geometry
         want = self.fingerprint.layout
-        if (g.num_layers, g.kv_heads, g.head_size, paged.contract_dtype) != (
+        per_token = 2 * want.num_kv_heads * want.head_dim
+        if (g.num_layers, g.elements_per_token, paged.contract_dtype) != (
             want.num_layers,
-            want.num_kv_heads,
-            want.head_dim,
+            per_token,
             want.dtype,
         ):
-            raise ValueError(
-                f"vLLM's KV tensors ({g.num_layers} layers, {g.kv_heads} heads of "
-                f"{g.head_size}, {paged.contract_dtype}) do not match the model config "
-                f"({want.num_layers}, {want.num_kv_heads}, {want.head_dim}, {want.dtype})"
+            raise LayoutError(
+                f"vLLM's KV tensors ({g.num_layers} layers, {g.elements_per_token} elements "
+                f"per token, {paged.contract_dtype}) do not match the model config "
+                f"({want.num_layers} layers, 2 x {want.num_kv_heads} heads x "
+                f"{want.head_dim} = {per_token}, {want.dtype})"
             )
         self._worker = KVWorker(
             self._client,

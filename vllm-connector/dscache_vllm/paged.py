@@ -1,28 +1,30 @@
-"""vLLM's paged KV cache, read and written in dscache's block layout.
+"""vLLM's paged KV cache, copied page by page into and out of dscache blocks.
 
-A stored dscache block is one array ``[layers, 2, kv_heads, block_tokens, head_size]``
-in vLLM's KV dtype: for each layer, the K halves then the V halves of the block's
-pages, per head, in page order. Inside a half, the element order is the attention
-kernel's (the CPU kernels may tile K), so blocks are vLLM's page bytes, moved
-without interpretation; the fingerprint names the page size and kernel layout,
-and engines that lay pages out differently never share a block.
+vLLM registers one KV tensor per attention layer; one of its dimensions counts the
+pages (vLLM's KV blocks): ``[pages, kv_heads, page_tokens, 2 * head_size]`` on the CPU
+attention backend, ``[2, pages, page_tokens, kv_heads, head_size]`` on FlashAttention.
+:class:`PagedKV` finds that dimension and moves a page as what it is: every element
+of ``layer.select(page_dim, page)``, in that view's order. A stored dscache block is
+one array ``[layers, pages_per_block, page_elements]`` in vLLM's KV dtype.
 
-vLLM's CPU attention backend keeps one tensor per layer of shape
-``[num_pages, kv_heads, page_tokens, 2 * head_size]`` that it reads as
-``[num_pages, kv_heads, 2 * page_tokens, head_size]``: per head, the page's K rows
-then its V rows. :class:`PagedKV` accepts exactly that layout (any other is refused
-at start-up with a clear error, never misread).
+The bytes are not interpreted (inside a page, the order of K, V, heads and tokens is
+the attention backend's, and kernels may tile it), so the fingerprint names what
+lays a page out (vLLM's version, page size, device, attention kernel): engines whose
+pages differ never share a block, and none is misread.
 
 Contract:
-    * :meth:`PagedKV.gather` copies whole blocks out of pages (one copy, into a
-      fresh array the caller owns); :meth:`PagedKV.scatter` copies the chosen pages
-      of stored blocks into vLLM's pages (the only copy on the hit path: the
-      stored arrays are read-only views on the mapped segment files).
+    * :meth:`PagedKV.gather` copies whole blocks out of pages (one copy per page and
+      layer, into fresh host arrays the caller owns); :meth:`PagedKV.scatter` copies
+      the chosen pages of stored blocks into vLLM's pages (the only copy on the hit
+      path: the stored arrays are read-only views on the mapped segment files).
     * Neither ever writes a page it was not given.
+    * A layout without a page dimension, with layers of differing shapes, or with
+      pages that are not whole tokens is refused at start-up (``LayoutError``).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +39,6 @@ DTYPES: dict[torch.dtype, tuple[str, np.dtype[np.generic]]] = {
     torch.float16: ("float16", np.dtype(np.float16)),
     torch.bfloat16: ("bfloat16", np.dtype(np.uint16)),
 }
-_CARRIER: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
 
 
 class LayoutError(ValueError):
@@ -46,11 +47,11 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class Geometry:
-    """The shape facts both sides agree on."""
+    """The shape facts of one worker's paged KV."""
 
     num_layers: int
-    kv_heads: int
-    head_size: int
+    page_dim: int
+    page_shape: tuple[int, ...]
     page_tokens: int
     block_tokens: int
     dtype: torch.dtype
@@ -60,8 +61,17 @@ class Geometry:
         return self.block_tokens // self.page_tokens
 
     @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.kv_heads, self.block_tokens, self.head_size)
+    def page_elements(self) -> int:
+        return math.prod(self.page_shape)
+
+    @property
+    def elements_per_token(self) -> int:
+        """Elements of one token in one layer (K and V, every head)."""
+        return self.page_elements // self.page_tokens
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.num_layers, self.pages_per_block, self.page_elements)
 
 
 def _as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -74,34 +84,51 @@ def _as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 class PagedKV:
-    """The per-layer KV tensors of one vLLM worker, in layer order."""
+    """The per-layer KV tensors of one vLLM worker, in layer order.
 
-    def __init__(self, layers: Sequence[torch.Tensor], block_tokens: int, page_tokens: int) -> None:
+    Args:
+        layers: vLLM's KV tensors, one per attention layer.
+        block_tokens: tokens per dscache block.
+        page_tokens: tokens per vLLM page (``--block-size``).
+        num_pages: pages per layer (``kv_cache_config.num_blocks``): the dimension of
+            this size is the page dimension.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[torch.Tensor],
+        block_tokens: int,
+        page_tokens: int,
+        num_pages: int,
+    ) -> None:
         if not layers:
             raise LayoutError("vLLM registered no KV cache tensors")
         first = layers[0]
-        per_head = int(first.shape[2] * first.shape[3]) if first.dim() == 4 else 0
-        if first.dim() != 4 or per_head % (2 * page_tokens):
+        dims = [d for d, n in enumerate(first.shape) if n == num_pages]
+        if not dims:
             raise LayoutError(
-                "dscache's vLLM connector reads the CPU attention backend's KV layout "
-                "[pages, kv_heads, page_tokens, 2 * head_size] (per head: the page's K rows, "
-                f"then its V rows); got shape {tuple(first.shape)}"
+                f"no dimension of vLLM's KV tensor {tuple(first.shape)} counts its "
+                f"{num_pages} pages"
             )
+        page_dim = dims[0]
+        page_shape = tuple(int(n) for n in first.select(page_dim, 0).shape)
         if first.dtype not in DTYPES:
             raise LayoutError(f"KV dtype {first.dtype} is not storable (float32/16, bfloat16)")
         for t in layers:
-            if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
-                raise LayoutError("every layer's KV tensor must have one shape, dtype, layout")
+            if t.shape != first.shape or t.dtype != first.dtype:
+                raise LayoutError("every layer's KV tensor must have one shape and dtype")
         if block_tokens % page_tokens:
             raise LayoutError(
                 f"the dscache block ({block_tokens} tokens) must be a multiple of vLLM's "
                 f"block size ({page_tokens})"
             )
+        if math.prod(page_shape) % page_tokens:
+            raise LayoutError(f"a page of shape {page_shape} does not hold {page_tokens} tokens")
         self.layers = list(layers)
         self.geometry = Geometry(
             num_layers=len(layers),
-            kv_heads=int(first.shape[1]),
-            head_size=per_head // (2 * page_tokens),
+            page_dim=page_dim,
+            page_shape=page_shape,
             page_tokens=page_tokens,
             block_tokens=block_tokens,
             dtype=first.dtype,
@@ -112,9 +139,7 @@ class PagedKV:
         return DTYPES[self.geometry.dtype][0]
 
     def _page(self, layer: torch.Tensor, page_id: int) -> torch.Tensor:
-        """One page as ``[2, kv_heads, page_tokens, head_size]`` (a view)."""
-        g = self.geometry
-        return layer[page_id].view(g.kv_heads, 2, g.page_tokens, g.head_size).transpose(0, 1)
+        return layer.select(self.geometry.page_dim, page_id)
 
     def gather(self, page_ids: Sequence[int]) -> list[np.ndarray]:
         """Whole blocks copied out of their pages (``pages_per_block`` ids per block)."""
@@ -124,12 +149,12 @@ class PagedKV:
             raise ValueError("page ids must cover whole blocks")
         n = len(page_ids) // r
         out = np.empty((n, *g.block_shape), dtype=DTYPES[g.dtype][1])
-        dst = _as_tensor(out, g.dtype).view(n, g.num_layers, 2, g.kv_heads, r, g.page_tokens, -1)
+        dst = _as_tensor(out, g.dtype)
         for b in range(n):
             for j in range(r):
                 page = page_ids[b * r + j]
                 for li, layer in enumerate(self.layers):
-                    dst[b, li, :, :, j].copy_(self._page(layer, page))
+                    dst[b, li, j].view(g.page_shape).copy_(self._page(layer, page))
         return list(out)
 
     def scatter(
@@ -146,6 +171,9 @@ class PagedKV:
 
         Returns:
             How many of ``page_ids`` were filled (a prefix of them).
+
+        Raises:
+            LayoutError: a stored block does not have this engine's block shape.
         """
         g = self.geometry
         r = g.pages_per_block
@@ -155,11 +183,11 @@ class PagedKV:
             b = page // r - first_block
             if b >= len(blocks):
                 break
-            src = _as_tensor(blocks[b], g.dtype).view(
-                g.num_layers, 2, g.kv_heads, r, g.page_tokens, g.head_size
-            )
+            if blocks[b].shape != g.block_shape:
+                raise LayoutError(f"stored block of shape {blocks[b].shape}, not {g.block_shape}")
+            src = _as_tensor(blocks[b], g.dtype)
             j = page % r
             for li, layer in enumerate(self.layers):
-                self._page(layer, page_id).copy_(src[li, :, :, j])
+                self._page(layer, page_id).copy_(src[li, j].view(g.page_shape))
             filled += 1
         return filled

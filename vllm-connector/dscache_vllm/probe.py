@@ -17,8 +17,9 @@ engine; then:
 
 The configure command: ``{"model": DIR, "connector": "dscache" | "example" | null,
 "extra": {...}, "block_size": 128, "prefix_caching": false, "max_model_len": N,
-"kv_space_gib": 1}``. The engine runs in this process (no engine or worker
-subprocesses): one process start per engine, and the connector is reachable.
+"max_num_batched_tokens": N or null, "kv_space_gib": 1}``. The engine runs in this
+process (no engine or worker subprocesses): one process start per engine, and the
+connector is reachable.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def _engine(cfg: dict[str, Any]) -> Any:
         max_model_len=int(cfg.get("max_model_len", 16384)),
         block_size=int(cfg.get("block_size", 128)),
         enable_prefix_caching=bool(cfg.get("prefix_caching", False)),
+        max_num_batched_tokens=cfg.get("max_num_batched_tokens"),
         enforce_eager=True,
         gpu_memory_utilization=0.1,
         distributed_executor_backend="uni",

@@ -28,7 +28,7 @@ from dscache.keys import KVLayout, LayoutKind, ModelFingerprint, checkpoint_revi
 #: The environment variable with the tenant secret (the operator sets it).
 SECRET_ENV = "DSCACHE_VLLM_TENANT_SECRET"  # noqa: S105 - a variable name, not a secret
 #: Name of the stored block layout (see ``dscache_vllm.paged``); in the fingerprint.
-STORED_LAYOUT = "pages-L2H-v1"
+STORED_LAYOUT = "pages-v2"
 
 
 class ConnectorSettings(BaseModel):

@@ -59,7 +59,10 @@ def _config(model: Path, connector: str | None, extra: dict[str, Any], **kw: Any
         "connector": connector,
         "extra": extra,
         "block_size": PAGE_TOKENS,
-        "max_model_len": kw.pop("max_model_len"),
+        "max_model_len": kw["max_model_len"],
+        # One prefill chunk per prompt: vLLM's ExampleConnector cannot load a
+        # prompt whose prefill is chunked.
+        "max_num_batched_tokens": kw.pop("max_model_len"),
         "prefix_caching": kw.pop("prefix_caching", False),
         "kv_space_gib": kw.pop("kv_space_gib", 2),
     }
@@ -214,27 +217,24 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     sidecar.start()
     extra = {"socket": sidecar.socket, "data_dir": str(sidecar.data_dir)}
     example = {"shared_storage_path": str(base / "example")}
+
+    def engine(name: str, connector: str | None, settings: dict[str, Any]) -> VllmProbe:
+        cfg = _config(model, connector, settings, max_model_len=max_len)
+        return VllmProbe(cfg, base / f"{name}.log")
+
     try:
         # 1. Compute and store, with each connector (the first request's cost too).
-        with VllmProbe(
-            _config(model, "dscache", extra, max_model_len=max_len), base / "a.log"
-        ) as p:
+        with engine("store-dscache", "dscache", extra) as p:
             stored = _measure(p, prompts, 1)
             p.flush(300)
-        with VllmProbe(
-            _config(model, "example", example, max_model_len=max_len), base / "b.log"
-        ) as p:
+        with engine("store-example", "example", example) as p:
             _measure(p, prompts, 1)
         # 2. Fresh engines: load from dscache, load from ExampleConnector, recompute.
-        with VllmProbe(
-            _config(model, "dscache", extra, max_model_len=max_len), base / "c.log"
-        ) as p:
+        with engine("load-dscache", "dscache", extra) as p:
             warm = _measure(p, prompts, args.repeat)
-        with VllmProbe(
-            _config(model, "example", example, max_model_len=max_len), base / "d.log"
-        ) as p:
+        with engine("load-example", "example", example) as p:
             ex = _measure(p, prompts, args.repeat)
-        with VllmProbe(_config(model, None, {}, max_model_len=max_len), base / "e.log") as p:
+        with engine("recompute", None, {}) as p:
             cold = _measure(p, prompts, args.repeat)
         fp = fingerprint(
             model=str(model),

@@ -41,6 +41,7 @@ _PYTHON_INPUTS = (
     "model-server",
     "operator",
     "tools",
+    "vllm-connector",
 )
 #: Below this much free space a build warns: a cold build of all four takes about 17 GiB.
 
