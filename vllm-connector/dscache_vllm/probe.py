@@ -7,8 +7,9 @@ engine; then:
 
 * ``{"op": "generate", "prompts": [{"prompt_token_ids": [...], "cache_salt": ...}],
   "max_tokens": N, "logprobs": K}`` -> ``{"outputs": [{"token_ids", "logprobs",
-  "cached_tokens"}], "seconds"}`` (greedy; ``logprobs`` is, per generated
-  position, the top-K ``[token_id, logprob]`` pairs);
+  "cached_tokens"}], "seconds", "load_s"}`` (greedy; ``logprobs`` is, per generated
+  position, the top-K ``[token_id, logprob]`` pairs; ``load_s`` the time spent in
+  the connector's ``start_load_kv``);
 * ``{"op": "flush"}`` waits until the connector's queued saves are written;
 * ``{"op": "metrics"}`` -> the ``dscache_vllm_*`` counters of this process;
 * ``{"op": "keys", "token_ids": [...], "salt": null}`` -> ``{"tenant", "keys"}``:
@@ -67,6 +68,35 @@ def _engine(cfg: dict[str, Any]) -> Any:
     )
 
 
+class _LoadClock:
+    """Seconds the connector spends in ``start_load_kv`` (its load path), any connector."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def install(self) -> None:
+        connector = _connector()
+        if connector is None:
+            return
+        inner = connector.start_load_kv
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        connector.start_load_kv = timed
+
+    def take(self) -> float:
+        out, self.seconds = self.seconds, 0.0
+        return out
+
+
+_CLOCK = _LoadClock()
+
+
 def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -78,9 +108,11 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         {key: p[key] for key in ("prompt_token_ids", "cache_salt") if p.get(key) is not None}
         for p in cmd["prompts"]
     ]
+    _CLOCK.take()
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
+    load_s = _CLOCK.take()
     outputs = []
     for r in results:
         out = r.outputs[0]
@@ -95,7 +127,7 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
                 "cached_tokens": int(r.num_cached_tokens or 0),
             }
         )
-    return {"outputs": outputs, "seconds": seconds}
+    return {"outputs": outputs, "seconds": seconds, "load_s": load_s}
 
 
 def _connector() -> Any:
@@ -145,6 +177,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.get("kv_space_gib", 1)))
     start = time.perf_counter()
     llm = _engine(cfg)
+    _CLOCK.install()
     _reply({"ready": True, "startup_s": time.perf_counter() - start})
     for line in sys.stdin:
         if not line.strip():
