@@ -107,7 +107,8 @@ class DscacheMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 def _page_layout(vllm_config: Any, dtype: Any) -> dict[str, str]:
     """What decides the bytes inside a page: vLLM's version, the page size, the device,
-    and on the CPU the attention kernel's ISA (its K layout differs per ISA)."""
+    and on the CPU the attention kernel's ISA (kernels of different ISAs may lay a
+    page out differently)."""
     import vllm
     from vllm.platforms import current_platform
 
@@ -179,6 +180,13 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ValueError(
                 "dscache's vLLM connector stores MHA/GQA KV; MLA models (DeepSeek-V2/V3) "
                 "are served with dscache by the reference server for now"
+            )
+        if int(parallel.tensor_parallel_size) > 1 or int(parallel.pipeline_parallel_size) > 1:
+            # The scheduler plans with one fingerprint; each shard holds other heads
+            # (layers), so a shard must never load another shard's blocks.
+            raise ValueError(
+                "dscache's vLLM connector supports one worker per engine for now "
+                "(tensor and pipeline parallel size 1)"
             )
         torch_dtype = model.dtype if cache_dtype == "auto" else None
         if torch_dtype not in DTYPES:

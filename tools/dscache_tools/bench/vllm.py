@@ -12,7 +12,9 @@ local checkpoint, in one run, so each is a ratio to a baseline measured beside i
   prompt is the context plus two tokens, so both connectors load exactly the
   context and compute the same tail; ``*_load_s`` is the time inside each
   connector's ``start_load_kv`` (its whole load path: lease or file reads,
-  checks, copies into vLLM's pages).
+  checks, copies into vLLM's pages). The same fresh engines then answer the next
+  turn (the prompt plus 256 new tokens): a prefix of a stored prompt
+  (``*_next_turn_s``).
 * **Lookup cost** on the scheduler's loop: ``lookup_p99_ms`` is the lookup of 32
   stored block keys in the sidecar's index, read in this process as the
   connector does; ``scheduler_p99_ms`` is the connector's whole call for a new
@@ -82,11 +84,11 @@ class _Run:
     cached_tokens: int
 
 
-def _measure(probe: VllmProbe, prompts: dict[int, list[int]], repeat: int) -> dict[int, _Run]:
+def _measure(probe: VllmProbe, prompts: dict[Any, list[int]], repeat: int) -> dict[Any, _Run]:
     """Median TTFT (and time in the connector's load path) of each prompt, in an
     engine that first answered an unrelated one."""
     probe.generate([{"prompt_token_ids": _prompt(300, 999)}], max_tokens=1)
-    out: dict[int, _Run] = {}
+    out: dict[Any, _Run] = {}
     for ctx, prompt in prompts.items():
         runs = [probe.generate([{"prompt_token_ids": prompt}], max_tokens=1) for _ in range(repeat)]
         out[ctx] = _Run(
@@ -95,6 +97,14 @@ def _measure(probe: VllmProbe, prompts: dict[int, list[int]], repeat: int) -> di
             cached_tokens=min(int(r["outputs"][0]["cached_tokens"]) for r in runs),
         )
     return out
+
+
+def _median_run(runs: list[_Run]) -> _Run:
+    return _Run(
+        ttft_s=statistics.median(r.ttft_s for r in runs),
+        load_s=statistics.median(r.load_s for r in runs),
+        cached_tokens=min(r.cached_tokens for r in runs),
+    )
 
 
 def _lookup_cost(sidecar: SidecarProcess, fingerprint: Any, repeat: int) -> dict[str, float]:
@@ -228,6 +238,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     # token) and ExampleConnector (whole vLLM pages, never the last two) then both
     # load exactly `context` tokens and compute the same two-token tail.
     prompts = {ctx: _prompt(ctx + 2, ctx) for ctx in contexts}
+    # The next turn of each: the same prompt and 256 new tokens (a follow-up question),
+    # a different one per repeat (a repeat must not find the previous one's blocks).
+    turns = {
+        ("next", ctx, i): p + _prompt(256, ctx * 100 + i)
+        for ctx, p in prompts.items()
+        for i in range(args.repeat)
+    }
     base = Path(args.work_dir or tempfile.mkdtemp(prefix="dscache-bench-vllm-"))
     base.mkdir(parents=True, exist_ok=True)
     sidecar = SidecarProcess(base / "store", "--capacity", args.capacity, "--segment-size", "64MiB")
@@ -249,8 +266,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         # 2. Fresh engines: load from dscache, load from ExampleConnector, recompute.
         with engine("load-dscache", "dscache", extra) as p:
             warm = _measure(p, prompts, args.repeat)
+            warm_next = _measure(p, turns, 1)
         with engine("load-example", "example", example) as p:
             ex = _measure(p, prompts, args.repeat)
+            ex_next = _measure(p, turns, 1)
         with engine("recompute", None, {}) as p:
             cold = _measure(p, prompts, args.repeat)
         fp = fingerprint(
@@ -271,6 +290,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     for ctx in contexts:
         d, e, c = warm[ctx], ex[ctx], cold[ctx]
+        dn = _median_run([warm_next["next", ctx, i] for i in range(args.repeat)])
+        en = _median_run([ex_next["next", ctx, i] for i in range(args.repeat)])
         results.append(
             {
                 "context": ctx,
@@ -285,6 +306,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 "recompute_over_dscache": c.ttft_s / d.ttft_s,
                 "example_over_dscache": e.ttft_s / d.ttft_s,
                 "example_load_over_dscache_load": e.load_s / d.load_s if d.load_s else None,
+                "dscache_next_turn_s": warm["next", ctx].ttft_s,
+                "example_connector_next_turn_s": ex["next", ctx].ttft_s,
+                "dscache_next_turn_cached_tokens": warm["next", ctx].cached_tokens,
+                "example_connector_next_turn_cached_tokens": ex["next", ctx].cached_tokens,
+                "example_over_dscache_next_turn": ex["next", ctx].ttft_s / warm["next", ctx].ttft_s,
             }
         )
     return {
@@ -326,6 +352,17 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{doc['lookup_p99_ms']:.3f} ms (target p99 <= {TARGET_LOOKUP_P99_MS} ms); the "
         f"connector's whole call with the keys: p50 {doc['scheduler_p50_ms']:.3f} ms, "
         f"p99 {doc['scheduler_p99_ms']:.3f} ms"
+    )
+    lines.append(
+        "next turn (the same prompt + 256 new tokens) in those fresh engines: "
+        + ", ".join(
+            f"{r['context']}: dscache {r['dscache_next_turn_s']:.3f} s "
+            f"({r['dscache_next_turn_cached_tokens']} tokens loaded), ExampleConnector "
+            f"{r['example_connector_next_turn_s']:.3f} s "
+            f"({r['example_connector_next_turn_cached_tokens']} loaded), "
+            f"{r['example_over_dscache_next_turn']:.1f}x"
+            for r in doc["results"]
+        )
     )
     multi = doc.get("multi_turn")
     if multi:
