@@ -53,6 +53,8 @@ BLOCK_TOKENS = 256
 TARGET_VS_RECOMPUTE = 10.0
 TARGET_VS_EXAMPLE = 3.0
 TARGET_LOOKUP_P99_MS = 0.1
+#: New tokens of the next turn after a stored prompt.
+NEXT_TURN_TOKENS = 256
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -233,7 +235,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     contexts = [int(c) for c in str(args.context).split(",")]
     model = cached_checkpoint(args.model)
     layers, _hidden, _heads, kv_heads, _inter = SIZES[args.model]
-    max_len = max(max(contexts) + 64, 8192)
+    max_len = max(max(contexts) + 2 + NEXT_TURN_TOKENS + 62, 8192)
     # Two tokens past the context: dscache (whole 256-token blocks, never the last
     # token) and ExampleConnector (whole vLLM pages, never the last two) then both
     # load exactly `context` tokens and compute the same two-token tail.
@@ -241,7 +243,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     # The next turn of each: the same prompt and 256 new tokens (a follow-up question),
     # a different one per repeat (a repeat must not find the previous one's blocks).
     turns = {
-        ("next", ctx, i): p + _prompt(256, ctx * 100 + i)
+        ("next", ctx, i): p + _prompt(NEXT_TURN_TOKENS, ctx * 100 + i)
         for ctx, p in prompts.items()
         for i in range(args.repeat)
     }
