@@ -20,7 +20,6 @@ Every figure is a ratio to a baseline of the same run: ``full_prefill_s / hit_s`
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import tempfile
@@ -41,6 +40,7 @@ from dscache_server.metrics import ServerMetrics
 from dscache_server.tokenizer import DeepSeekTokenizer
 
 from dscache.keys import KeyChain, tenant_salt
+from dscache_tools.bench import report
 from dscache_tools.sidecarproc import SidecarProcess
 
 log = logging.getLogger(__name__)
@@ -212,13 +212,10 @@ def format_table(doc: dict[str, Any]) -> str:
 
 def run_cli(args: argparse.Namespace) -> int:
     """Entry point of ``dscache bench ttft``."""
-    try:
-        doc = run_bench(args)
-    except (ValueError, RuntimeError) as exc:
-        log.error("bench ttft failed: %s", exc)
-        return 1
-    print(format_table(doc))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json_out}")
-    return 0
+    return report(
+        "ttft",
+        lambda: run_bench(args),
+        format_table,
+        args.json_out,
+        (ValueError, RuntimeError),
+    )

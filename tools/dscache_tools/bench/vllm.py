@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dscache_tools.bench import report
 from dscache_tools.sidecarproc import SidecarProcess
 from dscache_tools.vllmprobe import VllmProbe, VllmServer
 
-log = logging.getLogger(__name__)
 
 #: vLLM pages of the engines; dscache blocks are 256 tokens.
 PAGE_TOKENS = 128
@@ -381,13 +381,10 @@ def format_table(doc: dict[str, Any]) -> str:
 def run_cli(args: argparse.Namespace) -> int:
     """Entry point of ``dscache bench vllm``."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the servers' health polls
-    try:
-        doc = run_bench(args)
-    except (ValueError, RuntimeError, FileNotFoundError, TimeoutError) as exc:
-        log.error("bench vllm failed: %s", exc)
-        return 1
-    print(format_table(doc))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json_out}")
-    return 0
+    return report(
+        "vllm",
+        lambda: run_bench(args),
+        format_table,
+        args.json_out,
+        (ValueError, RuntimeError, FileNotFoundError, TimeoutError),
+    )
