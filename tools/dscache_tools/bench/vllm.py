@@ -45,7 +45,6 @@ from dscache_tools.bench import report
 from dscache_tools.sidecarproc import SidecarProcess
 from dscache_tools.vllmprobe import VllmProbe, VllmServer
 
-
 #: vLLM pages of the engines; dscache blocks are 256 tokens.
 PAGE_TOKENS = 128
 BLOCK_TOKENS = 256
