@@ -195,13 +195,12 @@ class VllmServer:
             return False
 
     def metric(self, name: str) -> float:
-        """Sum of a series over its labels on vLLM's ``/metrics``."""
+        """Sum of a counter's ``_total`` samples over its labels on vLLM's ``/metrics``
+        (``name`` with or without ``_total``); 0 when vLLM does not export it yet."""
+        from dscache_tools.chaos.counters import counter_total
+
         text = self._httpx.get(f"{self.url}/metrics", timeout=10).text
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith((name + "{", name + " "))
-        )
+        return counter_total(text, name.removesuffix("_total")) or 0.0
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after a minute; idempotent."""
