@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 
 # Real nodes: containerd, runc, CNI plugins, iptables; images: docker.io, debootstrap.
 node_pkgs=(containerd runc containernetworking-plugins iptables conntrack iproute2 docker.io debootstrap)
-bash scripts/setup.sh nginx-light libnginx-mod-http-ndk libnginx-mod-http-lua prometheus "${node_pkgs[@]}"
+bash scripts/setup.sh nginx-light libnginx-mod-http-ndk libnginx-mod-http-lua prometheus redis-server "${node_pkgs[@]}"
 
 build_log=$(mktemp -t dscache-build-dev-cluster.XXXXXX.log)
 images_log=$(mktemp -t dscache-build-images.XXXXXX.log)

@@ -148,16 +148,23 @@ class LookupResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HIT_BLOCKS_FIELD_NUMBER: _builtins.int
+    REMOTE_BLOCKS_FIELD_NUMBER: _builtins.int
     hit_blocks: _builtins.int
-    """number of leading keys present"""
+    """number of leading keys present in the local store"""
+    remote_blocks: _builtins.int
+    """Number of keys after those hit_blocks that the shared tier holds (0 without
+    one, or when it did not answer in time): blocks [0, hit_blocks) are local,
+    [hit_blocks, hit_blocks + remote_blocks) remote, the rest missing.
+    """
     def __init__(
         self,
         *,
         hit_blocks: _builtins.int = ...,
+        remote_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["hit_blocks", b"hit_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hit_blocks", b"hit_blocks", "remote_blocks", b"remote_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -172,6 +179,7 @@ class LeaseRequest(_message.Message):
     TTL_MS_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    FETCH_REMOTE_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     ttl_ms: _builtins.int
     """0 = the daemon's default"""
@@ -179,6 +187,11 @@ class LeaseRequest(_message.Message):
     """set to extend an existing lease (keys ignored)"""
     block_tokens: _builtins.int
     """tokens per block, for token-level metrics (optional)"""
+    fetch_remote: _builtins.bool
+    """Promote from the shared tier first: the leading keys not stored here are
+    fetched, verified and stored locally, then leased with the rest. A remote
+    miss, timeout or corrupt value ends the promoted prefix; never an error.
+    """
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -189,10 +202,11 @@ class LeaseRequest(_message.Message):
         ttl_ms: _builtins.int = ...,
         lease_id: _builtins.str = ...,
         block_tokens: _builtins.int = ...,
+        fetch_remote: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_tokens", b"block_tokens", "keys", b"keys", "lease_id", b"lease_id", "tenant", b"tenant", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_tokens", b"block_tokens", "fetch_remote", b"fetch_remote", "keys", b"keys", "lease_id", b"lease_id", "tenant", b"tenant", "ttl_ms", b"ttl_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -236,9 +250,12 @@ class LeaseResponse(_message.Message):
     LEASE_ID_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
     EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    PROMOTED_BLOCKS_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     """empty when nothing was leased"""
     expires_unix_ms: _builtins.int
+    promoted_blocks: _builtins.int
+    """of the leased blocks, those just fetched from the shared tier"""
     @_builtins.property
     def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockLocation]:
         """the leading stored blocks, in order"""
@@ -249,10 +266,11 @@ class LeaseResponse(_message.Message):
         lease_id: _builtins.str = ...,
         blocks: _abc.Iterable[Global___BlockLocation] | None = ...,
         expires_unix_ms: _builtins.int = ...,
+        promoted_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "expires_unix_ms", b"expires_unix_ms", "lease_id", b"lease_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "expires_unix_ms", b"expires_unix_ms", "lease_id", b"lease_id", "promoted_blocks", b"promoted_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -757,6 +775,9 @@ class StatsResponse(_message.Message):
     STORED_RAW_BYTES_FIELD_NUMBER: _builtins.int
     STORED_PAYLOAD_BYTES_FIELD_NUMBER: _builtins.int
     TENANTS_FIELD_NUMBER: _builtins.int
+    SHARED_TIER_FIELD_NUMBER: _builtins.int
+    SHARED_TIER_UP_FIELD_NUMBER: _builtins.int
+    SHARED_QUEUE_BLOCKS_FIELD_NUMBER: _builtins.int
     blocks: _builtins.int
     used_bytes: _builtins.int
     """bytes of live blocks on disk (extents)"""
@@ -772,6 +793,12 @@ class StatsResponse(_message.Message):
     stored_payload_bytes: _builtins.int
     tenants: _builtins.int
     """tenants holding at least one block"""
+    shared_tier: _builtins.str
+    """the shared tier's engine (e.g. "redis-cluster"); empty: none"""
+    shared_tier_up: _builtins.bool
+    """false while the shared tier is skipped after a failure"""
+    shared_queue_blocks: _builtins.int
+    """blocks waiting to be written to the shared tier"""
     def __init__(
         self,
         *,
@@ -787,10 +814,13 @@ class StatsResponse(_message.Message):
         stored_raw_bytes: _builtins.int = ...,
         stored_payload_bytes: _builtins.int = ...,
         tenants: _builtins.int = ...,
+        shared_tier: _builtins.str = ...,
+        shared_tier_up: _builtins.bool = ...,
+        shared_queue_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "blocks", b"blocks", "capacity_bytes", b"capacity_bytes", "checksum_failures", b"checksum_failures", "evicted_blocks", b"evicted_blocks", "pending_writes", b"pending_writes", "policy", b"policy", "segments", b"segments", "stored_payload_bytes", b"stored_payload_bytes", "stored_raw_bytes", b"stored_raw_bytes", "tenants", b"tenants", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "blocks", b"blocks", "capacity_bytes", b"capacity_bytes", "checksum_failures", b"checksum_failures", "evicted_blocks", b"evicted_blocks", "pending_writes", b"pending_writes", "policy", b"policy", "segments", b"segments", "shared_queue_blocks", b"shared_queue_blocks", "shared_tier", b"shared_tier", "shared_tier_up", b"shared_tier_up", "stored_payload_bytes", b"stored_payload_bytes", "stored_raw_bytes", b"stored_raw_bytes", "tenants", b"tenants", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -95,8 +95,9 @@ class KVCacheServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Lookup(self, request, context):
-        """How many leading keys are stored for this tenant. No side effects: it
-        neither pins blocks nor counts as an access for eviction.
+        """How many leading keys are stored for this tenant, here and (with a shared
+        tier) after those in the shared tier. No side effects: it neither pins
+        blocks nor counts as an access for eviction.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -105,7 +106,9 @@ class KVCacheServicer:
     def Lease(self, request, context):
         """Pins the leading stored blocks for ttl_ms and returns where they are, for
         zero-copy reads through a read-only mmap of the segment files. Counts as an
-        access. With lease_id set, extends that lease instead.
+        access. With lease_id set, extends that lease instead. With fetch_remote,
+        first copies the leading blocks after the local ones from the shared tier
+        into the local store (verified), within the daemon's fetch budget.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

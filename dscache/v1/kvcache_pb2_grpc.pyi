@@ -42,13 +42,16 @@ class KVCacheStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KVCacheAsyncStub: ...
     Lookup: _grpc.UnaryUnaryMultiCallable[_kvcache_pb2.LookupRequest, _kvcache_pb2.LookupResponse]
-    """How many leading keys are stored for this tenant. No side effects: it
-    neither pins blocks nor counts as an access for eviction.
+    """How many leading keys are stored for this tenant, here and (with a shared
+    tier) after those in the shared tier. No side effects: it neither pins
+    blocks nor counts as an access for eviction.
     """
     Lease: _grpc.UnaryUnaryMultiCallable[_kvcache_pb2.LeaseRequest, _kvcache_pb2.LeaseResponse]
     """Pins the leading stored blocks for ttl_ms and returns where they are, for
     zero-copy reads through a read-only mmap of the segment files. Counts as an
-    access. With lease_id set, extends that lease instead.
+    access. With lease_id set, extends that lease instead. With fetch_remote,
+    first copies the leading blocks after the local ones from the shared tier
+    into the local store (verified), within the daemon's fetch budget.
     """
     Release: _grpc.UnaryUnaryMultiCallable[_kvcache_pb2.ReleaseRequest, _kvcache_pb2.ReleaseResponse]
     Allocate: _grpc.UnaryUnaryMultiCallable[_kvcache_pb2.AllocateRequest, _kvcache_pb2.AllocateResponse]
@@ -72,13 +75,16 @@ class KVCacheStub:
 class KVCacheAsyncStub(KVCacheStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Lookup: _aio.UnaryUnaryMultiCallable[_kvcache_pb2.LookupRequest, _kvcache_pb2.LookupResponse]  # type: ignore[assignment]
-    """How many leading keys are stored for this tenant. No side effects: it
-    neither pins blocks nor counts as an access for eviction.
+    """How many leading keys are stored for this tenant, here and (with a shared
+    tier) after those in the shared tier. No side effects: it neither pins
+    blocks nor counts as an access for eviction.
     """
     Lease: _aio.UnaryUnaryMultiCallable[_kvcache_pb2.LeaseRequest, _kvcache_pb2.LeaseResponse]  # type: ignore[assignment]
     """Pins the leading stored blocks for ttl_ms and returns where they are, for
     zero-copy reads through a read-only mmap of the segment files. Counts as an
-    access. With lease_id set, extends that lease instead.
+    access. With lease_id set, extends that lease instead. With fetch_remote,
+    first copies the leading blocks after the local ones from the shared tier
+    into the local store (verified), within the daemon's fetch budget.
     """
     Release: _aio.UnaryUnaryMultiCallable[_kvcache_pb2.ReleaseRequest, _kvcache_pb2.ReleaseResponse]  # type: ignore[assignment]
     Allocate: _aio.UnaryUnaryMultiCallable[_kvcache_pb2.AllocateRequest, _kvcache_pb2.AllocateResponse]  # type: ignore[assignment]
@@ -105,8 +111,9 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
         request: _kvcache_pb2.LookupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvcache_pb2.LookupResponse, _abc.Awaitable[_kvcache_pb2.LookupResponse]]:
-        """How many leading keys are stored for this tenant. No side effects: it
-        neither pins blocks nor counts as an access for eviction.
+        """How many leading keys are stored for this tenant, here and (with a shared
+        tier) after those in the shared tier. No side effects: it neither pins
+        blocks nor counts as an access for eviction.
         """
 
     @_abc_1.abstractmethod
@@ -117,7 +124,9 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_kvcache_pb2.LeaseResponse, _abc.Awaitable[_kvcache_pb2.LeaseResponse]]:
         """Pins the leading stored blocks for ttl_ms and returns where they are, for
         zero-copy reads through a read-only mmap of the segment files. Counts as an
-        access. With lease_id set, extends that lease instead.
+        access. With lease_id set, extends that lease instead. With fetch_remote,
+        first copies the leading blocks after the local ones from the shared tier
+        into the local store (verified), within the daemon's fetch budget.
         """
 
     @_abc_1.abstractmethod

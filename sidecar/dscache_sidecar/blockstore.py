@@ -43,6 +43,7 @@ _HEX_TENANT = re.compile(r"^[0-9a-f]{32}$")
 
 __all__ = [
     "KEY_BYTES",
+    "BlockEvents",
     "BlockSpec",
     "BlockStore",
     "Clock",
@@ -192,6 +193,19 @@ class BlockStore(Protocol):
 
     def close(self) -> None:
         """Flushes what must outlive the process and closes files; idempotent."""
+        ...
+
+
+class BlockEvents(Protocol):
+    """Who wants to know what a store publishes and what it serves (the shared tier)."""
+
+    def stored(self, rec: BlockRecord) -> None:
+        """A block was published. Called with the store's lock held: must not block
+        and must not call the store."""
+        ...
+
+    def hit(self, recs: Sequence[BlockRecord]) -> None:
+        """Blocks were leased (reused), in chain order. Called outside the lock."""
         ...
 
 

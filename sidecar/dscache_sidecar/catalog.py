@@ -76,6 +76,8 @@ class Catalog:
         self.alloc = ExtentAllocator(settings.segment_bytes, 0)
         self.leases = LeaseTable(self.free)
         self.usage = TenantUsage()
+        #: Told of every published block (the store's events; None = nobody).
+        self.on_publish: Callable[[BlockRecord], None] | None = None
 
     def free(self, seg: int, offset: int, length: int) -> None:
         """Gives an extent back to the allocator."""
@@ -117,6 +119,13 @@ class Catalog:
         self.stored_payload += rec.stored_bytes
         self.metrics.stored_blocks.inc()
         self.metrics.stored_bytes.inc(rec.stored_bytes)
+
+    def announce(self, published: Sequence[BlockRecord]) -> None:
+        """Tells ``on_publish`` of published blocks, in the order given (chain order:
+        a parent before its children)."""
+        if self.on_publish is not None:
+            for rec in published:
+                self.on_publish(rec)
 
     def hit(self, recs: Sequence[BlockRecord], now_ms: int) -> None:
         """Counts a hit on each block, in the order given (deepest first)."""

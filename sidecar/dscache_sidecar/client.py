@@ -23,6 +23,11 @@ Contract:
       yet; the daemon runs in this very process; another PID namespace holds this
       process id's lock slot) it asks the daemon over gRPC instead, and tries the
       index again after ``DIRECT_RETRY_S``.
+    * When the daemon has a shared tier (its Stats say so; asked once, then every
+      ``SHARED_RECHECK_S``), a lookup that the local index cannot answer in full
+      asks the daemon (one ``Lookup``: local, then remote blocks), and leases ask
+      it to promote the remote ones first (``fetch_remote``), under the long
+      deadline: the daemon bounds the fetch by its own budget.
     * Every failure of the cache surfaces as ``SidecarError`` (or a subclass):
       callers treat it as a miss and recompute.
 """
@@ -79,6 +84,8 @@ _CHUNK = 1024 * 1024
 DIRECT_RETRY_S = 5.0
 #: Seconds between checks that the index on disk is still the one opened.
 _REPLACED_CHECK_S = 1.0
+#: Seconds between two asks whether the daemon has a shared tier.
+SHARED_RECHECK_S = 30.0
 #: How loads check checksums: before returning, on the verifier thread, or not.
 Verify = bool | Literal["background"]
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -170,10 +177,12 @@ class _Check:
 
 @dataclass(frozen=True)
 class LookupAnswer:
-    """How many leading blocks are stored, and whether the index said so (no RPC)."""
+    """How many leading blocks are stored, and whether the index said so (no RPC);
+    ``remote`` of the ``found`` blocks are in the shared tier (the last ones)."""
 
     found: int
     direct: bool
+    remote: int = 0
 
 
 class _DirectIndex:
@@ -307,6 +316,8 @@ class SidecarClient:
         self._index = _DirectIndex(Path(data_dir) / "index") if data_dir else None
         self._connected = False
         self._long_timeout_s = timeout_s * 20
+        self._shared: bool | None = None  # the daemon has a shared tier (None: not asked)
+        self._shared_asked = 0.0
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-hash")
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")
 
@@ -342,14 +353,32 @@ class SidecarClient:
         reader = self._index.get() if self._index is not None else None
         if reader is not None:
             try:
-                return LookupAnswer(reader.leading(_tenant_id(tenant), keys), direct=True)
+                found = reader.leading(_tenant_id(tenant), keys)
             except lmdb.Error as exc:
                 assert self._index is not None
                 self._index.failed(exc)
+            else:
+                if found == len(keys) or not self.has_shared_tier():
+                    return LookupAnswer(found, direct=True)
         self._ready()
         request = pb.LookupRequest(tenant=tenant, keys=list(keys), block_tokens=block_tokens)
         resp = _call(self._stub.Lookup, request, self.timeout_s)
-        return LookupAnswer(int(resp.hit_blocks), direct=False)
+        remote = int(resp.remote_blocks)
+        return LookupAnswer(int(resp.hit_blocks) + remote, direct=False, remote=remote)
+
+    def has_shared_tier(self) -> bool:
+        """Whether the daemon has a shared tier (asked once per ``SHARED_RECHECK_S``;
+        a daemon that does not answer counts as without one)."""
+        now = time.monotonic()
+        if self._shared is None or now - self._shared_asked > SHARED_RECHECK_S:
+            self._shared_asked = now
+            try:
+                self._ready()
+                self._shared = bool(self.stats().shared_tier)
+            except SidecarError as exc:
+                log.debug("could not ask the daemon about its shared tier: %s", exc)
+                self._shared = False
+        return self._shared
 
     def load(
         self,
@@ -378,10 +407,16 @@ class SidecarClient:
         self._ready()
         if self._segments is None:
             return None
+        fetch = self.has_shared_tier()
         request = pb.LeaseRequest(
-            tenant=tenant, keys=list(keys), ttl_ms=int(ttl_s * 1000), block_tokens=block_tokens
+            tenant=tenant,
+            keys=list(keys),
+            ttl_ms=int(ttl_s * 1000),
+            block_tokens=block_tokens,
+            fetch_remote=fetch,
         )
-        resp: pb.LeaseResponse = _call(self._stub.Lease, request, self.timeout_s)
+        timeout = self._long_timeout_s if fetch else self.timeout_s
+        resp: pb.LeaseResponse = _call(self._stub.Lease, request, timeout)
         return resp
 
     def map_lease(

@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, ByteSize, Field, TypeAdapter, model_validator
+from pydantic import BeforeValidator, ByteSize, Field, SecretStr, TypeAdapter, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _BYTE_SIZE = TypeAdapter(ByteSize)
@@ -98,6 +98,40 @@ class SidecarSettings(BaseSettings):
     """Serve ``/debug/fault`` on the HTTP port to slow calls down or fail writes as a
     full disk does (:mod:`dscache_sidecar.faults`). A testing aid: never in production."""
 
+    shared_nodes: str = ""
+    """The shared tier: comma-separated ``host:port`` startup nodes of a Redis Cluster
+    (:mod:`dscache_sidecar.shared`); empty = no shared tier, the store is node-local."""
+    shared_username: str = ""
+    """ACL user name for the shared tier (empty = the default user)."""
+    shared_password: SecretStr = SecretStr("")
+    """Password for the shared tier (empty = no AUTH)."""
+    shared_tls: bool = False
+    """Speak TLS to the shared tier."""
+    shared_tls_ca_file: Path | None = None
+    """CA bundle that signs the shared tier's certificates (default: the system's)."""
+    shared_tls_verify_hostname: bool = True
+    """Check the shared tier's certificate names against the node addresses."""
+    shared_timeout_s: float = Field(default=0.25, gt=0, le=30)
+    """Seconds one remote operation (a pipelined lookup, one fetch batch, one write
+    batch) may take; past it the operation is a miss (or a dropped write)."""
+    shared_fetch_budget_s: float = Field(default=1.0, gt=0, le=60)
+    """Seconds one Lease may spend fetching a prefix from the shared tier in all; what
+    arrived by then is used, the rest is recomputed."""
+    shared_write_policy: Literal["reused", "all"] = "reused"
+    """Which blocks are written to the shared tier: ``reused`` = blocks hit at least
+    once here, and blocks that continue a chain that was (a conversation that came
+    back); ``all`` = every stored block (write-through)."""
+    shared_ttl_s: int = Field(default=86400, ge=1)
+    """Seconds a block lives in the shared tier after it was written or last read."""
+    shared_queue_blocks: int = Field(default=1024, ge=1)
+    """Blocks waiting to be written to the shared tier at most; more are dropped and
+    counted (never blocking a request)."""
+    shared_retry_s: float = Field(default=5.0, gt=0)
+    """After a failed remote operation the tier is skipped this many seconds (every
+    request is then local-only at no extra latency), then tried again."""
+    shared_fetch_batch: int = Field(default=8, ge=1, le=1024)
+    """Blocks per pipelined fetch; the next batch is fetched while one is stored."""
+
     @model_validator(mode="after")
     def _check(self) -> SidecarSettings:
         if self.capacity_bytes < 64 * 1024:
@@ -106,6 +140,11 @@ class SidecarSettings(BaseSettings):
         self.segment_bytes = segment - segment % 4096
         if not 0 < self.low_watermark <= self.high_watermark <= 1:
             raise ValueError("need 0 < low_watermark <= high_watermark <= 1")
+        if self.shared_nodes:
+            for node in self.shared_node_list:
+                host, _, port = node.rpartition(":")
+                if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                    raise ValueError(f"shared_nodes: {node!r} is not host:port")
         if self.tcp is not None:
             host = self.tcp.rsplit(":", 1)[0].strip("[]")
             if host not in ("127.0.0.1", "localhost", "::1"):
@@ -115,6 +154,11 @@ class SidecarSettings(BaseSettings):
     @property
     def socket_path(self) -> Path:
         return self.socket if self.socket is not None else self.data_dir / "sidecar.sock"
+
+    @property
+    def shared_node_list(self) -> list[str]:
+        """The shared tier's startup nodes (``host:port``), empty without one."""
+        return [n.strip() for n in self.shared_nodes.split(",") if n.strip()]
 
     @property
     def quarantine_s(self) -> float:
@@ -147,6 +191,16 @@ def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
         help="largest share of capacity one tenant may hold, in (0, 1] (default 1: off)",
     )
     p.add_argument(
+        "--shared-nodes",
+        help="shared tier: Redis Cluster startup nodes host:port,host:port (default: none)",
+    )
+    p.add_argument(
+        "--shared-write-policy",
+        choices=["reused", "all"],
+        help="blocks written to the shared tier: reused (default) or all",
+    )
+    p.add_argument("--shared-timeout", type=float, help="seconds per remote operation")
+    p.add_argument(
         "--fault-injection",
         action="store_true",
         default=None,
@@ -171,6 +225,9 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
         "verify_on_start": "verify_on_start",
         "tenant_quota": "tenant_quota",
         "fault_injection": "fault_injection",
+        "shared_nodes": "shared_nodes",
+        "shared_write_policy": "shared_write_policy",
+        "shared_timeout": "shared_timeout_s",
     }
     kwargs: dict[str, Any] = {}
     for flag, field in mapping.items():

@@ -16,6 +16,9 @@ Contract:
     * Metrics are served over HTTP at ``/metrics`` (prometheus_client), and the
       health service's verdict at ``/healthz`` and ``/readyz`` on the same port
       (:mod:`dscache_sidecar.probes`), for kubelet HTTP probes.
+    * With ``shared_nodes`` set, a shared tier on that Redis Cluster sits behind
+      the store (:mod:`dscache_sidecar.shared`); a cluster that is down at start
+      is not an error (the tier is tried on use, and skipped while it fails).
     * With ``fault_injection`` on (a testing aid, never in production), the same
       port serves ``/debug/fault`` and every KVCache call first waits the injected
       delay (:mod:`dscache_sidecar.faults`); off, nothing of it runs.
@@ -46,7 +49,9 @@ from dscache_sidecar.errors import DataDirLockedError
 from dscache_sidecar.faults import FaultInjector
 from dscache_sidecar.metrics import SidecarMetrics
 from dscache_sidecar.probes import ProbeServer, SocketHealthCheck, make_app, servicer_status
+from dscache_sidecar.redistier import RedisClusterTier
 from dscache_sidecar.service import BadRequestError, KVCacheService, UnimplementedError
+from dscache_sidecar.shared import SharedTier
 from dscache_sidecar.store import KVStore
 
 log = logging.getLogger(__name__)
@@ -188,11 +193,14 @@ class RunningSidecar:
     http: ProbeServer | None = None
     socket_check: SocketHealthCheck | None = None
     faults: FaultInjector | None = None
+    shared: SharedTier | None = None
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stops serving (in-flight calls get ``grace_s``), then closes the store."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        if self.shared is not None:
+            self.shared.close()
         self.store.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
@@ -215,6 +223,7 @@ def create_server(
         log.warning("fault injection is ON (/debug/fault): a testing aid, never for production")
     store = KVStore(settings, metrics, faults=faults)
     store.open()
+    shared = _shared_tier(settings, store, metrics)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=settings.grpc_workers, thread_name_prefix="kv-rpc"),
         interceptors=[_ErrorsAndMetrics(metrics, faults)],
@@ -223,7 +232,9 @@ def create_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    pb_grpc.add_KVCacheServicer_to_server(KVCacheService(store, settings, metrics), server)
+    pb_grpc.add_KVCacheServicer_to_server(
+        KVCacheService(store, settings, metrics, shared, store if shared else None), server
+    )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     sock = str(settings.socket_path)
@@ -272,7 +283,35 @@ def create_server(
         http,
         socket_check,
         faults,
+        shared,
     )
+
+
+def _shared_tier(
+    settings: SidecarSettings, store: KVStore, metrics: SidecarMetrics
+) -> SharedTier | None:
+    """The shared tier behind ``store`` when ``shared_nodes`` is set, started."""
+    nodes = settings.shared_node_list
+    if not nodes:
+        return None
+    tier = RedisClusterTier(
+        nodes,
+        timeout_s=settings.shared_timeout_s,
+        username=settings.shared_username,
+        password=settings.shared_password.get_secret_value(),
+        tls=settings.shared_tls,
+        ca_file=settings.shared_tls_ca_file,
+        verify_hostname=settings.shared_tls_verify_hostname,
+    )
+    shared = SharedTier(tier, store, settings, metrics)
+    store.set_events(shared)
+    shared.start()
+    log.info(
+        "shared tier: Redis Cluster at %s, write policy %s",
+        ",".join(nodes),
+        settings.shared_write_policy,
+    )
+    return shared
 
 
 def run_from_args(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -44,6 +45,16 @@ class StoreGauges:
     stored_raw_bytes: int
     stored_payload_bytes: int
     tenants: int = 0
+
+
+class RemoteStatus(Protocol):
+    """What the shared tier reports at scrape time."""
+
+    @property
+    def up(self) -> bool: ...
+
+    @property
+    def queued(self) -> int: ...
 
 
 class SidecarMetrics:
@@ -110,6 +121,38 @@ class SidecarMetrics:
             registry=r,
         )
 
+        # The shared tier (dscache_sidecar.shared); zero without one.
+        self.remote_blocks = counter(
+            "dscache_sidecar_remote_blocks_total",
+            "Blocks of the shared tier by op (lookup, fetch, push) and result (hit, miss, ok, "
+            "corrupt, not_stored)",
+            "op",
+            "result",
+        )
+        self.remote_bytes = counter(
+            "dscache_sidecar_remote_bytes_total",
+            "Bytes moved to (push) or from (fetch) the shared tier",
+            "op",
+        )
+        self.remote_latency = Histogram(
+            "dscache_sidecar_remote_duration_seconds",
+            "Time of shared-tier operations (lookup, fetch: a whole prefix, push: one batch)",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.remote_errors = counter(
+            "dscache_sidecar_remote_errors_total",
+            "Failed shared-tier operations by op and kind (timeout, connection, budget, other)",
+            "op",
+            "kind",
+        )
+        self.remote_write_drops = counter(
+            "dscache_sidecar_remote_write_drops_total",
+            "Blocks not written to the shared tier, by reason (queue_full, down, error, gone)",
+            "reason",
+        )
+
     def count_lookup(self, op: str, hits: int, asked: int, block_tokens: int) -> None:
         """Counts one Lookup/Lease/Get of ``asked`` leading blocks, ``hits`` found."""
         if asked == 0:
@@ -133,6 +176,10 @@ class SidecarMetrics:
     def watch_store(self, read: Callable[[], StoreGauges]) -> None:
         """Registers a collector that reads the store's totals at scrape time."""
         self.registry.register(_StoreCollector(read))
+
+    def watch_remote(self, read: Callable[[], RemoteStatus]) -> None:
+        """Registers a collector that reads the shared tier's state at scrape time."""
+        self.registry.register(_RemoteCollector(read))
 
 
 def _total(counter: Counter, labels: dict[str, str] | None = None) -> int:
@@ -182,4 +229,22 @@ class _StoreCollector(Collector):
             "dscache_sidecar_compression_ratio",
             "Decoded bytes / stored bytes over the blocks in the index",
             value=ratio,
+        )
+
+
+class _RemoteCollector(Collector):
+    def __init__(self, read: Callable[[], RemoteStatus]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self._read()
+        yield GaugeMetricFamily(
+            "dscache_sidecar_remote_up",
+            "1 while the shared tier answers, 0 while it is skipped after a failure",
+            value=1.0 if s.up else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "dscache_sidecar_remote_queue_blocks",
+            "Blocks waiting to be written to the shared tier",
+            value=s.queued,
         )

@@ -8,6 +8,9 @@ Contract:
       interceptor); an RPC whose capability (``Leasing``, ``Reserving``) the store
       lacks raises :class:`UnimplementedError` (UNIMPLEMENTED).
     * A miss is a normal response.
+    * With a shared tier (:mod:`dscache_sidecar.shared`), Lookup also says how many
+      of the following keys the tier holds, and a Lease with ``fetch_remote``
+      promotes them first; the tier never turns a call into an error.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dscache_sidecar.codec import DTYPE_NAMES, Codec
 from dscache_sidecar.config import SidecarSettings
 from dscache_sidecar.index import BlockRecord
 from dscache_sidecar.metrics import SidecarMetrics
+from dscache_sidecar.shared import BlockSource, SharedTier
 
 _MAX_TENANT_CHARS = 256
 
@@ -57,11 +61,22 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     """
 
     def __init__(
-        self, store: BlockStore, settings: SidecarSettings, metrics: SidecarMetrics
+        self,
+        store: BlockStore,
+        settings: SidecarSettings,
+        metrics: SidecarMetrics,
+        shared: SharedTier | None = None,
+        source: BlockSource | None = None,
     ) -> None:
+        """``shared``: the shared tier, and ``source`` the store as the tier sees it
+        (the same object as ``store``); both or neither."""
+        if (shared is None) != (source is None):
+            raise ValueError("give both shared and source, or neither")
         self.store = store
         self.settings = settings
         self.metrics = metrics
+        self.shared = shared
+        self.source = source
         self._leasing = store if isinstance(store, Leasing) else None
         self._reserving = store if isinstance(store, Reserving) else None
 
@@ -115,10 +130,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     # -- RPCs
 
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
-        hits = self.store.lookup(
-            self._tenant(request.tenant), self._keys(request.keys), request.block_tokens
-        )
-        return pb.LookupResponse(hit_blocks=hits)
+        tenant, keys = self._tenant(request.tenant), self._keys(request.keys)
+        hits = self.store.lookup(tenant, keys, request.block_tokens)
+        remote = 0
+        if self.shared is not None and hits < len(keys):
+            remote = self.shared.lookup(tenant, keys[hits:])
+        return pb.LookupResponse(hit_blocks=hits, remote_blocks=remote)
 
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseResponse:
         ttl = request.ttl_ms / 1000.0 if request.ttl_ms else None
@@ -127,11 +144,17 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             return pb.LeaseResponse(
                 lease_id=request.lease_id if expires else "", expires_unix_ms=expires
             )
-        grant = self._leases().lease(
-            self._tenant(request.tenant), self._keys(request.keys), ttl, request.block_tokens
-        )
+        tenant, keys = self._tenant(request.tenant), self._keys(request.keys)
+        leases = self._leases()
+        promoted = 0
+        if request.fetch_remote and self.shared is not None and self.source is not None:
+            local = self.source.stored_prefix(tenant, keys)
+            if local < len(keys):
+                promoted = self.shared.promote(tenant, keys[local:])
+        grant = leases.lease(tenant, keys, ttl, request.block_tokens)
         return pb.LeaseResponse(
             lease_id=grant.lease_id,
+            promoted_blocks=promoted,
             blocks=[
                 pb.BlockLocation(key=rec.key, segment=seg, offset=off, info=_info(rec))
                 for rec, seg, off in grant.blocks
@@ -229,7 +252,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         # Every gauge but free_bytes is a Stats field of the same name.
         gauges = dataclasses.asdict(self.store.gauges())
         del gauges["free_bytes"]
+        shared = self.shared.status() if self.shared is not None else None
         return pb.StatsResponse(
+            shared_tier=shared.engine if shared else "",
+            shared_tier_up=shared.up if shared else False,
+            shared_queue_blocks=shared.queued if shared else 0,
             policy=self.store.policy_name,
             evicted_blocks=self.metrics.evicted_blocks(),
             checksum_failures=self.metrics.checksum_failure_count(),

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 
 from dscache_sidecar.blockstore import (
+    BlockEvents,
     BlockSpec,
     Clock,
     CommitResult,
@@ -118,6 +119,13 @@ class KVStore:
         )
         self._reaper: Reaper | None = None
         self._dir_lock = DataDirLock(settings.data_dir)
+        self._events: BlockEvents | None = None
+
+    def set_events(self, events: BlockEvents | None) -> None:
+        """Tells ``events`` of every block published and every lease granted from now."""
+        with self._lock:
+            self._events = events
+            self._catalog.on_publish = events.stored if events is not None else None
 
     def set_hook(self, point: str, fn: Callable[[], None] | None) -> None:
         """Test seam: runs ``fn`` at a named point, outside the store lock.
@@ -244,6 +252,15 @@ class KVStore:
         self.metrics.count_lookup("lookup", hits, len(keys), block_tokens)
         return hits
 
+    def stored_prefix(self, tenant: str, keys: Sequence[bytes]) -> int:
+        """Number of leading keys stored for ``tenant``: no side effects, not counted."""
+        tid = tenant_bytes(tenant)
+        with self._lock:
+            for n, key in enumerate(keys):
+                if self._catalog.owned(key, tid) is None:
+                    return n
+        return len(keys)
+
     def lease(
         self, tenant: str, keys: Sequence[bytes], ttl_s: float | None = None, block_tokens: int = 0
     ) -> LeaseGrant:
@@ -260,6 +277,9 @@ class KVStore:
                 self._catalog.hit([rec for rec, _, _ in reversed(grants)], self._now_ms())
         if grants:
             self._hook("lease.granted")
+            events = self._events
+            if events is not None:
+                events.hit([rec for rec, _, _ in grants])
         self.metrics.count_lookup("lease", len(grants), len(keys), block_tokens)
         expires_ms = int((self._clock.wall() + ttl) * 1000) if grants else 0
         return LeaseGrant(lease_id, grants, expires_ms)
@@ -303,11 +323,20 @@ class KVStore:
 
     def read(self, tenant: str, key: bytes) -> tuple[BlockRecord, bytes] | None:
         """A verified copy of one block's stored bytes (for streaming Get), or a miss."""
+        return self._read(tenant, key, count=True)
+
+    def peek(self, tenant: str, key: bytes) -> tuple[BlockRecord, bytes] | None:
+        """As ``read``, but neither an access (eviction order) nor counted in metrics:
+        the shared tier's writer copies blocks out with it."""
+        return self._read(tenant, key, count=False)
+
+    def _read(self, tenant: str, key: bytes, count: bool) -> tuple[BlockRecord, bytes] | None:
         tid = tenant_bytes(tenant)
         with self._lock:
             rec = self._catalog.owned(key, tid)
             if rec is None:
-                self.metrics.count_lookup("get", 0, 1, 0)
+                if count:
+                    self.metrics.count_lookup("get", 0, 1, 0)
                 return None
             ext = (rec.segment, rec.offset)
             self._leases.pin([ext])
@@ -327,11 +356,13 @@ class KVStore:
             if not ok:
                 if self._catalog.blocks.get(key) is rec:
                     self._catalog.drop_corrupt([rec], where="read")
-                self.metrics.count_lookup("get", 0, 1, 0)
+                if count:
+                    self.metrics.count_lookup("get", 0, 1, 0)
                 return None
-            if key in self._catalog.blocks:
+            if count and key in self._catalog.blocks:
                 self._catalog.hit([rec], self._now_ms())
-        self.metrics.count_lookup("get", 1, 1, 0)
+        if count:
+            self.metrics.count_lookup("get", 1, 1, 0)
         return rec, data
 
     def _payload_ok(self, rec: BlockRecord) -> bool:

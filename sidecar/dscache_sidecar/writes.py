@@ -212,6 +212,7 @@ class Writes:
             for rec in reversed(publish):
                 catalog.publish(rec)
             catalog.touch_ancestors(publish)
+            catalog.announce(publish)
         return results
 
     def abort(self, write_ids: Iterable[str]) -> int:

@@ -1,0 +1,276 @@
+"""The shared tier on a real Redis Cluster (3 masters on loopback, Debian's redis-server).
+
+Two in-process daemons with their own data directories play two pods on two nodes;
+each has the same cluster behind it. What a user would notice: a session's prefix
+follows it to the other pod, tenants never see each other's blocks, a corrupt
+remote value is never served, and a dead or frozen cluster changes no answer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+from dscache_sidecar.blockstore import tenant_bytes
+from dscache_sidecar.index import BlockRecord
+from dscache_sidecar.shared import CorruptValueError, pack_block, remote_name, unpack_block
+from dscache_tools.rediscluster import LocalRedisCluster
+from needs import need_binary
+from sidecar_helpers import Sidecar, block_array, blocks_for, chain, prompt
+
+from dscache.keys import tenant_salt
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    need_binary("redis-server", "redis-server")
+    with LocalRedisCluster(tmp_path_factory.mktemp("redis")) as c:
+        yield c
+
+
+@pytest.fixture
+def shared(cluster: LocalRedisCluster) -> LocalRedisCluster:
+    """The module's cluster, emptied before the test."""
+    for port in cluster.ports:
+        redis.Redis(host="127.0.0.1", port=port).flushall()
+    return cluster
+
+
+def pod(make_sidecar: Callable[..., Sidecar], c: LocalRedisCluster, **kw: Any) -> Sidecar:
+    """A daemon on its own (empty) data directory with ``c`` as its shared tier."""
+    return make_sidecar(shared_nodes=c.nodes, **kw)
+
+
+def settle(*pods: Sidecar) -> None:
+    for p in pods:
+        assert p.running is not None and p.running.shared is not None
+        assert p.running.shared.wait_idle(20.0), "shared-tier writes did not finish"
+
+
+def reuse(p: Sidecar, tenant: str, keys: list[bytes]) -> None:
+    """A returning request: leases (hits) the whole chain on ``p``."""
+    with p.c.load(tenant, keys) as loaded:
+        assert len(loaded.keys) == len(keys)
+
+
+def test_a_moved_session_finds_its_prefix_on_a_fresh_pod(
+    make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
+) -> None:
+    a, b = pod(make_sidecar, shared), pod(make_sidecar, shared)
+    ch = chain()
+    keys = ch.keys(prompt(8, seed=1))
+    # Turn 1 stores 6 blocks; turn 2 hits them and stores 2 more after them.
+    assert a.c.store(ch.tenant, blocks_for(keys[:6])) == 6
+    reuse(a, ch.tenant, keys[:6])
+    assert a.c.store(ch.tenant, blocks_for(keys)[6:]) == 2
+    settle(a)
+    assert a.metric("dscache_sidecar_remote_blocks_total", op="push", result="ok") == 8
+
+    # Turn 3 lands on pod b, whose disk has never seen this session.
+    answer = b.c.find(ch.tenant, keys)
+    assert (answer.found, answer.remote, answer.direct) == (8, 8, False)
+    with b.c.load(ch.tenant, keys) as loaded:
+        assert loaded.keys == keys
+        assert loaded.verified(5.0) == 8
+        for key, arr in zip(keys, loaded.arrays, strict=True):
+            np.testing.assert_array_equal(arr, block_array(key))
+    # Promoted: the next turn on b is a local hit, and b writes nothing back.
+    assert b.store.stored_prefix(ch.tenant, keys) == 8
+    again = b.c.find(ch.tenant, keys)
+    assert (again.found, again.remote) == (8, 0)
+    reuse(b, ch.tenant, keys)
+    settle(b)
+    assert b.metric("dscache_sidecar_remote_blocks_total", op="push", result="ok") == 0
+    assert b.metric("dscache_sidecar_remote_blocks_total", op="fetch", result="ok") == 8
+
+
+def test_single_use_blocks_stay_on_their_node_unless_the_policy_is_all(
+    make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
+) -> None:
+    reused = pod(make_sidecar, shared)
+    every = pod(make_sidecar, shared, shared_write_policy="all")
+    fresh = pod(make_sidecar, shared)
+    ch = chain()
+    once = ch.keys(prompt(4, seed=2))
+    always = ch.keys(prompt(4, seed=3))
+    reused.c.store(ch.tenant, blocks_for(once))
+    every.c.store(ch.tenant, blocks_for(always))
+    settle(reused, every)
+    assert fresh.c.find(ch.tenant, once).found == 0
+    assert fresh.c.find(ch.tenant, always).found == 4
+
+
+def test_tenants_are_isolated_in_the_shared_tier(
+    make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
+) -> None:
+    a, b = pod(make_sidecar, shared), pod(make_sidecar, shared)
+    owner = chain("tenant-a")
+    keys = owner.keys(prompt(4, seed=4))
+    a.c.store(owner.tenant, blocks_for(keys))
+    reuse(a, owner.tenant, keys)
+    settle(a)
+    # Another tenant presenting the very same keys gets nothing, here or remote.
+    other = chain("tenant-b").tenant
+    assert b.c.find(other, keys).found == 0
+    with b.c.load(other, keys) as loaded:
+        assert loaded.keys == []
+    assert b.store.stored_prefix(other, keys) == 0
+    # ... and the remote names carry the tenant's id.
+    rc = redis.RedisCluster(host="127.0.0.1", port=shared.ports[0])
+    assert rc.exists(remote_name(tenant_bytes(owner.tenant), keys[0])) == 1
+    assert rc.exists(remote_name(tenant_bytes(other), keys[0])) == 0
+    assert b.c.find(owner.tenant, keys).found == 4
+
+
+def test_a_corrupt_remote_value_is_detected_dropped_and_never_served(
+    make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
+) -> None:
+    a, b = pod(make_sidecar, shared, shared_write_policy="all"), pod(make_sidecar, shared)
+    ch = chain()
+    keys = ch.keys(prompt(6, seed=5))
+    a.c.store(ch.tenant, blocks_for(keys))
+    settle(a)
+    rc = redis.RedisCluster(host="127.0.0.1", port=shared.ports[0])
+    name = remote_name(tenant_bytes(ch.tenant), keys[3])
+    value = bytearray(rc.get(name) or b"")
+    value[-100] ^= 0x40  # one flipped bit in the payload
+    rc.set(name, bytes(value))
+
+    assert b.c.find(ch.tenant, keys).found == 6  # present remotely: not yet read
+    with b.c.load(ch.tenant, keys) as loaded:
+        assert loaded.keys == keys[:3]  # the prefix before the corrupt block
+        for key, arr in zip(loaded.keys, loaded.arrays, strict=True):
+            np.testing.assert_array_equal(arr, block_array(key))
+    assert rc.exists(name) == 0  # dropped remotely
+    assert b.metric("dscache_sidecar_checksum_failures_total", where="remote") == 1
+    assert b.metric("dscache_sidecar_remote_blocks_total", op="fetch", result="corrupt") == 1
+    assert b.c.find(ch.tenant, keys).found == 3
+
+
+def _record(key: bytes, parent: bytes, tenant: str, data: bytes) -> BlockRecord:
+    from dscache_sidecar.codec import DTYPE_CODES
+    from dscache_sidecar.segments import checksum
+
+    return BlockRecord(
+        key=key,
+        segment=0,
+        offset=0,
+        extent_bytes=4096,
+        stored_bytes=len(data),
+        raw_bytes=len(data),
+        checksum=checksum(data),
+        codec=0,
+        dtype_code=DTYPE_CODES["float32"],
+        shape=(len(data) // 4,),
+        tenant=tenant_bytes(tenant),
+        parent=parent,
+        created_ms=0,
+    )
+
+
+def test_remote_values_verify_tenant_key_layout_and_bytes() -> None:
+    tenant = tenant_salt("t").hex()[:32]
+    key, parent = b"k" * 32, b"p" * 32
+    data = np.arange(64, dtype=np.float32).tobytes()
+    value = pack_block(_record(key, parent, tenant, data), data)
+    tid = tenant_bytes(tenant)
+    spec, csum, got = unpack_block(tid, key, value, 1 << 20)
+    assert (spec.key, spec.parent, spec.shape, got) == (key, parent, (64,), data)
+    assert csum == _record(key, parent, tenant, data).checksum
+    broken = {
+        "another key": (tid, b"x" * 32, value),
+        "another tenant": (tenant_bytes("someone-else"), key, value),
+        "flipped byte": (tid, key, value[:-1] + bytes([value[-1] ^ 1])),
+        "truncated": (tid, key, value[:-4]),
+        "not ours": (tid, key, b"hello"),
+        "garbled header": (tid, key, value[:5] + b"\xff\xff\x00\x00" + value[9:]),
+    }
+    for what, (t, k, v) in broken.items():
+        with pytest.raises(CorruptValueError):
+            unpack_block(t, k, v, 1 << 20)
+            pytest.fail(what)
+
+
+def test_a_frozen_cluster_is_a_miss_within_the_timeout(
+    make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
+) -> None:
+    a = pod(make_sidecar, shared, shared_write_policy="all")
+    b = pod(make_sidecar, shared, shared_timeout_s=0.2, shared_fetch_budget_s=0.5)
+    ch = chain()
+    keys = ch.keys(prompt(4, seed=6))
+    a.c.store(ch.tenant, blocks_for(keys))
+    settle(a)
+    local = ch.keys(prompt(3, seed=7))
+    b.c.store(ch.tenant, blocks_for(local))
+    shared.pause()
+    try:
+        t0 = time.monotonic()
+        assert b.c.find(ch.tenant, keys).found == 0
+        with b.c.load(ch.tenant, keys) as loaded:
+            assert loaded.keys == []
+        elapsed = time.monotonic() - t0
+        # Local blocks are served as ever, at no remote cost while the tier is skipped.
+        with b.c.load(ch.tenant, local) as loaded:
+            assert loaded.keys == local
+        assert b.c.stats().shared_tier_up is False
+        assert b.metric("dscache_sidecar_remote_up") == 0
+    finally:
+        shared.resume()
+    # One timeout (and the connection's) at most, not one per block or per call.
+    assert elapsed < 3.0
+    assert b.metric("dscache_sidecar_remote_errors_total", op="lookup", kind="timeout") >= 1
+
+
+def test_writes_never_wait_for_the_tier_and_overflow_is_counted(
+    make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
+) -> None:
+    a = pod(make_sidecar, shared, shared_write_policy="all", shared_queue_blocks=2)
+    ch = chain()
+    shared.pause()
+    try:
+        keys = ch.keys(prompt(12, seed=8))
+        t0 = time.monotonic()
+        assert a.c.store(ch.tenant, blocks_for(keys)) == 12
+        stored_s = time.monotonic() - t0
+        settle(a)
+    finally:
+        shared.resume()
+    drops = sum(
+        a.metric("dscache_sidecar_remote_write_drops_total", reason=r)
+        for r in ("queue_full", "down", "error")
+    )
+    assert drops == 12  # every write was dropped and counted, none waited
+    assert a.metric("dscache_sidecar_remote_write_drops_total", reason="queue_full") >= 1
+    assert stored_s < 5.0
+
+
+def test_a_killed_cluster_changes_no_answer(
+    make_sidecar: Callable[..., Sidecar], tmp_path: Path
+) -> None:
+    need_binary("redis-server", "redis-server")
+    with LocalRedisCluster(tmp_path / "redis-killed") as doomed:
+        a = pod(make_sidecar, doomed, shared_write_policy="all")
+        b = pod(make_sidecar, doomed, shared_timeout_s=0.2, shared_retry_s=0.5)
+        ch = chain()
+        keys = ch.keys(prompt(5, seed=9))
+        a.c.store(ch.tenant, blocks_for(keys))
+        settle(a)
+        with b.c.load(ch.tenant, keys[:2]) as loaded:  # two blocks promoted before the loss
+            assert loaded.keys == keys[:2]
+        doomed.kill()
+        for _ in range(3):  # past the retry pause too: every call fails over again
+            answer = b.c.find(ch.tenant, keys)
+            assert answer.found == 2
+            with b.c.load(ch.tenant, keys) as loaded:
+                assert loaded.keys == keys[:2]
+                for key, arr in zip(loaded.keys, loaded.arrays, strict=True):
+                    np.testing.assert_array_equal(arr, block_array(key))
+            time.sleep(0.6)
+        more = ch.keys(prompt(3, seed=10))
+        assert b.c.store(ch.tenant, blocks_for(more)) == 3  # writes go on locally
+        assert b.c.find(ch.tenant, more).found == 3

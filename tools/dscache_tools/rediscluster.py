@@ -1,0 +1,195 @@
+"""A real Redis Cluster on loopback for tests and benches (Debian's ``redis-server``).
+
+:class:`LocalRedisCluster` starts ``masters`` ``redis-server`` processes in
+cluster mode, each on a free loopback port (and its cluster bus port, +10000),
+joins them with ``redis-cli --cluster create`` and waits for ``cluster_state:ok``.
+Nothing is persisted (no RDB, no AOF): the data dir holds only the nodes files.
+Faults for chaos runs: :meth:`pause` (SIGSTOP: the nodes accept connections but
+never answer, as an overloaded or partitioned cluster does), :meth:`resume` and
+:meth:`kill`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from dscache_tools.net import free_port
+
+__all__ = ["LocalRedisCluster", "RedisClusterStartError"]
+
+
+class RedisClusterStartError(RuntimeError):
+    """The cluster did not come up; the message says why (with the servers' logs)."""
+
+
+def _port_pair() -> int:
+    """A free port whose cluster bus port (+10000) is free too."""
+    for _ in range(50):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RedisClusterStartError("no free port pair for a cluster node")
+
+
+class LocalRedisCluster:
+    """``masters`` Redis Cluster masters on 127.0.0.1 (no replicas), under ``work_dir``.
+
+    Args:
+        work_dir: nodes files and logs, one folder per node.
+        masters: nodes, at least 3 (Redis Cluster's minimum).
+        maxmemory: per node, e.g. ``256mb``; allkeys-lru evicts past it.
+        password: ``requirepass``/``masterauth`` when set.
+    """
+
+    def __init__(
+        self, work_dir: Path, masters: int = 3, maxmemory: str = "256mb", password: str = ""
+    ) -> None:
+        if masters < 3:
+            raise ValueError("a Redis Cluster needs at least 3 masters")
+        for tool in ("redis-server", "redis-cli"):
+            if shutil.which(tool) is None:
+                raise RedisClusterStartError(
+                    f"{tool} not found: install Debian's redis-server (scripts/setup.sh does)"
+                )
+        self.work_dir = work_dir
+        self.masters = masters
+        self.maxmemory = maxmemory
+        self.password = password
+        self.ports: list[int] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def nodes(self) -> str:
+        """The startup nodes, ``127.0.0.1:port,...`` (the sidecar's ``shared_nodes``)."""
+        return ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def _cli(self, port: int, *args: str, timeout: float = 20.0) -> str:
+        auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+        out = subprocess.run(
+            ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *auth, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        return out.stdout + out.stderr
+
+    def start(self, timeout_s: float = 60.0) -> LocalRedisCluster:
+        """Starts and joins the nodes; raises :class:`RedisClusterStartError`."""
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, timeout_s: float) -> None:
+        for i in range(self.masters):
+            port = _port_pair()
+            node_dir = self.work_dir / f"node-{i}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            args = [
+                "redis-server",
+                "--port", str(port),
+                "--bind", "127.0.0.1",
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", str(node_dir / "nodes.conf"),
+                "--cluster-node-timeout", "5000",
+                "--dir", str(node_dir),
+                "--save", "",
+                "--appendonly", "no",
+                "--maxmemory", self.maxmemory,
+                "--maxmemory-policy", "allkeys-lru",
+                "--logfile", str(node_dir / "redis.log"),
+            ]  # fmt: skip
+            if self.password:
+                args += ["--requirepass", self.password, "--masterauth", self.password]
+            self._procs.append(
+                subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
+            )
+            self.ports.append(port)
+        deadline = time.monotonic() + timeout_s
+        for port in self.ports:
+            while "PONG" not in self._cli(port, "ping", timeout=5):
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise RedisClusterStartError(f"node {port} did not answer PING")
+                time.sleep(0.1)
+        out = self._cli(
+            self.ports[0],
+            "--cluster",
+            "create",
+            *(f"127.0.0.1:{p}" for p in self.ports),
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+            timeout=timeout_s,
+        )
+        if "[OK]" not in out:
+            raise RedisClusterStartError(f"redis-cli --cluster create failed:\n{out}")
+        for port in self.ports:
+            while "cluster_state:ok" not in self._cli(port, "cluster", "info", timeout=5):
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise RedisClusterStartError(f"node {port} never reported cluster_state:ok")
+                time.sleep(0.2)
+
+    def _check_alive(self) -> None:
+        for port, proc in zip(self.ports, self._procs, strict=False):
+            if proc.poll() is not None:
+                log_file = self.work_dir / f"node-{self.ports.index(port)}" / "redis.log"
+                tail = log_file.read_text()[-2000:] if log_file.exists() else ""
+                raise RedisClusterStartError(f"redis-server on {port} exited:\n{tail}")
+
+    def _signal(self, sig: int) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)
+
+    def pause(self) -> None:
+        """Freezes every node (SIGSTOP): connections open, no answers."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Thaws the nodes after :meth:`pause`."""
+        self._signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """Kills every node at once (SIGKILL), as a lost cluster."""
+        self._signal(signal.SIGCONT)
+        self._signal(signal.SIGKILL)
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """Stops every node (SIGTERM, then SIGKILL); idempotent."""
+        self._signal(signal.SIGCONT)
+        self._signal(signal.SIGTERM)
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self._procs.clear()
+
+    def __enter__(self) -> LocalRedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
