@@ -108,6 +108,21 @@ def register(sub: Commands, bench: Commands) -> None:
     bv.add_argument("--work-dir", default=None, help="where stores and logs go (a temp dir)")
     bv.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
     bv.set_defaults(handler=_run_bench_vllm)
+    _add_shared_tier(bench)
+
+
+def _add_shared_tier(bench: Commands) -> None:
+    bt = bench.add_parser(
+        "shared-tier",
+        help="sessions moved to a fresh pod, scale-out, remote faults: with vs without "
+        "a shared Redis Cluster tier",
+    )
+    bt.add_argument("--quick", action="store_true", help="the short profile (12 sessions)")
+    bt.add_argument("--model", default="mini-gqa", help="preset of every server (mini-gqa)")
+    bt.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    bt.add_argument("--work-dir", default=None, help="where stores and logs go (a temp dir)")
+    bt.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    bt.set_defaults(handler=_run_bench_shared_tier)
 
 
 def _run_replay(args: argparse.Namespace) -> int:
@@ -130,6 +145,12 @@ def _run_bench_ttft(args: argparse.Namespace) -> int:
 
 def _run_bench_vllm(args: argparse.Namespace) -> int:
     from dscache_tools.bench.vllm import run_cli
+
+    return run_cli(args)
+
+
+def _run_bench_shared_tier(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.sharedtier import run_cli
 
     return run_cli(args)
 
