@@ -4,7 +4,9 @@
 salt, auth, scheduling); :func:`revision_of` hashes it into the rollout revision, so
 only these fields start a rollout: replicas, routing and rollout settings never
 do. A field added to the source after release (``auth``) is left out of the hash
-while it holds its default, so upgrading the operator starts no rollout. A
+while it holds its default, so upgrading the operator starts no rollout; a
+disabled ``cache.shared`` is left out whatever its other fields say, since it
+shapes no pod. A
 track's source is stored in the status, so its template stays what it was while
 the spec already describes the next revision.
 """
@@ -19,11 +21,13 @@ from pydantic import Field, model_validator
 
 from dscache_operator.schema import (
     NAME_PATTERN,
+    Duration,
     Quantity,
     ResourceList,
     ShortString,
     SpecModel,
     cel_rules,
+    parse_duration,
 )
 
 
@@ -164,6 +168,123 @@ class CacheVolumeSpec(SpecModel):
     )
 
 
+class SecretKeyRef(SpecModel):
+    """A key of a Secret in the resource's namespace (read by the pods, never the operator)."""
+
+    name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)] = Field(
+        description="Secret name."
+    )
+    key: Annotated[str, Field(min_length=1, max_length=253)] = Field(description="Key.")
+
+
+#: A key of a Secret's data, as the API server allows it.
+SecretKey = Annotated[str, Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")]
+
+
+class SecretNameRef(SpecModel):
+    """A Secret in the resource's namespace, whose keys another field names."""
+
+    name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)] = Field(
+        description="Secret name."
+    )
+
+
+class SharedTierTlsSpec(SpecModel):
+    """TLS from the sidecars to the shared tier."""
+
+    model_config = cel_rules(
+        (
+            "self.enabled || !has(self.caSecretRef)",
+            "cache.shared.tls.caSecretRef is set but cache.shared.tls.enabled is false: "
+            "enable TLS or remove the CA",
+        ),
+    )
+
+    enabled: bool = Field(default=False, description="Speak TLS to the Redis Cluster.")
+    ca_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding the CA bundle that signs the Redis nodes' "
+        "certificates, e.g. {name: redis-ca, key: ca.crt}; mounted read-only into the "
+        "sidecar. Unset: the system's CAs.",
+    )
+    verify_hostname: bool = Field(
+        default=True,
+        description="Check the nodes' certificate names against their addresses (a Redis "
+        "Cluster hands out node IPs: their certificates must name them, or set false).",
+    )
+
+
+class SharedTierSpec(SpecModel):
+    """A Redis Cluster shared by every sidecar: the remote KV tier behind each pod's store."""
+
+    model_config = cel_rules(
+        (
+            "!self.enabled || has(self.secretRef)",
+            "cache.shared.secretRef is required when cache.shared.enabled is true: name a "
+            "Secret whose endpoints key holds the Redis Cluster's host:port list",
+        ),
+    )
+
+    enabled: bool = Field(
+        default=False,
+        description="Give each sidecar the shared tier; false leaves the pods as they are.",
+    )
+    secret_ref: SecretNameRef | None = Field(
+        default=None,
+        description="Secret in this namespace with the cluster's address and credentials, "
+        "read by the sidecars only (as environment variables, at container start).",
+    )
+    endpoints_key: SecretKey = Field(
+        default="endpoints",
+        description="Key of secretRef holding the startup nodes, host:port,host:port.",
+    )
+    username_key: SecretKey | None = Field(
+        default=None, description="Key of secretRef holding the ACL user name; unset: none."
+    )
+    password_key: SecretKey | None = Field(
+        default=None, description="Key of secretRef holding the password; unset: no AUTH."
+    )
+    tls: SharedTierTlsSpec = Field(
+        default_factory=SharedTierTlsSpec, description="TLS to the Redis Cluster."
+    )
+    timeout_ms: int = Field(
+        default=250,
+        ge=1,
+        le=30000,
+        description="Milliseconds one remote operation may take; past it, it is a miss (or a "
+        "dropped write).",
+    )
+    fetch_budget_ms: int = Field(
+        default=1000,
+        ge=1,
+        le=60000,
+        description="Milliseconds one request may spend fetching its prefix from the shared "
+        "tier in all; what has not arrived by then is recomputed.",
+    )
+    write_policy: Literal["reused", "all"] = Field(
+        default="reused",
+        description="Blocks written to the shared tier: reused (blocks hit at least once, "
+        "and blocks continuing a chain that was) or all (every stored block).",
+    )
+    ttl: Duration = Field(
+        default="24h",
+        description="How long a block lives in the shared tier after it was written or "
+        "last read; whole seconds, at least 1s.",
+    )
+    queue_blocks: int = Field(
+        default=1024,
+        ge=1,
+        le=1 << 20,
+        description="Blocks waiting to be written at most; more are dropped (never "
+        "blocking a request).",
+    )
+
+    @property
+    def ttl_s(self) -> float:
+        """``ttl`` in seconds."""
+        return parse_duration(self.ttl)
+
+
 class CacheSpec(SpecModel):
     """The KV store of each model pod."""
 
@@ -196,15 +317,11 @@ class CacheSpec(SpecModel):
         "lookup). LMDB tells its reader processes apart by process id, so the pod then "
         "shares one PID namespace (shareProcessNamespace); false keeps lookups on gRPC.",
     )
-
-
-class SecretKeyRef(SpecModel):
-    """A key of a Secret in the resource's namespace (read by the pods, never the operator)."""
-
-    name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)] = Field(
-        description="Secret name."
+    shared: SharedTierSpec = Field(
+        default_factory=SharedTierSpec,
+        description="A Redis Cluster shared by the sidecars of every pod: blocks one pod "
+        "stored are fetched by another instead of recomputed.",
     )
-    key: Annotated[str, Field(min_length=1, max_length=253)] = Field(description="Key.")
 
 
 class TenantSaltSpec(SpecModel):
@@ -325,7 +442,8 @@ def revision_of(source: RevisionSource) -> str:
     """A short, stable hash of ``source`` (canonical JSON, sha256).
 
     Fields added after release are left out while they hold their default, so a
-    source the previous operator hashed keeps its revision.
+    source the previous operator hashed keeps its revision; so is
+    ``cache.shared`` while it is disabled.
     """
     dumped = source.model_dump(mode="json", by_alias=True)
     for name in _ADDED_LATER:
@@ -338,5 +456,8 @@ def revision_of(source: RevisionSource) -> str:
         if getattr(section, name) == field.get_default(call_default_factory=True):
             sfield = RevisionSource.model_fields[section_name]
             dumped[sfield.alias or section_name].pop(field.alias or name, None)
+    if not source.cache.shared.enabled:
+        # A disabled shared tier shapes no pod: tuning it while off starts no rollout.
+        dumped[RevisionSource.model_fields["cache"].alias or "cache"].pop("shared", None)
     data = json.dumps(dumped, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()[:10]

@@ -314,6 +314,7 @@ def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
         raise InvalidSpecError("spec.cache.volume.hostPath is required for type hostPath")
     if vol.type == "persistentVolumeClaim" and not vol.claim_name:
         raise InvalidSpecError("spec.cache.volume.claimName is required for a PVC")
+    _shared_tier_checks(spec)
     if spec.tenant_salt.source == "secret" and spec.tenant_salt.secret_ref is None:
         raise InvalidSpecError("spec.tenantSalt.secretRef is required when source is secret")
     tenancy = spec.auth.api_keys_secret_ref is not None
@@ -336,6 +337,25 @@ def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
         )
     if spec.interval_s < 1:
         raise InvalidSpecError("spec.rollout.interval must be at least 1s")
+
+
+def _shared_tier_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
+    shared = spec.cache.shared
+    if shared.enabled and shared.secret_ref is None:
+        raise InvalidSpecError(
+            "spec.cache.shared.secretRef is required when spec.cache.shared.enabled is true: "
+            "name a Secret whose endpoints key holds the Redis Cluster's host:port list"
+        )
+    if shared.tls.ca_secret_ref is not None and not shared.tls.enabled:
+        raise InvalidSpecError(
+            "spec.cache.shared.tls.caSecretRef is set but spec.cache.shared.tls.enabled is "
+            "false: enable TLS or remove the CA"
+        )
+    ttl = shared.ttl_s
+    if ttl < 1 or not ttl.is_integer():
+        raise InvalidSpecError(
+            f"spec.cache.shared.ttl must be whole seconds, at least 1s, got {shared.ttl!r}"
+        )
 
 
 def parse_spec(raw: dict[str, Any] | Any) -> DeepSeekCacheDeploymentSpec:

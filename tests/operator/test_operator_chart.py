@@ -14,7 +14,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from dscache_tools.devcluster import ensure_built
+from dscache_tools.devcluster import ensure_built, locate
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "dscache"
@@ -32,12 +32,24 @@ VALUE_SETS: dict[str, list[str]] = {
         "--set",
         "operator.prometheusUrl=http://prometheus.monitoring:9090",
     ],
+    "sharedTier": [
+        "--set",
+        "sharedTier.create=true",
+        "--set",
+        "sharedTier.endpoints={10.246.0.1:7000,10.246.0.1:7001}",
+        "--set",
+        "sharedTier.password=s3cret",
+        "--set",
+        "sharedTier.namespaces={team-a,team-b}",
+    ],
 }
 
 
 @pytest.fixture(scope="module")
 def helm() -> str:
-    return str(ensure_built().helm)
+    # Only helm is needed: a lone build of the pinned one does (ensure_built builds all parts).
+    pinned = locate().helm
+    return str(pinned if pinned.is_file() else ensure_built().helm)
 
 
 def _helm(helm: str, *args: str) -> str:
@@ -81,6 +93,7 @@ def test_rendered_manifests_are_valid_kubernetes(helm: str, values: str) -> None
         "kopfpeerings.kopf.dev",
     }
     _check_operator_deployment(docs, values)
+    _check_shared_tier_secrets(docs, values)
     if values == "monitoring":
         dash = next(d for d in docs if d["kind"] == "ConfigMap")
         assert json.loads(dash["data"]["dscache.json"])["uid"] == "dscache-overview"
@@ -99,7 +112,12 @@ def test_rendered_manifests_are_valid_kubernetes(helm: str, values: str) -> None
 
 @pytest.mark.cluster
 @pytest.mark.parametrize(
-    ("value", "named"), [("operator.logLevel=LOUD", "logLevel"), ("operator.typo=1", "typo")]
+    ("value", "named"),
+    [
+        ("operator.logLevel=LOUD", "logLevel"),
+        ("operator.typo=1", "typo"),
+        ("sharedTier.endpoints={redis-0}", "/sharedTier/endpoints/0"),
+    ],
 )
 def test_invalid_values_are_rejected_by_the_schema(helm: str, value: str, named: str) -> None:
     done = subprocess.run(
@@ -110,6 +128,47 @@ def test_invalid_values_are_rejected_by_the_schema(helm: str, value: str, named:
         check=False,
     )
     assert done.returncode != 0 and named in done.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["sharedTier.create=true"], "sharedTier.endpoints is required"),
+        (
+            ["sharedTier.create=true", "sharedTier.endpoints={a:1}", "sharedTier.existingSecret=s"],
+            "set create or existingSecret, not both",
+        ),
+    ],
+)
+def test_a_shared_tier_secret_needs_its_endpoints(
+    helm: str, values: list[str], message: str
+) -> None:
+    args = [a for v in values for a in ("--set", v)]
+    done = subprocess.run(
+        [helm, "template", "x", str(CHART), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode != 0 and message in done.stderr
+
+
+def _check_shared_tier_secrets(docs: list[dict[str, Any]], values: str) -> None:
+    secrets = [d for d in docs if d["kind"] == "Secret"]
+    if values != "sharedTier":
+        assert secrets == []  # off by default
+        return
+    assert sorted(s["metadata"]["namespace"] for s in secrets) == ["team-a", "team-b"]
+    for secret in secrets:
+        assert secret["metadata"]["name"] == "dscache-shared-tier"
+        assert secret["metadata"]["labels"]["app.kubernetes.io/component"] == "shared-tier"
+        # What spec.cache.shared's endpointsKey and passwordKey name; no username set.
+        assert secret["stringData"] == {
+            "endpoints": "10.246.0.1:7000,10.246.0.1:7001",
+            "password": "s3cret",
+        }
 
 
 def _rules(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

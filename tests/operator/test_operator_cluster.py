@@ -113,6 +113,21 @@ def test_invalid_resources_are_rejected_by_the_api_server(
             "hostPath is required",
         ),
         ({"model": {"preset": "a"}, "bogus": 1}, 'unknown field "spec.bogus"'),
+        (
+            {"model": {"preset": "a"}, "cache": {"shared": {"enabled": True}}},
+            "cache.shared.secretRef is required when cache.shared.enabled is true",
+        ),
+        (
+            {"model": {"preset": "a"}, "cache": {"shared": {"writePolicy": "sometimes"}}},
+            "spec.cache.shared.writePolicy",
+        ),
+        (
+            {
+                "model": {"preset": "a"},
+                "cache": {"shared": {"tls": {"caSecretRef": {"name": "ca", "key": "ca.crt"}}}},
+            },
+            "enable TLS or remove the CA",
+        ),
     ]
     long_name = {
         "apiVersion": "dscache.io/v1alpha1",

@@ -28,13 +28,18 @@ app.kubernetes.io/name: {{ include "dscache.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
-{{/* Common labels. */}}
-{{- define "dscache.labels" -}}
+{{/* Labels of every object, but the component. */}}
+{{- define "dscache.commonLabels" -}}
 helm.sh/chart: {{ include "dscache.chart" . }}
 {{ include "dscache.selectorLabels" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: dscache
+{{- end }}
+
+{{/* Common labels (the operator's objects). */}}
+{{- define "dscache.labels" -}}
+{{ include "dscache.commonLabels" . }}
 app.kubernetes.io/component: operator
 {{- end }}
 
@@ -86,4 +91,18 @@ app.kubernetes.io/component: operator
 - apiGroups: ["kopf.dev"]
   resources: [{{ . | quote }}]
   verbs: ["get", "list", "watch", "patch"]
+{{- end }}
+
+{{/* The shared-tier Secret that DeepSeekCacheDeployments name in spec.cache.shared.secretRef. */}}
+{{- define "dscache.sharedTierSecretName" -}}
+{{- if .Values.sharedTier.existingSecret }}
+{{- .Values.sharedTier.existingSecret }}
+{{- else }}
+{{- printf "%s-shared-tier" (include "dscache.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Namespaces of the shared-tier Secret: sharedTier.namespaces, else the release's. */}}
+{{- define "dscache.sharedTierNamespaces" -}}
+{{- join "," (.Values.sharedTier.namespaces | default (list .Release.Namespace)) }}
 {{- end }}

@@ -9,7 +9,12 @@ directory per track, the same after a pod restart, handed to the pods' user by
 the ``cache-owner`` init container. With ``spec.auth.apiKeysSecretRef`` the
 Secret's key is mounted read-only as a file into the model server (a whole
 volume, not a subPath, so the kubelet's updates of a rotated Secret reach it)
-and ``DSCACHE_SERVER_API_KEYS_FILE`` names it.
+and ``DSCACHE_SERVER_API_KEYS_FILE`` names it. With ``spec.cache.shared``
+enabled the sidecar gets the ``DSCACHE_SIDECAR_SHARED_*`` variables: the
+Redis Cluster's nodes and credentials as ``secretKeyRef`` entries (the operator
+never reads a Secret), the TLS CA as a read-only Secret volume file, the rest
+as values; disabled, the sidecar container is exactly what it was before the
+field existed.
 
 Invariants: a track's pod template is built only from the
 :class:`RevisionSource` stored for that track in the status, never from the
@@ -51,6 +56,9 @@ SOCKET_DIR = "/run/dscache"
 SOCKET = f"{SOCKET_DIR}/sidecar.sock"
 AUTH_DIR = "/etc/dscache/auth"
 API_KEYS_FILE = f"{AUTH_DIR}/api-keys.json"
+SHARED_TIER_DIR = "/etc/dscache/shared-tier"
+SHARED_TIER_CA_FILE = f"{SHARED_TIER_DIR}/ca.crt"
+SHARED_ENV = "DSCACHE_SIDECAR_SHARED_"
 
 
 def _cache_volume(owner: Owner, slot: str, src: RevisionSource, size_bytes: int) -> Obj:
@@ -129,6 +137,59 @@ def _auth_volumes(src: RevisionSource) -> tuple[list[Obj], list[Obj]]:
     return [volume], [{"name": "api-keys", "mountPath": AUTH_DIR, "readOnly": True}]
 
 
+def _shared_tier_env(src: RevisionSource) -> list[Obj]:
+    """The sidecar's ``DSCACHE_SIDECAR_SHARED_*`` variables (none while disabled)."""
+    shared = src.cache.shared
+    if not shared.enabled or shared.secret_ref is None:
+        return []
+    secret = shared.secret_ref.name
+
+    def from_secret(name: str, key: str) -> Obj:
+        return {
+            "name": SHARED_ENV + name,
+            "valueFrom": {"secretKeyRef": {"name": secret, "key": key}},
+        }
+
+    env = [from_secret("NODES", shared.endpoints_key)]
+    if shared.username_key is not None:
+        env.append(from_secret("USERNAME", shared.username_key))
+    if shared.password_key is not None:
+        env.append(from_secret("PASSWORD", shared.password_key))
+    tls = shared.tls
+    values = {
+        "TLS": "true" if tls.enabled else "false",
+        "TLS_VERIFY_HOSTNAME": "true" if tls.verify_hostname else "false",
+        "TIMEOUT_S": _seconds(shared.timeout_ms),
+        "FETCH_BUDGET_S": _seconds(shared.fetch_budget_ms),
+        "WRITE_POLICY": shared.write_policy,
+        "TTL_S": str(int(shared.ttl_s)),
+        "QUEUE_BLOCKS": str(shared.queue_blocks),
+    }
+    if tls.enabled and tls.ca_secret_ref is not None:
+        values["TLS_CA_FILE"] = SHARED_TIER_CA_FILE
+    return env + [{"name": SHARED_ENV + k, "value": v} for k, v in values.items()]
+
+
+def _seconds(ms: int) -> str:
+    """Milliseconds as the sidecar's seconds: ``250`` -> ``"0.25"``, ``1000`` -> ``"1"``."""
+    return str(ms // 1000) if ms % 1000 == 0 else repr(ms / 1000)
+
+
+def _shared_tier_volumes(src: RevisionSource) -> tuple[list[Obj], list[Obj]]:
+    """The shared tier's CA volume and the sidecar's mount of it (none without a CA)."""
+    shared = src.cache.shared
+    ref = shared.tls.ca_secret_ref
+    if not (shared.enabled and shared.tls.enabled) or ref is None:
+        return [], []
+    items = [{"key": ref.key, "path": SHARED_TIER_CA_FILE.rsplit("/", 1)[1]}]
+    # A volume, not a subPath: a renewed CA reaches the running sidecar's file.
+    volume = {
+        "name": "shared-tier-ca",
+        "secret": {"secretName": ref.name, "items": items, "defaultMode": 0o440},
+    }
+    return [volume], [{"name": "shared-tier-ca", "mountPath": SHARED_TIER_DIR, "readOnly": True}]
+
+
 def _shared_mounts(tmp_sub_path: str) -> list[Obj]:
     # Read-write cache: the server maps hit blocks and writes new ones into the
     # space the sidecar allocates (Allocate -> pwrite -> Commit).
@@ -201,9 +262,12 @@ def _sidecar_container(src: RevisionSource, capacity: int) -> Obj:
     if src.cache.tenant_quota < 1.0:
         # Only when set: pod templates of resources without a quota stay as they were.
         args += ["--tenant-quota", repr(src.cache.tenant_quota)]
+    env = _shared_tier_env(src)
     # The sidecar's gRPC health, as HTTP on its metrics port: no process per probe.
     return {
         **container("sidecar", src.sidecar.image, ["dscache"], args),
+        # Only when set: pod templates without a shared tier stay as they were.
+        **({"env": env} if env else {}),
         "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"}],
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": "metrics"},
@@ -217,7 +281,7 @@ def _sidecar_container(src: RevisionSource, capacity: int) -> Obj:
             "timeoutSeconds": 5,
         },
         "resources": resources(src.sidecar.resources),
-        "volumeMounts": _shared_mounts("sidecar"),
+        "volumeMounts": _shared_mounts("sidecar") + _shared_tier_volumes(src)[1],
     }
 
 
@@ -235,6 +299,7 @@ def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) ->
             {"name": "socket", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
             *_auth_volumes(src)[0],
+            *_shared_tier_volumes(src)[0],
         ],
     }
     if src.cache.direct_lookup:
