@@ -154,6 +154,12 @@ def sidecar_up(selector: str) -> str:
     return f"up{_matchers(_and(endpoint, selector))}"
 
 
+def shared_tier_down(selector: str) -> str:
+    """PromQL: sidecars (``selector``) that skip their shared tier after a failure
+    (``dscache_sidecar_remote_up`` 0; the series exists only where a tier is set)."""
+    return f"dscache_sidecar_remote_up{_matchers(selector)} == 0"
+
+
 def _range(seconds: float) -> str:
     return f"{max(1, round(seconds))}s"
 

@@ -70,7 +70,7 @@ __all__ = [
 _MAGIC = b"DSKV\x01"
 _HEADER_LEN = struct.Struct("<I")
 #: Keys remembered as hit, fetched or queued (policy decisions, no double writes).
-_HOT_KEYS = 1 << 18
+_HOT_KEYS = 1 << 17
 #: Blocks per write batch.
 _WRITE_BATCH = 32
 #: Seconds between two warnings about the remote tier (the rest go to debug).

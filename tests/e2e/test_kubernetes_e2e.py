@@ -7,7 +7,9 @@ the cluster scraping the pods. ``dscache demo kubernetes --quick`` runs first
 (the warm canary promoted on real hit rates and TTFT, a bad revision rolled
 back by the gate, the blind rolling update); then the abort annotation and
 ``kubectl rollout undo`` on live pods, an operator pod killed mid-ramp, and a
-hostPath cache that survives its pod and keeps the two tracks apart.
+hostPath cache that survives its pod and keeps the two tracks apart; and a
+session that moves to another pod finding its prefix in the shared tier (a Redis
+Cluster on the host).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import pytest
 import yaml
 from dscache_tools.demo.kube import EXAMPLE, KubeDemoOptions, run_kubernetes_demo, write_png
 from dscache_tools.devcluster import DevCluster, wait_until
+from dscache_tools.rediscluster import LocalRedisCluster
+from prometheus_client.parser import text_string_to_metric_families
 
 # Each test starts model pods on a 2-core machine: minutes, not the suite's default 10.
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]
@@ -393,3 +397,88 @@ def test_a_host_path_cache_survives_its_pod_and_keeps_the_tracks_apart(
         )
     finally:
         shutil.rmtree(host_dir, ignore_errors=True)  # the test undoes what it put on the host
+
+
+# ----------------------------------------------------------------------------- shared tier
+
+
+def _pod_metric(ip: str, port: int, name: str, **labels: str) -> float:
+    """One sample of a pod's /metrics (0 when absent)."""
+    with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=10) as r:
+        families = text_string_to_metric_families(r.read().decode())
+        return sum(
+            s.value
+            for f in families
+            for s in f.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+
+
+def _pod_chat(ip: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """A chat request straight to one model pod (no router: the test picks the pod)."""
+    body = json.dumps({"messages": messages, "max_tokens": 2, "temperature": 0}).encode()
+    req = urllib.request.Request(
+        f"http://{ip}:8000/v1/chat/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        reply: dict[str, Any] = json.loads(r.read())
+        return reply
+
+
+def test_a_session_moved_to_another_pod_finds_its_prefix_in_the_shared_tier(
+    dev_cluster: DevCluster, release: str, namespace: str, tmp_path: Path
+) -> None:
+    """examples/06-shared-tier for real: a Redis Cluster on the host (at the node
+    bridge's address, where pods reach the host), two model pods whose sidecars use
+    it through a Secret; a conversation's next turn sent to the other pod is a hit."""
+    c, ns = dev_cluster, namespace
+    assert c.prometheus_url, "the session cluster runs Prometheus on the node bridge"
+    host = urllib.parse.urlparse(c.prometheus_url).hostname or ""
+    with LocalRedisCluster(tmp_path / "redis", password="e2e-shared", host=host) as redis:
+        secret = yaml.safe_load((ROOT / "examples" / "06-shared-tier" / "secret.yaml").read_text())
+        secret["metadata"] = {"name": secret["metadata"]["name"]}
+        secret["stringData"] = {"endpoints": redis.nodes, "password": "e2e-shared"}
+        c.kubectl("apply", "-n", ns, "-f", "-", stdin=json.dumps(secret))
+        example = yaml.safe_load(
+            (ROOT / "examples" / "06-shared-tier" / "deepseekcachedeployment.yaml").read_text()
+        )
+        shared = {**example["spec"]["cache"]["shared"], "writePolicy": "all"}
+        name = "shared"
+        _apply(c, ns, _resource(name, replicas=2, cache={"shared": shared}))
+        _available(c, ns, name)
+        pods = c.kubectl_json("get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=model")[
+            "items"
+        ]
+        ips = sorted(p["status"]["podIP"] for p in pods if p["status"].get("podIP"))
+        assert len(ips) == 2, pods
+        a, b = ips
+        text = " ".join(
+            f"Segment margin note {i}: freight rates moved {i % 9} points." for i in range(90)
+        )
+        turn1 = [{"role": "system", "content": text}, {"role": "user", "content": "Summary?"}]
+        first = _pod_chat(a, turn1)
+        assert first["usage"]["prompt_tokens"] > 256
+        wait_until(
+            "pod A's sidecar to write its blocks to the shared tier",
+            lambda: (
+                _pod_metric(a, 9102, "dscache_sidecar_remote_blocks_total", op="push", result="ok")
+                > 0
+            ),
+            120,
+        )
+        turn2 = [
+            *turn1,
+            {"role": "assistant", "content": "Rates rose."},
+            {"role": "user", "content": "Why?"},
+        ]
+        moved = _pod_chat(b, turn2)
+        cached = moved["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 256, moved["usage"]
+        fetched = _pod_metric(
+            b, 9102, "dscache_sidecar_remote_blocks_total", op="fetch", result="ok"
+        )
+        assert fetched > 0
+        assert _pod_metric(b, 9102, "dscache_sidecar_remote_up") == 1
+        c.kubectl("delete", "dscd", name, "-n", ns, "--timeout=300s")

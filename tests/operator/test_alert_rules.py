@@ -5,8 +5,9 @@ The operator's PrometheusRule for a sample resource is written as a rule file;
 three synthetic histories (input_series, one sample a minute for 90 minutes):
 
 * ``unhealthy``: good figures for an hour, then hit rates fall (token, block,
-  session), lookups are slow, fallbacks high, a sidecar target down: every alert
-  but ``DscacheSidecarAbsent`` fires, with its labels and annotations;
+  session), lookups are slow, fallbacks high, a sidecar target down, a sidecar's
+  shared tier down: every alert but ``DscacheSidecarAbsent`` fires, with its labels
+  and annotations;
 * ``healthy``: good figures throughout: no alert fires;
 * ``no sidecar``: server series but no sidecar target: only ``DscacheSidecarAbsent``.
 
@@ -34,6 +35,11 @@ ROOT = Path(__file__).resolve().parents[2]
 OWNER = Owner("chat", "prod", "0c5f0e38-8a7a-4f5b-9d63-2c1d3d1c2a11")
 SERVER = '{namespace="prod",service="chat-blue"%s}'
 SIDECAR = 'up{namespace="prod",service="chat-blue",endpoint="metrics",pod="chat-blue-0"}'
+#: The sidecar's shared-tier health (present only where spec.cache.shared is set).
+REMOTE_UP = (
+    'dscache_sidecar_remote_up{namespace="prod",service="chat-blue",endpoint="metrics",'
+    'pod="chat-blue-0"}'
+)
 EVAL = "90m"
 SERVER_ALERTS = (
     "DscacheHitRateLow",
@@ -110,18 +116,27 @@ def _unit_tests(rules: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
     unhealthy = {n: [_expected(rules[n], {})] for n in SERVER_ALERTS}
     unhealthy["DscacheSidecarDown"] = [_expected(rules["DscacheSidecarDown"], sidecar_labels)]
+    unhealthy["DscacheSharedTierDown"] = [_expected(rules["DscacheSharedTierDown"], sidecar_labels)]
     absent = {"namespace": "prod", "endpoint": "metrics"}
     return [
         {
             "name": "unhealthy",
             "interval": "1m",
-            "input_series": [*_server(False), {"series": SIDECAR, "values": "0x90"}],
+            "input_series": [
+                *_server(False),
+                {"series": SIDECAR, "values": "0x90"},
+                {"series": REMOTE_UP, "values": "1x60 0x30"},
+            ],
             "alert_rule_test": case(unhealthy),
         },
         {
             "name": "healthy",
             "interval": "1m",
-            "input_series": [*_server(True), {"series": SIDECAR, "values": "1x90"}],
+            "input_series": [
+                *_server(True),
+                {"series": SIDECAR, "values": "1x90"},
+                {"series": REMOTE_UP, "values": "1x90"},
+            ],
             "alert_rule_test": case({}),
         },
         {
@@ -165,7 +180,12 @@ def test_every_alert_fires_on_bad_series_and_stays_quiet_on_good_ones(
 ) -> None:
     groups = prometheus_rule(OWNER, spec)["spec"]["groups"]
     alerts = {r["alert"] for r in groups[0]["rules"]}
-    assert alerts == {*SERVER_ALERTS, "DscacheSidecarDown", "DscacheSidecarAbsent"}
+    assert alerts == {
+        *SERVER_ALERTS,
+        "DscacheSidecarDown",
+        "DscacheSidecarAbsent",
+        "DscacheSharedTierDown",
+    }
     for rule in groups[0]["rules"]:
         assert rule["for"] and rule["labels"]["severity"] in {"warning", "critical"}
         assert rule["annotations"]["summary"].startswith("prod/chat: ")

@@ -19,7 +19,7 @@ import redis
 from dscache_sidecar.blockstore import tenant_bytes
 from dscache_sidecar.index import BlockRecord
 from dscache_sidecar.shared import CorruptValueError, pack_block, remote_name, unpack_block
-from dscache_tools.rediscluster import LocalRedisCluster
+from dscache_tools.rediscluster import LocalRedisCluster, TlsFiles
 from needs import need_binary
 from sidecar_helpers import Sidecar, block_array, blocks_for, chain, prompt
 
@@ -274,3 +274,107 @@ def test_a_killed_cluster_changes_no_answer(
         more = ch.keys(prompt(3, seed=10))
         assert b.c.store(ch.tenant, blocks_for(more)) == 3  # writes go on locally
         assert b.c.find(ch.tenant, more).found == 3
+
+
+def test_a_password_protected_cluster_needs_the_right_password(
+    make_sidecar: Callable[..., Sidecar], tmp_path: Path
+) -> None:
+    need_binary("redis-server", "redis-server")
+    with LocalRedisCluster(tmp_path / "redis-auth", password="s3cret") as locked:
+        a = pod(make_sidecar, locked, shared_write_policy="all", shared_password="s3cret")
+        right = pod(make_sidecar, locked, shared_password="s3cret")
+        wrong = pod(make_sidecar, locked, shared_password="guess", shared_timeout_s=0.5)
+        ch = chain()
+        keys = ch.keys(prompt(3, seed=11))
+        a.c.store(ch.tenant, blocks_for(keys))
+        settle(a)
+        assert a.metric("dscache_sidecar_remote_blocks_total", op="push", result="ok") == 3
+        assert right.c.find(ch.tenant, keys).found == 3
+        # A wrong password is a miss, counted, never an error to the caller.
+        assert wrong.c.find(ch.tenant, keys).found == 0
+        assert (
+            wrong.metric("dscache_sidecar_remote_errors_total", op="lookup", kind="other")
+            + (wrong.metric("dscache_sidecar_remote_errors_total", op="lookup", kind="connection"))
+            == 1
+        )
+        assert wrong.metric("dscache_sidecar_remote_up") == 0
+
+
+def _tls_files(where: Path, name: str) -> TlsFiles:
+    """A CA and a node certificate for 127.0.0.1 signed by it (PEM files)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    where.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.UTC)
+
+    def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+        return key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "redis")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    files = TlsFiles(where / "node.crt", where / "node.key", where / "ca.crt")
+    files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    files.key.write_bytes(pem_key(key))
+    files.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    return files
+
+
+def test_a_tls_cluster_is_used_only_with_a_ca_that_signed_it(
+    make_sidecar: Callable[..., Sidecar], tmp_path: Path
+) -> None:
+    need_binary("redis-server", "redis-server")
+    tls = _tls_files(tmp_path / "tls", "dscache test")
+    stranger = _tls_files(tmp_path / "other", "someone else")
+    with LocalRedisCluster(tmp_path / "redis-tls", tls=tls) as secure:
+        trusted = {"shared_tls": True, "shared_tls_ca_file": tls.ca}
+        a = pod(make_sidecar, secure, shared_write_policy="all", **trusted)
+        b = pod(make_sidecar, secure, **trusted)
+        fooled = pod(make_sidecar, secure, shared_tls=True, shared_tls_ca_file=stranger.ca)
+        plain = pod(make_sidecar, secure)  # no TLS at all
+        ch = chain()
+        keys = ch.keys(prompt(3, seed=12))
+        a.c.store(ch.tenant, blocks_for(keys))
+        settle(a)
+        assert a.metric("dscache_sidecar_remote_blocks_total", op="push", result="ok") == 3
+        with b.c.load(ch.tenant, keys) as loaded:
+            assert loaded.keys == keys  # verified the nodes' certificates, fetched over TLS
+        # A certificate from another CA, or no TLS: a miss, never an error.
+        for p in (fooled, plain):
+            assert p.c.find(ch.tenant, keys).found == 0
+            assert p.metric("dscache_sidecar_remote_up") == 0

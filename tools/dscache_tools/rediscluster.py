@@ -18,26 +18,37 @@ import signal
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dscache_tools.net import free_port
 
-__all__ = ["LocalRedisCluster", "RedisClusterStartError"]
+__all__ = ["LocalRedisCluster", "RedisClusterStartError", "TlsFiles"]
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a TLS cluster: the nodes' certificate and key, and the CA that
+    signed it (clients verify the nodes against it; clients need no certificate)."""
+
+    cert: Path
+    key: Path
+    ca: Path
 
 
 class RedisClusterStartError(RuntimeError):
     """The cluster did not come up; the message says why (with the servers' logs)."""
 
 
-def _port_pair() -> int:
-    """A free port whose cluster bus port (+10000) is free too."""
+def _port_pair(host: str) -> int:
+    """A free port on ``host`` whose cluster bus port (+10000) is free too."""
     for _ in range(50):
-        port = free_port()
+        port = free_port(host)
         if port + 10000 > 65535:
             continue
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind(("127.0.0.1", port + 10000))
+                s.bind((host, port + 10000))
         except OSError:
             continue
         return port
@@ -45,17 +56,27 @@ def _port_pair() -> int:
 
 
 class LocalRedisCluster:
-    """``masters`` Redis Cluster masters on 127.0.0.1 (no replicas), under ``work_dir``.
+    """``masters`` Redis Cluster masters on one address (no replicas), under ``work_dir``.
 
     Args:
         work_dir: nodes files and logs, one folder per node.
         masters: nodes, at least 3 (Redis Cluster's minimum).
         maxmemory: per node, e.g. ``256mb``; allkeys-lru evicts past it.
         password: ``requirepass``/``masterauth`` when set.
+        host: the address every node binds and is known by: loopback, or (for pods
+            of the dev cluster's real node) the node bridge's address on this host.
+        tls: serve TLS only (client and cluster bus ports) with these files.
     """
 
     def __init__(
-        self, work_dir: Path, masters: int = 3, maxmemory: str = "256mb", password: str = ""
+        self,
+        work_dir: Path,
+        *,
+        masters: int = 3,
+        maxmemory: str = "256mb",
+        password: str = "",
+        host: str = "127.0.0.1",
+        tls: TlsFiles | None = None,
     ) -> None:
         if masters < 3:
             raise ValueError("a Redis Cluster needs at least 3 masters")
@@ -68,18 +89,22 @@ class LocalRedisCluster:
         self.masters = masters
         self.maxmemory = maxmemory
         self.password = password
+        self.host = host
+        self.tls = tls
         self.ports: list[int] = []
         self._procs: list[subprocess.Popen[bytes]] = []
 
     @property
     def nodes(self) -> str:
-        """The startup nodes, ``127.0.0.1:port,...`` (the sidecar's ``shared_nodes``)."""
-        return ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        """The startup nodes, ``host:port,...`` (the sidecar's ``shared_nodes``)."""
+        return ",".join(f"{self.host}:{p}" for p in self.ports)
 
     def _cli(self, port: int, *args: str, timeout: float = 20.0) -> str:
         auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+        if self.tls is not None:
+            auth += ["--tls", "--cacert", str(self.tls.ca)]
         out = subprocess.run(
-            ["redis-cli", "-h", "127.0.0.1", "-p", str(port), *auth, *args],
+            ["redis-cli", "-h", self.host, "-p", str(port), *auth, *args],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -98,13 +123,31 @@ class LocalRedisCluster:
 
     def _start(self, timeout_s: float) -> None:
         for i in range(self.masters):
-            port = _port_pair()
+            port = _port_pair(self.host)
             node_dir = self.work_dir / f"node-{i}"
             node_dir.mkdir(parents=True, exist_ok=True)
+            listen = ["--port", str(port)]
+            if self.tls is not None:
+                listen = [
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    str(port),
+                    "--tls-cluster",
+                    "yes",
+                    "--tls-cert-file",
+                    str(self.tls.cert),
+                    "--tls-key-file",
+                    str(self.tls.key),
+                    "--tls-ca-cert-file",
+                    str(self.tls.ca),
+                    "--tls-auth-clients",
+                    "no",
+                ]
             args = [
                 "redis-server",
-                "--port", str(port),
-                "--bind", "127.0.0.1",
+                *listen,
+                "--bind", self.host,
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(node_dir / "nodes.conf"),
                 "--cluster-node-timeout", "5000",
@@ -132,7 +175,7 @@ class LocalRedisCluster:
             self.ports[0],
             "--cluster",
             "create",
-            *(f"127.0.0.1:{p}" for p in self.ports),
+            *(f"{self.host}:{p}" for p in self.ports),
             "--cluster-replicas",
             "0",
             "--cluster-yes",

@@ -168,6 +168,18 @@ def _health_rules(s: Scope) -> list[Obj]:
             "a locked or full data directory stops it at start.",
         ),
         _rule(
+            "DscacheSharedTierDown",
+            q.shared_tier_down(s.selector),
+            "10m",
+            "warning",
+            f"{s.who}: sidecar {{{{ $labels.pod }}}} cannot use the shared tier for 10 minutes",
+            "The sidecar's Redis Cluster (spec.cache.shared) fails or times out, so it is "
+            "skipped: sessions that move to this pod recompute their prefix and reused "
+            "blocks are not written. Requests are still served. Check "
+            "dscache_sidecar_remote_errors_total by op and kind, the cluster's health "
+            "(redis-cli cluster info) and the Secret's endpoints and password.",
+        ),
+        _rule(
             "DscacheFallbackRateHigh",
             f"{q.fallback_ratio(s.selector, '10m', by=s.by)} > {s.fallback_ratio}",
             "10m",
