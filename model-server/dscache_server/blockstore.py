@@ -45,11 +45,14 @@ class CacheError(Exception):
 
 @dataclass(frozen=True)
 class NewBlock:
-    """A block to store: key, parent key (b"" for block 0) and its array."""
+    """A block to store: key, parent key (b"" for block 0), its array, and the
+    contract dtype name where the array's own type does not say it (``bfloat16``
+    travels as ``uint16``); "" = the array's."""
 
     key: bytes
     parent: bytes
     array: np.ndarray
+    dtype: str = ""
 
 
 class Loaded(Protocol):
@@ -203,7 +206,7 @@ class SidecarBlockStore:
     def store(self, tenant: str, blocks: Sequence[NewBlock]) -> int:
         """Stores blocks through Allocate/Commit (or Put without the volume)."""
         client = self._get_client()
-        data = [sidecar.BlockData(b.key, b.parent, b.array) for b in blocks]
+        data = [sidecar.BlockData(b.key, b.parent, b.array, b.dtype or None) for b in blocks]
         try:
             return client.store(tenant, data, compress=self._compress)
         except Exception as exc:

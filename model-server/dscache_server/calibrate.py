@@ -63,11 +63,16 @@ def measure_load(engine: Engine, store: KVBlockStore, blocks: int = 2) -> tuple[
     rng = np.random.default_rng(1)
     ids = [int(t) for t in rng.integers(2, 100_000, size=blocks * adapter.block_tokens)]
     keys = chain.keys(ids)
-    arrays = [rng.standard_normal(adapter.block_shape, dtype=np.float32) for _ in range(blocks)]
+    # Blocks of the engine's own dtype and size (the bytes are what is measured).
+    size = int(np.prod(adapter.block_shape)) * adapter.dtype.itemsize
+    arrays = [
+        np.frombuffer(rng.bytes(size), dtype=adapter.dtype).reshape(adapter.block_shape)
+        for _ in range(blocks)
+    ]
     store.store(
         chain.tenant,
         [
-            NewBlock(k, keys[i - 1] if i else b"", a)
+            NewBlock(k, keys[i - 1] if i else b"", a, adapter.layout.dtype)
             for i, (k, a) in enumerate(zip(keys, arrays, strict=True))
         ],
     )

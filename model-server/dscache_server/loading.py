@@ -22,6 +22,7 @@ import torch
 
 from dscache.keys import checkpoint_revision
 from dscache_server.engine import ModelSource, TransformersEngine
+from dscache_server.kv import KV_DTYPES
 from dscache_server.presets import PRESETS, build_random_model
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ def load_engine(
     max_context: int | None = None,
     revision: str | None = None,
     threads: int | None = None,
+    dtype: str = "float32",
 ) -> TransformersEngine:
     """Builds the reference engine for a preset name or a local checkpoint directory.
 
@@ -54,16 +56,23 @@ def load_engine(
         max_context: cap on prompt + completion tokens (default: the model's).
         revision: override of the weights revision in the fingerprint.
         threads: torch intra-op threads (default: torch's choice).
+        dtype: the weights', activations' and cached KV's dtype: ``float32``,
+            ``bfloat16`` or ``float16``. A preset draws the same float32 weights
+            whatever the dtype, then converts them (its revision names the draw).
 
     Raises:
-        ValueError: unknown preset, missing directory or unsupported architecture.
+        ValueError: unknown preset, missing directory, unsupported architecture or dtype.
     """
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(KV_DTYPES)}, not {dtype!r}")
+    torch_dtype = KV_DTYPES[dtype][0]
     if threads:
         torch.set_num_threads(threads)
     started = time.perf_counter()
     if model in PRESETS:
         hf = build_random_model(PRESETS[model], seed)
         digest = weights_digest(hf)
+        hf = hf.to(torch_dtype)
         source = ModelSource(
             model_id=model, revision=revision or f"seed-{seed}-{digest[:16]}", preset=True
         )
@@ -76,7 +85,7 @@ def load_engine(
 
         auto: Any = AutoModelForCausalLM  # transformers is untyped here
         hf = auto.from_pretrained(
-            str(path), local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+            str(path), local_files_only=True, dtype=torch_dtype, attn_implementation="eager"
         )
         hf.eval()
         source = ModelSource(
@@ -84,10 +93,11 @@ def load_engine(
         )
     engine = TransformersEngine(hf, source, block_tokens=block_tokens, max_context=max_context)
     log.info(
-        "loaded %s (revision %s, layout %s) in %.1f s",
+        "loaded %s (revision %s, layout %s, %s) in %.1f s",
         source.model_id,
         source.revision[:24],
         engine.layout.kind.value,
+        dtype,
         time.perf_counter() - started,
     )
     return engine

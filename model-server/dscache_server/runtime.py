@@ -132,6 +132,7 @@ def build_runtime(
             max_context=settings.max_context_tokens,
             revision=settings.revision,
             threads=settings.threads,
+            dtype=settings.dtype,
         )
     if tokenizer is None:
         path = settings.tokenizer_path

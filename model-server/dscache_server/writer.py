@@ -76,8 +76,9 @@ class BlockWriter:
         started = time.perf_counter()
         try:
             keys = chain.keys(ids)
+            dtype = self._adapter.layout.dtype
             blocks = [
-                NewBlock(keys[i], keys[i - 1] if i else b"", self._adapter.export(seq, i))
+                NewBlock(keys[i], keys[i - 1] if i else b"", self._adapter.export(seq, i), dtype)
                 for i in range(first, last)
             ]
             t0 = time.perf_counter()

@@ -35,14 +35,18 @@ class SidecarDaemon(SidecarProcess):
         super().__init__(data_dir, "--capacity", "512MiB", "--segment-size", "64MiB")
 
 
-_ENGINES: dict[tuple[str, int], TransformersEngine] = {}
+_ENGINES: dict[tuple[str, int, str], TransformersEngine] = {}
 
 
-def engine_for(preset: str, block_tokens: int = BLOCK_TOKENS) -> TransformersEngine:
-    """A session-wide engine per (preset, block size); building one takes seconds."""
-    key = (preset, block_tokens)
+def engine_for(
+    preset: str, block_tokens: int = BLOCK_TOKENS, dtype: str = "float32"
+) -> TransformersEngine:
+    """A session-wide engine per (preset, block size, dtype); building one takes seconds."""
+    key = (preset, block_tokens, dtype)
     if key not in _ENGINES:
-        _ENGINES[key] = load_engine(preset, seed=0, block_tokens=block_tokens, threads=1)
+        _ENGINES[key] = load_engine(
+            preset, seed=0, block_tokens=block_tokens, threads=1, dtype=dtype
+        )
     return _ENGINES[key]
 
 
@@ -65,7 +69,7 @@ def server_settings(sidecar: SidecarDaemon | None, **kw: Any) -> ServerSettings:
 
 def make_runtime(sidecar: SidecarDaemon | None, tokenizer: DeepSeekTokenizer, **kw: Any) -> Runtime:
     settings = server_settings(sidecar, **kw)
-    engine = engine_for(settings.model, settings.block_tokens)
+    engine = engine_for(settings.model, settings.block_tokens, settings.dtype)
     return build_runtime(settings, ServerMetrics(), engine=engine, tokenizer=tokenizer)
 
 
