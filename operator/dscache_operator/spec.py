@@ -235,6 +235,13 @@ class MonitoringSpec(SpecModel):
     )
 
 
+#: Why engine vllm refuses spec.server.dtype (the CEL rule's and the operator's message).
+_VLLM_DTYPE = (
+    "spec.server.dtype is the reference server's; with engine vllm pass vLLM's own dtype "
+    "in spec.vllm.args (e.g. [--dtype, bfloat16]) and leave server.dtype float32"
+)
+
+
 class DeepSeekCacheDeploymentSpec(SpecModel):
     """Desired state of a DeepSeekCacheDeployment."""
 
@@ -247,6 +254,11 @@ class DeepSeekCacheDeploymentSpec(SpecModel):
             "self.engine != 'vllm' || !has(self.auth) || !has(self.auth.apiKeysSecretRef)",
             "spec.auth.apiKeysSecretRef is checked by the reference server only; with engine "
             "vllm check API keys at your gateway",
+        ),
+        (
+            "self.engine != 'vllm' || !has(self.server) || !has(self.server.dtype) "
+            "|| self.server.dtype == 'float32'",
+            _VLLM_DTYPE,
         ),
     )
 
@@ -325,6 +337,8 @@ def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
             "spec.auth.apiKeysSecretRef is checked by the reference server only; with engine "
             "vllm check API keys at your gateway"
         )
+    if spec.engine == "vllm" and spec.server.dtype != "float32":
+        raise InvalidSpecError(f"{_VLLM_DTYPE}, got {spec.server.dtype!r}")
     if tenancy and spec.prewarm.prompts is not None and spec.prewarm.api_key_secret_ref is None:
         raise InvalidSpecError(
             "spec.prewarm.apiKeySecretRef is required when spec.auth.apiKeysSecretRef is set "

@@ -84,10 +84,10 @@ def test_a_new_secret_ref_is_a_new_revision_an_upgrade_is_not() -> None:
     ).revision_source()
     assert len({revision_of(plain), revision_of(with_auth), revision_of(other_key)}) == 3
     # The revision the operator computed before auth (and cache.directLookup, engine,
-    # cache.shared) existed.
+    # cache.shared, server.dtype) existed.
     before = plain.model_dump(mode="json", by_alias=True)
     del before["auth"], before["engine"], before["vllm"]
-    del before["cache"]["directLookup"], before["cache"]["shared"]
+    del before["cache"]["directLookup"], before["cache"]["shared"], before["server"]["dtype"]
     digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:10]
     assert revision_of(plain) == digest
     # A source stored by that operator parses; its auth is the default (none).

@@ -128,6 +128,10 @@ def test_invalid_resources_are_rejected_by_the_api_server(
             },
             "enable TLS or remove the CA",
         ),
+        (
+            {"model": {"path": "/m"}, "engine": "vllm", "server": {"dtype": "bfloat16"}},
+            "pass vLLM's own dtype in spec.vllm.args",
+        ),
     ]
     long_name = {
         "apiVersion": "dscache.io/v1alpha1",

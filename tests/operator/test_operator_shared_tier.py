@@ -213,6 +213,7 @@ def test_without_the_tier_pods_template_hash_and_revision_are_unchanged() -> Non
     old_source = spec.revision_source().model_dump(mode="json", by_alias=True)
     del old_source["cache"]["shared"], old_source["cache"]["directLookup"]
     del old_source["auth"], old_source["engine"], old_source["vllm"]
+    del old_source["server"]["dtype"]
     old_digest = hashlib.sha256(json.dumps(old_source, sort_keys=True).encode()).hexdigest()[:10]
     assert revision_of(spec.revision_source()) == old_digest == REVISION_OF_MINIMAL
     # Disabled, whatever else it says: nothing in the pods, no rollout.

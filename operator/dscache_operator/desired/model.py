@@ -238,6 +238,9 @@ def _server_container(src: RevisionSource) -> Obj:
     args += ["--max-concurrency", str(src.server.max_concurrency)]
     if src.model.revision:
         args += ["--revision", src.model.revision]
+    if src.server.dtype != "float32":
+        # Only when set: pod templates of resources without a dtype stay as they were.
+        args += ["--dtype", src.server.dtype]
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
         **container("server", src.server.image, ["dscache"], args),
