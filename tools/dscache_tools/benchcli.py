@@ -71,6 +71,12 @@ def register(sub: Commands, bench: Commands) -> None:
     b.add_argument("--block-tokens", type=int, default=256, help="tokens per block (256)")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     b.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="model and KV dtype (float32)",
+    )
+    b.add_argument(
         "--data-dir", default=None, help="sidecar data dir (default: a temporary directory)"
     )
     b.add_argument("--capacity", default="2GiB", help="sidecar capacity (default 2GiB)")

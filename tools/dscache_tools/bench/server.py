@@ -139,7 +139,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     contexts = [int(c) for c in str(args.context).split(",") if c.strip()]
     if args.repeat < 3:
         raise ValueError("--repeat must be >= 3 (medians of at least three runs)")
-    engine = load_engine(args.model, block_tokens=args.block_tokens, threads=args.threads)
+    engine = load_engine(
+        args.model, block_tokens=args.block_tokens, threads=args.threads, dtype=args.dtype
+    )
     tmp = tempfile.TemporaryDirectory(prefix="dscache-bench-")
     data_dir = Path(args.data_dir) if args.data_dir else Path(tmp.name) / "data"
     daemon = SidecarProcess(data_dir, "--capacity", args.capacity)
@@ -190,7 +192,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "repeat": args.repeat,
         "hit_repeat": max(args.repeat, args.hit_repeat),
-        "dtype": "float32",
+        "dtype": engine.layout.dtype,
         "results": results,
     }
 
