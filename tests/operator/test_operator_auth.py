@@ -8,45 +8,29 @@ starts no rollout, and the prewarm Job carries a key when tenancy is on.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from datetime import UTC, datetime
 from typing import Any
 
 import kubernetes_validate
 import pytest
-from dscache_operator.desired import Owner, model_deployment, prewarm_job
+from dscache_operator.desired import prewarm_job
 from dscache_operator.desired.prewarm import PREWARM_API_KEY_ENV
 from dscache_operator.podspec import RevisionSource, revision_of
-from dscache_operator.rollout import next_step
-from dscache_operator.rollout_types import Observed, TrackObservation
 from dscache_operator.schema import InvalidSpecError
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
-from dscache_operator.status import DeepSeekCacheDeploymentStatus
+from spec_helpers import (
+    OWNER,
+    released_revision,
+    released_source,
+    status_for,
+    validated_deployment,
+)
 
-OWNER = Owner("chat", "prod", "0c5f0e38-8a7a-4f5b-9d63-2c1d3d1c2a11")
-T0 = datetime(2026, 11, 30, 12, tzinfo=UTC)
-READY = TrackObservation(exists=True, ready=True)
 MINIMAL: dict[str, Any] = {"model": {"preset": "tiny-gqa"}}
 AUTH = {"apiKeysSecretRef": {"name": "chat-api-keys", "key": "keys.json"}}
 
 
-def _status(spec: DeepSeekCacheDeploymentSpec) -> DeepSeekCacheDeploymentStatus:
-    src = spec.revision_source()
-    o = Observed(
-        generation=1,
-        revision=revision_of(src),
-        source=src.model_dump(mode="json", by_alias=True),
-        prewarm_enabled=False,
-        tracks={"blue": READY, "green": READY},
-    )
-    return next_step(DeepSeekCacheDeploymentStatus(), o, T0).status
-
-
 def _pod(spec: DeepSeekCacheDeploymentSpec) -> dict[str, Any]:
-    dep = model_deployment(OWNER, spec, _status(spec), "blue")
-    kubernetes_validate.validate(dep, "1.35.0", strict=True)
-    pod: dict[str, Any] = dep["spec"]["template"]["spec"]
+    pod: dict[str, Any] = validated_deployment(spec)["spec"]["template"]["spec"]
     return pod
 
 
@@ -83,15 +67,10 @@ def test_a_new_secret_ref_is_a_new_revision_an_upgrade_is_not() -> None:
         {**MINIMAL, "auth": {"apiKeysSecretRef": {"name": "chat-api-keys", "key": "v2.json"}}}
     ).revision_source()
     assert len({revision_of(plain), revision_of(with_auth), revision_of(other_key)}) == 3
-    # The revision the operator computed before auth (and cache.directLookup, engine,
-    # cache.shared, server.dtype) existed.
-    before = plain.model_dump(mode="json", by_alias=True)
-    del before["auth"], before["engine"], before["vllm"]
-    del before["cache"]["directLookup"], before["cache"]["shared"], before["server"]["dtype"]
-    digest = hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:10]
-    assert revision_of(plain) == digest
+    # The revision the operator computed before auth (and the other later fields) existed.
+    assert revision_of(plain) == released_revision(plain)
     # A source stored by that operator parses; its auth is the default (none).
-    assert RevisionSource.model_validate(before).auth == plain.auth
+    assert RevisionSource.model_validate(released_source(plain)).auth == plain.auth
 
 
 def test_tenancy_with_prewarm_prompts_needs_a_prewarm_key() -> None:
@@ -100,7 +79,7 @@ def test_tenancy_with_prewarm_prompts_needs_a_prewarm_key() -> None:
         parse_spec({**MINIMAL, "auth": AUTH, "prewarm": prompts})
     key = {"apiKeySecretRef": {"name": "chat-prewarm", "key": "api-key"}}
     spec = parse_spec({**MINIMAL, "auth": AUTH, "prewarm": {**prompts, **key}})
-    status = _status(spec)
+    status = status_for(spec)
     status.canary_slot, status.canary_revision = "green", "abc"
     job = prewarm_job(OWNER, spec, status, ("10.0.1.1:8000",))
     assert job is not None

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import subprocess
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +12,6 @@ from dscache_operator.desired import (
     PREWARM_TARGETS_ENV,
     ROUTER_CONF,
     TEMPLATE_HASH,
-    Owner,
     children,
     model_deployment,
     prewarm_job,
@@ -26,31 +22,12 @@ from dscache_operator.desired import (
 from dscache_operator.nginx import DEBIAN_LUA_MODULES, render_nginx_conf
 from dscache_operator.podspec import revision_of
 from dscache_operator.quantity import quantity_bytes
-from dscache_operator.rollout import next_step
-from dscache_operator.rollout_types import Observed, TrackObservation
 from dscache_operator.schema import InvalidSpecError
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
 from dscache_tools.net import free_port
 from needs import need_nginx
-
-OWNER = Owner("chat", "prod", "0c5f0e38-8a7a-4f5b-9d63-2c1d3d1c2a11")
-T0 = datetime(2026, 11, 30, 12, tzinfo=UTC)
-READY = TrackObservation(exists=True, ready=True)
-
-
-def _status_for(
-    spec: DeepSeekCacheDeploymentSpec, status: DeepSeekCacheDeploymentStatus | None = None
-) -> DeepSeekCacheDeploymentStatus:
-    src = spec.revision_source()
-    o = Observed(
-        generation=1,
-        revision=revision_of(src),
-        source=src.model_dump(mode="json", by_alias=True),
-        prewarm_enabled=False,
-        tracks={"blue": READY, "green": READY},
-    )
-    return next_step(status or DeepSeekCacheDeploymentStatus(), o, T0).status
+from spec_helpers import OWNER, released_revision, status_for
 
 
 @pytest.fixture
@@ -68,11 +45,11 @@ def spec() -> DeepSeekCacheDeploymentSpec:
 def _rollout(
     spec: DeepSeekCacheDeploymentSpec,
 ) -> tuple[DeepSeekCacheDeploymentSpec, DeepSeekCacheDeploymentStatus]:
-    s1 = _status_for(spec)
+    s1 = status_for(spec)
     spec2 = parse_spec(
         {**spec.model_dump(by_alias=True), "model": {"preset": "tiny-gqa", "revision": "2"}}
     )
-    return spec2, _status_for(spec2, s1)  # a rollout in progress: both tracks exist
+    return spec2, status_for(spec2, s1)  # a rollout in progress: both tracks exist
 
 
 CANARY_PODS = ("10.0.1.1:8000", "10.0.1.2:8000", "[fd00::7]:8000")
@@ -115,7 +92,7 @@ def test_every_child_is_owned_labelled_and_schema_valid(spec: DeepSeekCacheDeplo
 
 
 def test_model_pods_are_hardened_and_probed(spec: DeepSeekCacheDeploymentSpec) -> None:
-    status = _status_for(spec)
+    status = status_for(spec)
     dep = model_deployment(OWNER, spec, status, "blue")
     assert dep["metadata"]["name"] == "chat-blue" and dep["spec"]["replicas"] == 3
     assert dep["metadata"]["labels"]["dscache.io/track"] == "stable"
@@ -154,7 +131,7 @@ def test_model_pods_are_hardened_and_probed(spec: DeepSeekCacheDeploymentSpec) -
 def test_template_hash_is_on_the_deployment_and_in_the_template(
     spec: DeepSeekCacheDeploymentSpec,
 ) -> None:
-    dep = model_deployment(OWNER, spec, _status_for(spec), "blue")
+    dep = model_deployment(OWNER, spec, status_for(spec), "blue")
     label = dep["metadata"]["labels"][TEMPLATE_HASH]
     assert dep["spec"]["template"]["metadata"]["annotations"][TEMPLATE_HASH] == label
 
@@ -162,12 +139,12 @@ def test_template_hash_is_on_the_deployment_and_in_the_template(
 def test_stable_track_keeps_its_template_while_the_spec_moves_on(
     spec: DeepSeekCacheDeploymentSpec,
 ) -> None:
-    s1 = _status_for(spec)
+    s1 = status_for(spec)
     before = model_deployment(OWNER, spec, s1, "blue")
     spec2 = parse_spec(
         {**spec.model_dump(by_alias=True), "model": {"preset": "tiny-gqa", "revision": "9"}}
     )
-    s2 = _status_for(spec2, s1)
+    s2 = status_for(spec2, s1)
     assert s2.canary_slot == "green"
     after = model_deployment(OWNER, spec2, s2, "blue")
     assert after["spec"]["template"] == before["spec"]["template"]
@@ -181,7 +158,7 @@ def test_rendering_is_deterministic(spec: DeepSeekCacheDeploymentSpec) -> None:
 
 
 def test_router_config_follows_the_status(spec: DeepSeekCacheDeploymentSpec) -> None:
-    s = _status_for(spec)
+    s = status_for(spec)
     cfg = router_config(spec, s, ("10.0.0.1:8000",), ("10.0.1.1:8000",))
     assert cfg.canary == () and cfg.effective_weight == 0  # no rollout: no canary upstream
     assert cfg.session_header == "X-Session-ID"
@@ -190,14 +167,14 @@ def test_router_config_follows_the_status(spec: DeepSeekCacheDeploymentSpec) -> 
 def test_bounded_loads_and_tenant_quotas_reach_the_router_and_the_sidecars(
     spec: DeepSeekCacheDeploymentSpec,
 ) -> None:
-    s = _status_for(spec)
+    s = status_for(spec)
     cfg = router_config(spec, s, ("10.0.0.1:8000", "10.0.0.2:8000"), ())
     assert cfg.balance_factor == 1.25 and cfg.balanced  # on by default
     assert "balancer_by_lua_block" in render_nginx_conf(cfg)
 
     def sidecar_args(raw: dict[str, Any]) -> list[str]:
         parsed = parse_spec(raw)
-        dep = model_deployment(OWNER, parsed, _status_for(parsed), "blue")
+        dep = model_deployment(OWNER, parsed, status_for(parsed), "blue")
         containers = dep["spec"]["template"]["spec"]["containers"]
         (side,) = [c for c in containers if c["name"] == "sidecar"]
         return list(side["args"])
@@ -218,27 +195,23 @@ def test_direct_lookups_share_the_pid_namespace_and_an_upgrade_restarts_no_pod(
     """LMDB tells reader processes apart by pid: the server reading the sidecar's
     index needs one PID namespace in the pod. Tracks stored by an older operator
     keep their template (no restart on upgrade) and their revision."""
-    s = _status_for(spec)
+    s = status_for(spec)
     pod = model_deployment(OWNER, spec, s, "blue")["spec"]["template"]["spec"]
     assert pod["shareProcessNamespace"] is True
     base = spec.model_dump(by_alias=True)
     off = parse_spec({**base, "cache": {**base["cache"], "directLookup": False}})
-    off_pod = model_deployment(OWNER, off, _status_for(off), "blue")["spec"]["template"]["spec"]
+    off_pod = model_deployment(OWNER, off, status_for(off), "blue")["spec"]["template"]["spec"]
     assert "shareProcessNamespace" not in off_pod
     assert revision_of(off.revision_source()) != revision_of(spec.revision_source())
     # What an older operator stored: no cache.directLookup in the track's source.
     legacy = s.model_copy(deep=True)
     del legacy.slots["blue"].source["cache"]["directLookup"]
     legacy_pod = model_deployment(OWNER, spec, legacy, "blue")["spec"]["template"]
-    off_template = model_deployment(OWNER, off, _status_for(off), "blue")["spec"]["template"]
+    off_template = model_deployment(OWNER, off, status_for(off), "blue")["spec"]["template"]
     assert "shareProcessNamespace" not in legacy_pod["spec"]
     assert legacy_pod["spec"] == off_template["spec"]
     # ... and the spec (read with the new default) keeps the revision it had then.
-    old_source = spec.revision_source().model_dump(mode="json", by_alias=True)
-    del old_source["cache"]["directLookup"], old_source["cache"]["shared"], old_source["auth"]
-    del old_source["engine"], old_source["vllm"], old_source["server"]["dtype"]
-    digest = hashlib.sha256(json.dumps(old_source, sort_keys=True).encode()).hexdigest()[:10]
-    assert revision_of(spec.revision_source()) == digest
+    assert revision_of(spec.revision_source()) == released_revision(spec.revision_source())
 
 
 def test_engine_vllm_runs_dscache_vllm_serve_beside_the_sidecar(
@@ -255,7 +228,7 @@ def test_engine_vllm_runs_dscache_vllm_serve_beside_the_sidecar(
         }
     )
     assert revision_of(vllm.revision_source()) != revision_of(spec.revision_source())
-    pod = model_deployment(OWNER, vllm, _status_for(vllm), "blue")["spec"]["template"]["spec"]
+    pod = model_deployment(OWNER, vllm, status_for(vllm), "blue")["spec"]["template"]["spec"]
     server, sidecar = pod["containers"]
     assert server["image"] == "ghcr.io/dscache/dscache-vllm:0.1.0"
     assert server["command"] == ["dscache"]
@@ -276,7 +249,7 @@ def test_engine_vllm_runs_dscache_vllm_serve_beside_the_sidecar(
     assert server["readinessProbe"]["httpGet"]["path"] == "/health"
     assert sidecar["name"] == "sidecar" and pod["shareProcessNamespace"] is True
     # The reference engine's pods are what they were (the new fields at their defaults).
-    ref = model_deployment(OWNER, spec, _status_for(spec), "blue")["spec"]["template"]["spec"]
+    ref = model_deployment(OWNER, spec, status_for(spec), "blue")["spec"]["template"]["spec"]
     assert ref["containers"][0]["args"][0] == "server"
 
 
@@ -332,7 +305,7 @@ def test_router_tracks_are_slots_and_the_previous_one_keeps_its_sessions(
 
 
 def test_frozen_tracks_are_not_applied(spec: DeepSeekCacheDeploymentSpec) -> None:
-    s = _status_for(spec)
+    s = status_for(spec)
     data = s.model_dump()
     data["slots"]["blue"]["frozen"] = True
     frozen = DeepSeekCacheDeploymentStatus.model_validate(data)
@@ -395,7 +368,7 @@ def test_scheduling_places_model_router_and_prewarm_pods(
         assert pod["tolerations"] == placement["tolerations"]
         assert pod["priorityClassName"] == "inference"
     # Unset: none of the fields is rendered.
-    for o in children(OWNER, spec, _status_for(spec), (), (), monitoring=False):
+    for o in children(OWNER, spec, status_for(spec), (), (), monitoring=False):
         if o["kind"] == "Deployment":
             assert not {"nodeSelector", "tolerations", "priorityClassName"} & set(
                 o["spec"]["template"]["spec"]
@@ -470,7 +443,7 @@ def test_router_runs_nginx_itself_and_watches_its_config(
     assert (
         "annotations" not in dep["spec"]["template"]["metadata"]
     )  # a config change restarts nothing
-    cfg = router_config(spec, _status_for(spec), ("10.0.0.1:8000",), ())
+    cfg = router_config(spec, status_for(spec), ("10.0.0.1:8000",), ())
     assert cfg.watch_config and cfg.config_path == ROUTER_CONF
     text = router_configmap(OWNER, cfg)["data"]["nginx.conf"]
     assert "init_worker_by_lua_block" in text and "# dscache-config-id: " in text
@@ -481,7 +454,7 @@ def test_router_runs_nginx_itself_and_watches_its_config(
 
 
 def render_text(spec: DeepSeekCacheDeploymentSpec) -> str:
-    cfg = router_config(spec, _status_for(spec), ("10.0.0.1:8000",), ())
+    cfg = router_config(spec, status_for(spec), ("10.0.0.1:8000",), ())
     text: str = router_configmap(OWNER, cfg)["data"]["nginx.conf"]
     return text
 

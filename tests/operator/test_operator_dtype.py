@@ -11,26 +11,17 @@ by the CRD schema, with a message pointing at ``spec.vllm.args``.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-from datetime import UTC, datetime
 from typing import Any
 
-import kubernetes_validate
 import pytest
 from dscache_operator.crd import build_crd
-from dscache_operator.desired import TEMPLATE_HASH, Owner, model_deployment
+from dscache_operator.desired import TEMPLATE_HASH
 from dscache_operator.podspec import revision_of
-from dscache_operator.rollout import next_step
-from dscache_operator.rollout_types import Observed, TrackObservation
 from dscache_operator.schema import InvalidSpecError
-from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
-from dscache_operator.status import DeepSeekCacheDeploymentStatus
+from dscache_operator.spec import parse_spec
 from dscache_server.config import add_server_arguments
+from spec_helpers import released_revision, status_for, validated_deployment
 
-OWNER = Owner("chat", "prod", "0c5f0e38-8a7a-4f5b-9d63-2c1d3d1c2a11")
-T0 = datetime(2026, 11, 30, 12, tzinfo=UTC)
-READY = TrackObservation(exists=True, ready=True)
 MINIMAL: dict[str, Any] = {"model": {"preset": "tiny-gqa"}}
 #: The revision every operator so far computed for MINIMAL (as in the shared-tier tests).
 REVISION_OF_MINIMAL = "3da970e14f"
@@ -39,26 +30,6 @@ VLLM: dict[str, Any] = {"model": {"path": "/models/ds"}, "engine": "vllm"}
 
 def _with_dtype(raw: dict[str, Any], dtype: str) -> dict[str, Any]:
     return {**raw, "server": {**raw.get("server", {}), "dtype": dtype}}
-
-
-def _status(spec: DeepSeekCacheDeploymentSpec) -> DeepSeekCacheDeploymentStatus:
-    src = spec.revision_source()
-    o = Observed(
-        generation=1,
-        revision=revision_of(src),
-        source=src.model_dump(mode="json", by_alias=True),
-        prewarm_enabled=False,
-        tracks={"blue": READY, "green": READY},
-    )
-    return next_step(DeepSeekCacheDeploymentStatus(), o, T0).status
-
-
-def _deployment(
-    spec: DeepSeekCacheDeploymentSpec, status: DeepSeekCacheDeploymentStatus | None = None
-) -> dict[str, Any]:
-    dep = model_deployment(OWNER, spec, status or _status(spec), "blue")
-    kubernetes_validate.validate(dep, "1.35.0", strict=True)
-    return dep
 
 
 def _server_args(dep: dict[str, Any]) -> list[str]:
@@ -73,35 +44,30 @@ def _revision(raw: dict[str, Any]) -> str:
 
 def test_without_a_dtype_the_pods_and_the_revision_are_what_they_were() -> None:
     plain = parse_spec(MINIMAL)
-    dep = _deployment(plain)
+    dep = validated_deployment(plain)
     assert "--dtype" not in _server_args(dep)
     # float32 said out loud is the same resource as before the field existed.
     explicit = parse_spec(_with_dtype(MINIMAL, "float32"))
     assert _revision(_with_dtype(MINIMAL, "float32")) == _revision(MINIMAL) == REVISION_OF_MINIMAL
-    explicit_dep = _deployment(explicit)
+    explicit_dep = validated_deployment(explicit)
     assert explicit_dep["spec"]["template"] == dep["spec"]["template"]
     assert (
         explicit_dep["metadata"]["labels"][TEMPLATE_HASH]
         == (dep["metadata"]["labels"][TEMPLATE_HASH])
     )
     # A track stored by the previous operator has no server.dtype in its source.
-    status = _status(plain)
+    status = status_for(plain)
     legacy = status.model_copy(deep=True)
     del legacy.slots["blue"].source["server"]["dtype"]
-    assert _deployment(plain, legacy) == dep
+    assert validated_deployment(plain, legacy) == dep
     # ... and the revision that operator computed: the hash of the source without the
     # fields added since release, at their defaults.
-    old_source = plain.revision_source().model_dump(mode="json", by_alias=True)
-    del old_source["server"]["dtype"], old_source["cache"]["shared"]
-    del old_source["cache"]["directLookup"], old_source["auth"]
-    del old_source["engine"], old_source["vllm"]
-    digest = hashlib.sha256(json.dumps(old_source, sort_keys=True).encode()).hexdigest()[:10]
-    assert revision_of(plain.revision_source()) == digest
+    assert revision_of(plain.revision_source()) == released_revision(plain.revision_source())
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_reaches_the_server_and_is_a_new_revision(dtype: str) -> None:
-    args = _server_args(_deployment(parse_spec(_with_dtype(MINIMAL, dtype))))
+    args = _server_args(validated_deployment(parse_spec(_with_dtype(MINIMAL, dtype))))
     assert args[args.index("--dtype") + 1] == dtype
     # The flag is the server's own: its parser reads the operator's args as written.
     parser = argparse.ArgumentParser()
@@ -124,10 +90,10 @@ def test_engine_vllm_refuses_the_reference_servers_dtype(dtype: str) -> None:
     # float32 (the default) is no dtype of vLLM's: the pods stay as they were.
     vllm = parse_spec(_with_dtype(VLLM, "float32"))
     assert _revision(_with_dtype(VLLM, "float32")) == _revision(VLLM)
-    assert "--dtype" not in _server_args(_deployment(vllm))
+    assert "--dtype" not in _server_args(validated_deployment(vllm))
     # vLLM's own flag is the way, and still reaches vllm serve.
     own = parse_spec({**VLLM, "vllm": {"args": ["--dtype", dtype]}})
-    args = _server_args(_deployment(own))
+    args = _server_args(validated_deployment(own))
     assert args[-2:] == ["--dtype", dtype]
 
 

@@ -13,28 +13,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
-import json
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import jsonschema
-import kubernetes_validate
 import pytest
 from dscache_operator.crd import build_crd
-from dscache_operator.desired import TEMPLATE_HASH, Owner, model_deployment
+from dscache_operator.desired import TEMPLATE_HASH
 from dscache_operator.podspec import revision_of
-from dscache_operator.rollout import next_step
-from dscache_operator.rollout_types import Observed, TrackObservation
 from dscache_operator.schema import InvalidSpecError
-from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
-from dscache_operator.status import DeepSeekCacheDeploymentStatus
+from dscache_operator.spec import parse_spec
 from dscache_sidecar.config import add_sidecar_arguments, settings_from_args
+from spec_helpers import released_revision, status_for, validated_deployment
 
-OWNER = Owner("chat", "prod", "0c5f0e38-8a7a-4f5b-9d63-2c1d3d1c2a11")
-T0 = datetime(2026, 11, 30, 12, tzinfo=UTC)
-READY = TrackObservation(exists=True, ready=True)
 MINIMAL: dict[str, Any] = {"model": {"preset": "tiny-gqa"}}
 #: The revision every operator so far computed for MINIMAL: a change is a rollout of
 #: every such resource on upgrade.
@@ -65,26 +56,6 @@ def _with_shared(shared: dict[str, Any]) -> dict[str, Any]:
     return {**MINIMAL, "cache": {"shared": shared}}
 
 
-def _status(spec: DeepSeekCacheDeploymentSpec) -> DeepSeekCacheDeploymentStatus:
-    src = spec.revision_source()
-    o = Observed(
-        generation=1,
-        revision=revision_of(src),
-        source=src.model_dump(mode="json", by_alias=True),
-        prewarm_enabled=False,
-        tracks={"blue": READY, "green": READY},
-    )
-    return next_step(DeepSeekCacheDeploymentStatus(), o, T0).status
-
-
-def _deployment(
-    spec: DeepSeekCacheDeploymentSpec, status: DeepSeekCacheDeploymentStatus | None = None
-) -> dict[str, Any]:
-    dep = model_deployment(OWNER, spec, status or _status(spec), "blue")
-    kubernetes_validate.validate(dep, "1.35.0", strict=True)
-    return dep
-
-
 def _containers(dep: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     server, sidecar = dep["spec"]["template"]["spec"]["containers"]
     assert (server["name"], sidecar["name"]) == ("server", "sidecar")
@@ -92,7 +63,7 @@ def _containers(dep: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def test_the_sidecar_gets_the_tier_from_the_secret_and_the_ca_as_a_file() -> None:
-    dep = _deployment(parse_spec(_with_shared(SHARED)))
+    dep = validated_deployment(parse_spec(_with_shared(SHARED)))
     pod = dep["spec"]["template"]["spec"]
     server, sidecar = _containers(dep)
     ref = {"name": "redis-shared"}
@@ -140,7 +111,7 @@ def test_the_sidecar_reads_what_the_operator_sets(
 ) -> None:
     """The contract end to end: the container's args and env, resolved as the kubelet
     does, parsed by the sidecar's own settings into the values the spec asked for."""
-    _, sidecar = _containers(_deployment(parse_spec(_with_shared(SHARED))))
+    _, sidecar = _containers(validated_deployment(parse_spec(_with_shared(SHARED))))
     for var in sidecar["env"]:
         if "valueFrom" in var:
             ref = var["valueFrom"]["secretKeyRef"]
@@ -165,7 +136,7 @@ def test_the_sidecar_reads_what_the_operator_sets(
 
 def test_optional_credentials_and_tls_are_left_out() -> None:
     minimal_tier = {"enabled": True, "secretRef": {"name": "redis-shared"}}
-    _, sidecar = _containers(_deployment(parse_spec(_with_shared(minimal_tier))))
+    _, sidecar = _containers(validated_deployment(parse_spec(_with_shared(minimal_tier))))
     env = {e["name"].removeprefix("DSCACHE_SIDECAR_SHARED_"): e for e in sidecar["env"]}
     assert env["NODES"]["valueFrom"]["secretKeyRef"] == {"name": "redis-shared", "key": "endpoints"}
     assert {"USERNAME", "PASSWORD", "TLS_CA_FILE"}.isdisjoint(env)
@@ -182,7 +153,7 @@ def test_optional_credentials_and_tls_are_left_out() -> None:
     assert "shared-tier-ca" not in {m["name"] for m in sidecar["volumeMounts"]}
     # TLS with the system's CAs: no file, no volume.
     tls = _with_shared({**minimal_tier, "tls": {"enabled": True, "verifyHostname": False}})
-    dep = _deployment(parse_spec(tls))
+    dep = validated_deployment(parse_spec(tls))
     _, sidecar = _containers(dep)
     env = {e["name"].removeprefix("DSCACHE_SIDECAR_SHARED_"): e for e in sidecar["env"]}
     assert (env["TLS"]["value"], env["TLS_VERIFY_HOSTNAME"]["value"]) == ("true", "false")
@@ -194,8 +165,8 @@ def test_without_the_tier_pods_template_hash_and_revision_are_unchanged() -> Non
     """An absent cache.shared, one stored by an operator from before it, and a disabled
     one with settings render the same pods and the same revision as before the field."""
     spec = parse_spec(MINIMAL)
-    status = _status(spec)
-    dep = _deployment(spec, status)
+    status = status_for(spec)
+    dep = validated_deployment(spec, status)
     _, sidecar = _containers(dep)
     assert "env" not in sidecar
     assert {m["name"] for m in sidecar["volumeMounts"]} == {"cache", "socket", "tmp"}
@@ -207,19 +178,15 @@ def test_without_the_tier_pods_template_hash_and_revision_are_unchanged() -> Non
     # A track stored by the previous operator: no cache.shared in its source.
     legacy = status.model_copy(deep=True)
     del legacy.slots["blue"].source["cache"]["shared"]
-    assert _deployment(spec, legacy) == dep
+    assert validated_deployment(spec, legacy) == dep
     # ... and the revision that operator computed for the same spec (the hash of its
     # source without the fields added since, at their defaults).
-    old_source = spec.revision_source().model_dump(mode="json", by_alias=True)
-    del old_source["cache"]["shared"], old_source["cache"]["directLookup"]
-    del old_source["auth"], old_source["engine"], old_source["vllm"]
-    del old_source["server"]["dtype"]
-    old_digest = hashlib.sha256(json.dumps(old_source, sort_keys=True).encode()).hexdigest()[:10]
+    old_digest = released_revision(spec.revision_source())
     assert revision_of(spec.revision_source()) == old_digest == REVISION_OF_MINIMAL
     # Disabled, whatever else it says: nothing in the pods, no rollout.
     off = parse_spec(_with_shared({**SHARED, "enabled": False, "tls": {"enabled": True}}))
     assert revision_of(off.revision_source()) == old_digest
-    off_dep = _deployment(off)
+    off_dep = validated_deployment(off)
     assert off_dep["spec"]["template"] == dep["spec"]["template"]
     assert off_dep["metadata"]["labels"][TEMPLATE_HASH] == dep["metadata"]["labels"][TEMPLATE_HASH]
 
