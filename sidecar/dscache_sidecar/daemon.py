@@ -232,9 +232,7 @@ def create_server(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    pb_grpc.add_KVCacheServicer_to_server(
-        KVCacheService(store, settings, metrics, shared, store if shared else None), server
-    )
+    pb_grpc.add_KVCacheServicer_to_server(KVCacheService(store, settings, metrics, shared), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     sock = str(settings.socket_path)

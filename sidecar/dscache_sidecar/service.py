@@ -28,7 +28,7 @@ from dscache_sidecar.codec import DTYPE_NAMES, Codec
 from dscache_sidecar.config import SidecarSettings
 from dscache_sidecar.index import BlockRecord
 from dscache_sidecar.metrics import SidecarMetrics
-from dscache_sidecar.shared import BlockSource, SharedTier
+from dscache_sidecar.shared import SharedTier
 
 _MAX_TENANT_CHARS = 256
 
@@ -66,17 +66,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         settings: SidecarSettings,
         metrics: SidecarMetrics,
         shared: SharedTier | None = None,
-        source: BlockSource | None = None,
     ) -> None:
-        """``shared``: the shared tier, and ``source`` the store as the tier sees it
-        (the same object as ``store``); both or neither."""
-        if (shared is None) != (source is None):
-            raise ValueError("give both shared and source, or neither")
+        """``shared``: the shared tier behind ``store``, if any."""
         self.store = store
         self.settings = settings
         self.metrics = metrics
         self.shared = shared
-        self.source = source
         self._leasing = store if isinstance(store, Leasing) else None
         self._reserving = store if isinstance(store, Reserving) else None
 
@@ -147,10 +142,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         tenant, keys = self._tenant(request.tenant), self._keys(request.keys)
         leases = self._leases()
         promoted = 0
-        if request.fetch_remote and self.shared is not None and self.source is not None:
-            local = self.source.stored_prefix(tenant, keys)
-            if local < len(keys):
-                promoted = self.shared.promote(tenant, keys[local:])
+        if request.fetch_remote and self.shared is not None:
+            promoted = self.shared.promote(tenant, keys)
         grant = leases.lease(tenant, keys, ttl, request.block_tokens)
         return pb.LeaseResponse(
             lease_id=grant.lease_id,

@@ -385,9 +385,11 @@ class SharedTier:
         return found
 
     def promote(self, tenant: str, keys: Sequence[bytes]) -> int:
-        """Fetches the leading ``keys`` from the tier, verifies them and stores them
-        locally, in chain order, within the fetch budget; returns how many. Stops at
-        the first block that is missing, corrupt, late or does not fit. Never raises."""
+        """Fetches the keys of the chain ``keys`` that follow its locally stored
+        prefix from the tier, verifies them and stores them locally, in chain order,
+        within the fetch budget; returns how many. Stops at the first block that is
+        missing, corrupt, late or does not fit. Never raises."""
+        keys = keys[self.source.stored_prefix(tenant, keys) :]
         if not keys or not self._available():
             return 0
         tid = tenant_bytes(tenant)

@@ -242,13 +242,7 @@ class KVStore:
 
     def lookup(self, tenant: str, keys: Sequence[bytes], block_tokens: int = 0) -> int:
         """Number of leading keys stored for ``tenant``. No side effects on state."""
-        tid = tenant_bytes(tenant)
-        hits = 0
-        with self._lock:
-            for key in keys:
-                if self._catalog.owned(key, tid) is None:
-                    break
-                hits += 1
+        hits = self.stored_prefix(tenant, keys)
         self.metrics.count_lookup("lookup", hits, len(keys), block_tokens)
         return hits
 
