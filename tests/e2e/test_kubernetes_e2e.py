@@ -167,6 +167,11 @@ def test_demo_kubernetes_promotes_the_good_revision_and_rolls_back_the_bad_one(
         # A light load: the test checks the behaviour, the benchmark the figures.
         concurrency=8,
         think_s=3.0,
+        # The latency gate compares timings: on a shared 2-core host a P99 can
+        # double by itself (CI once rolled the warm canary back at 2.2 s vs
+        # 0.96 s). The hit-rate gate is what must tell the cold revision from
+        # the warm one here; the bound stays, wide, so it is still exercised.
+        max_ttft_p99_ratio=10.0,
     )
     report = run_kubernetes_demo(opts, say=lambda line: log.info("demo: %s", line))
     (tmp_path / "demo.json").write_text(json.dumps(report, indent=2))

@@ -200,6 +200,12 @@ def _add_kube_demo(kinds: Commands) -> None:
         "--interval", type=_duration, default=None, help="rollout step interval (quick 40s, 90s)"
     )
     k.add_argument("--workdir", type=Path, default=None, help="keep the cluster's logs here")
+    k.add_argument(
+        "--max-ttft-p99-ratio",
+        type=float,
+        default=None,
+        help="the rollout gate's latency bound, canary over stable P99 TTFT (example: 2.0)",
+    )
     k.set_defaults(handler=_run_kube_demo)
 
 

@@ -200,6 +200,8 @@ def resource(opts: KubeDemoOptions, revision: str, min_tokens: int | None = None
     spec["rollout"]["interval"] = f"{opts.step_interval_s}s"
     if min_tokens is not None:
         spec["cache"]["minTokens"] = min_tokens
+    if opts.max_ttft_p99_ratio is not None:
+        spec["rollout"]["analysis"]["maxTtftP99Ratio"] = opts.max_ttft_p99_ratio
     obj["metadata"]["namespace"] = opts.namespace
     return obj
 

@@ -46,6 +46,11 @@ class KubeDemoOptions:
         interval_s: rollout step interval (None: the profile's).
         settle_s: seconds measured after each rollout completes (None: profile).
         workdir: where logs and the load reports go (None: a temp dir).
+        max_ttft_p99_ratio: the rollout gate's latency bound, canary P99 TTFT over
+            stable's (None: the example's 2.0). A test that checks the gate's
+            behaviour on a shared machine widens it: the hit-rate gate is what
+            tells a cold revision from a warm one, and a noisy 2-core host can
+            double a P99 by itself.
     """
 
     quick: bool = False
@@ -59,6 +64,7 @@ class KubeDemoOptions:
     interval_s: int | None = None
     settle_s: float | None = None
     workdir: Path | None = None
+    max_ttft_p99_ratio: float | None = None
 
     @property
     def step_interval_s(self) -> int:
@@ -85,4 +91,5 @@ def options_report(opts: KubeDemoOptions) -> dict[str, Any]:
         "interval_s": opts.step_interval_s,
         "settle_s": opts.settle,
         "warmup_s": opts.warmup_s,
+        "max_ttft_p99_ratio": opts.max_ttft_p99_ratio,
     }
