@@ -13,8 +13,10 @@ cached. Block ``i``'s key chains from block ``i - 1``::
 model fingerprint), where canonical JSON means ``json.dumps(obj, sort_keys=True,
 separators=(",", ":"), ensure_ascii=True)``. The fingerprint covers everything that
 changes the KV bytes: model id and revision, dtype, KV layout, tensor-parallel size
-and rank, and the block size. It does not cover the codec: a block decodes to the
-same bytes whatever codec stored it.
+and rank, and the block size. It does not cover an exact codec (raw, zstd): a block
+decodes to the same bytes whatever exact codec stored it. A lossy codec (int8) changes
+the bytes a reader gets, so it is part of the fingerprint: ``extra["kv_codec"]``
+(see ``with_kv_codec``); exact blocks carry no such entry.
 
 Invariants:
     * Keys are 32 bytes and a pure function of (fingerprint, salt, token ids): they
@@ -31,6 +33,7 @@ other implementation proves compatibility by reproducing them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import hmac
@@ -184,6 +187,20 @@ class ModelFingerprint:
     def digest(self) -> bytes:
         """32-byte fingerprint digest."""
         return hashlib.sha256(_DOMAIN_FINGERPRINT + self.canonical_json()).digest()
+
+
+#: ``ModelFingerprint.extra`` entry naming a lossy KV codec.
+KV_CODEC_EXTRA = "kv_codec"
+
+
+def with_kv_codec(fingerprint: ModelFingerprint, codec: str) -> ModelFingerprint:
+    """``fingerprint`` for blocks stored with the lossy ``codec`` (int8): other keys.
+
+    Exact codecs (``raw``, ``zstd``, ``auto``) leave the fingerprint as it is.
+    """
+    if codec in ("raw", "zstd", "auto"):
+        return fingerprint
+    return dataclasses.replace(fingerprint, extra={**fingerprint.extra, KV_CODEC_EXTRA: codec})
 
 
 def tenant_salt(tenant: str, secret: bytes = b"") -> bytes:

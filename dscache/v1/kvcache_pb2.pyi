@@ -38,12 +38,24 @@ class _CodecEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Codec.ValueType
     CODEC_RAW: _Codec.ValueType  # 0
     CODEC_ZSTD_SHUFFLE: _Codec.ValueType  # 1
     """zstd over the byte planes of the elements (byte shuffle by itemsize)."""
+    CODEC_INT8_ROWS: _Codec.ValueType  # 2
+    """Lossy: int8 values, one float16 scale per row of the last axis (per token
+    and head for GQA/MHA blocks, per token for MLA), dequantized into the
+    block's dtype on load. Its blocks live under their own keys (the model
+    fingerprint's extra "kv_codec"), never mixed with exact ones.
+    """
 
 class Codec(_Codec, metaclass=_CodecEnumTypeWrapper): ...
 
 CODEC_RAW: Codec.ValueType  # 0
 CODEC_ZSTD_SHUFFLE: Codec.ValueType  # 1
 """zstd over the byte planes of the elements (byte shuffle by itemsize)."""
+CODEC_INT8_ROWS: Codec.ValueType  # 2
+"""Lossy: int8 values, one float16 scale per row of the last axis (per token
+and head for GQA/MHA blocks, per token for MLA), dequantized into the
+block's dtype on load. Its blocks live under their own keys (the model
+fingerprint's extra "kv_codec"), never mixed with exact ones.
+"""
 Global___Codec: _TypeAlias = Codec  # noqa: Y015
 
 class _CommitResult:

@@ -32,6 +32,8 @@ import numpy as np
 from dscache_sidecar import client as sidecar
 from prometheus_client import Counter
 
+from dscache_server.storecodec import StoreCodec
+
 log = logging.getLogger(__name__)
 
 
@@ -92,8 +94,11 @@ class KVBlockStore(Protocol):
         """Leases and maps the leading stored blocks (checked now, or in the background)."""
         ...
 
-    def store(self, tenant: str, blocks: Sequence[NewBlock]) -> int:
-        """Stores blocks; returns how many were new."""
+    def store(
+        self, tenant: str, blocks: Sequence[NewBlock], codec: StoreCodec | None = None
+    ) -> int:
+        """Stores blocks (encoded as ``codec``; None: the store's default); returns
+        how many were new."""
         ...
 
     def healthy(self) -> bool:
@@ -115,6 +120,14 @@ def failure_reason(exc: BaseException) -> str:
         return "rejected"
     return "error"
 
+
+#: The sidecar codec of each ``StoreCodec.codec`` (None: sample each block).
+_CODECS: dict[str, sidecar.Codec | None] = {
+    "raw": sidecar.Codec.RAW,
+    "zstd": sidecar.Codec.ZSTD_SHUFFLE,
+    "int8": sidecar.Codec.INT8_ROWS,
+    "sample": None,
+}
 
 #: Failures that say the connection is bad (not the request): they open the circuit.
 _CONNECTION_FAILURES = frozenset({"timeout", "unavailable", "error"})
@@ -203,12 +216,22 @@ class SidecarBlockStore:
         except Exception as exc:
             raise self._failed(exc) from exc
 
-    def store(self, tenant: str, blocks: Sequence[NewBlock]) -> int:
+    def store(
+        self, tenant: str, blocks: Sequence[NewBlock], codec: StoreCodec | None = None
+    ) -> int:
         """Stores blocks through Allocate/Commit (or Put without the volume)."""
         client = self._get_client()
         data = [sidecar.BlockData(b.key, b.parent, b.array, b.dtype or None) for b in blocks]
         try:
-            return client.store(tenant, data, compress=self._compress)
+            if codec is None:
+                return client.store(tenant, data, compress=self._compress)
+            return client.store(
+                tenant,
+                data,
+                compress=None,
+                codec=_CODECS[codec.codec],
+                level=codec.level,
+            )
         except Exception as exc:
             raise self._failed(exc) from exc
 

@@ -34,6 +34,7 @@ from dscache.keys import KeyChain
 from dscache_server.blockstore import CacheError, KVBlockStore, Loaded
 from dscache_server.kv import LayoutAdapter, SequenceKV
 from dscache_server.metrics import ServerMetrics
+from dscache_server.storecodec import StorePolicy
 from dscache_server.writer import BlockWriter
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class PrefixCache:
             it gives up on the blocks (and the request recomputes).
         store_nice: niceness of the background store thread (Linux; 0 = as the
             request threads), so stores take what the requests leave.
+        store_policy: the codec of each store job (None: the store's default).
     """
 
     store: KVBlockStore | None
@@ -142,13 +144,19 @@ class PrefixCache:
     background_verify: bool = True
     verify_timeout_s: float = 10.0
     store_nice: InitVar[int] = 0
+    store_policy: StorePolicy | None = None
     _writer: BlockWriter | None = field(init=False, default=None)
     _last_warning: float = field(init=False, default=0.0)
 
     def __post_init__(self, store_queue: int, store_nice: int) -> None:
         if self.store is not None:
             self._writer = BlockWriter(
-                self.store, self.adapter, self.metrics, queue=store_queue, nice=store_nice
+                self.store,
+                self.adapter,
+                self.metrics,
+                queue=store_queue,
+                nice=store_nice,
+                policy=self.store_policy,
             )
 
     @property

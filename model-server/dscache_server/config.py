@@ -111,10 +111,22 @@ class ServerSettings(BaseSettings):
     circuit_cooldown_s: float = Field(
         default=2.0, ge=0, description="after a sidecar failure, skip the cache this long, seconds"
     )
-    store_compress: Literal["auto", "raw", "zstd"] = Field(
+    store_compress: Literal["auto", "raw", "zstd", "int8"] = Field(
         default="raw",
-        description="codec of stored blocks: raw (zero-copy hits), zstd, or auto (zstd where "
-        "a sample compresses well; every hit on such a block decompresses it first)",
+        description="codec of stored blocks: raw (zero-copy hits), zstd, auto (adaptive zstd: "
+        "long prompts whose text repeats, level by CPU headroom, blocks that shrink; every hit "
+        "on such a block decompresses it first) or int8 (lossy: int8 values with a float16 "
+        "scale per token and head, about 0.26x the float32 bytes; its own cache keys)",
+    )
+    zstd_min_tokens: int = Field(
+        default=4096, ge=0, description="auto codec: prompts shorter than this stay raw, tokens"
+    )
+    zstd_min_repetition: float = Field(
+        default=0.15,
+        ge=0,
+        le=1,
+        description="auto codec: share of repeated 4-grams (last 4096 tokens) below which a "
+        "prompt stays raw",
     )
     store_queue: int = Field(
         default=64, ge=1, description="background store jobs pending at most; more are dropped"
@@ -200,7 +212,15 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--store-compress": (
         "store_compress",
-        {"choices": ["auto", "raw", "zstd"], "help": "codec of stored blocks (raw)"},
+        {"choices": ["auto", "raw", "zstd", "int8"], "help": "codec of stored blocks (raw)"},
+    ),
+    "--zstd-min-tokens": (
+        "zstd_min_tokens",
+        {"type": int, "help": "auto codec: shortest prompt compressed, tokens (4096)"},
+    ),
+    "--zstd-min-repetition": (
+        "zstd_min_repetition",
+        {"type": float, "help": "auto codec: least repeated 4-gram share (0.15)"},
     ),
 }
 

@@ -162,6 +162,13 @@ _SPECS: dict[str, _Spec] = {
         ("result",),
         "Blocks written to the cache in the background, by result.",
     ),
+    "store_codec": _Spec(
+        Counter,
+        P + "store_codec_total",
+        ("codec", "reason"),
+        "Background store jobs by the codec chosen (raw, zstd, int8, sample = zstd where "
+        "a block shrinks) and why (fixed, short, low_repetition, no_headroom, chosen).",
+    ),
     "queue_depth": _Spec(Gauge, P + "queue_depth", (), "Requests waiting for a generation slot."),
     "inflight": _Spec(Gauge, P + "inflight_requests", (), "Requests holding a generation slot."),
     "store_backlog": _Spec(
@@ -208,6 +215,7 @@ class ServerMetrics:
     decode_batch: Histogram
     lookups: Counter
     blocks_stored: Counter
+    store_codec: Counter
     queue_depth: Gauge
     inflight: Gauge
     store_backlog: Gauge

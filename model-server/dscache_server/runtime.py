@@ -17,7 +17,7 @@ from threading import Lock
 
 from cachetools import LRUCache
 
-from dscache.keys import KeyChain, tenant_salt
+from dscache.keys import KeyChain, ModelFingerprint, tenant_salt, with_kv_codec
 from dscache_server.auth import Authenticator
 from dscache_server.batcher import Batcher
 from dscache_server.blockstore import KVBlockStore, SidecarBlockStore
@@ -28,6 +28,7 @@ from dscache_server.engine import TransformersEngine
 from dscache_server.generate import GenerationRequest, GenerationResult
 from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
+from dscache_server.storecodec import AdaptiveZstd, StorePolicy
 from dscache_server.tokenizer import DeepSeekTokenizer, PieceCache
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,15 @@ CHAIN_CACHE_SIZE = 4096
 
 @dataclass
 class Runtime:
-    """Everything a running server needs, built once."""
+    """Everything a running server needs, built once.
+
+    ``fingerprint`` is the engine's, plus the lossy codec if the store uses one:
+    every cache key of this server derives from it.
+    """
 
     settings: ServerSettings
     engine: TransformersEngine
+    fingerprint: ModelFingerprint
     tokenizer: DeepSeekTokenizer
     cache: PrefixCache
     batcher: Batcher
@@ -63,7 +69,7 @@ class Runtime:
             chain = self._chains.get(tenant)
             if chain is None:
                 secret = self.settings.tenant_secret.get_secret_value().encode()
-                chain = KeyChain(self.engine.fingerprint, tenant_salt(tenant, secret))
+                chain = KeyChain(self.fingerprint, tenant_salt(tenant, secret))
                 self._chains[tenant] = chain
             return chain
 
@@ -104,7 +110,7 @@ def build_store(
     if not settings.sidecar_socket:
         log.warning("no sidecar socket configured: running without a KV cache")
         return None
-    compress = {"auto": None, "raw": False, "zstd": True}[settings.store_compress]
+    compress = {"auto": None, "raw": False, "zstd": True, "int8": False}[settings.store_compress]
     return SidecarBlockStore(
         settings.sidecar_socket,
         data_dir=settings.sidecar_data_dir,
@@ -168,11 +174,22 @@ def build_runtime(
         store_queue=settings.store_queue,
         background_verify=settings.verify_in_background,
         store_nice=settings.store_nice,
+        store_policy=StorePolicy(
+            settings.store_compress,
+            adaptive=AdaptiveZstd(
+                min_tokens=settings.zstd_min_tokens,
+                min_repetition=settings.zstd_min_repetition,
+            ),
+            decisions=metrics.store_codec,
+        ),
     )
     batcher = Batcher(engine, tokenizer, cache, metrics, prefill_chunk=settings.prefill_chunk)
     return Runtime(
         settings=settings,
         engine=engine,
+        # A lossy codec's blocks live under their own keys: never served to an exact
+        # deployment of the same model, nor the other way round.
+        fingerprint=with_kv_codec(engine.fingerprint, settings.store_compress),
         tokenizer=tokenizer,
         cache=cache,
         batcher=batcher,

@@ -26,6 +26,7 @@ from dscache.keys import KeyChain
 from dscache_server.blockstore import CacheError, KVBlockStore, NewBlock
 from dscache_server.kv import LayoutAdapter, SequenceKV
 from dscache_server.metrics import ServerMetrics
+from dscache_server.storecodec import StorePolicy
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class BlockWriter:
         metrics: where results and the backlog are counted.
         queue: jobs pending at most; more are dropped.
         nice: niceness of the store thread (0: unchanged).
+        policy: chooses each job's codec on the store thread (None: the store's
+            default).
     """
 
     def __init__(
@@ -49,8 +52,10 @@ class BlockWriter:
         *,
         queue: int,
         nice: int = 0,
+        policy: StorePolicy | None = None,
     ) -> None:
         self._store, self._adapter, self._metrics = store, adapter, metrics
+        self._policy = policy
         self._limit = queue
         self._pending = 0
         self._idle = threading.Condition()  # notified when a job ends
@@ -81,8 +86,9 @@ class BlockWriter:
                 NewBlock(keys[i], keys[i - 1] if i else b"", self._adapter.export(seq, i), dtype)
                 for i in range(first, last)
             ]
+            codec = self._policy.choose(ids) if self._policy is not None else None
             t0 = time.perf_counter()
-            new = self._store.store(chain.tenant, blocks)
+            new = self._store.store(chain.tenant, blocks, codec)
             self._metrics.cache_op_seconds.labels(op="store").observe(time.perf_counter() - t0)
             stored.labels(result="stored").inc(new)
             stored.labels(result="existing").inc(len(blocks) - new)

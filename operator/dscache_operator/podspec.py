@@ -302,10 +302,14 @@ class CacheSpec(SpecModel):
     block_tokens: int = Field(
         default=256, ge=16, le=8192, description="Tokens per cached block (part of the cache key)."
     )
-    codec: Literal["auto", "raw", "zstd"] = Field(
+    codec: Literal["auto", "raw", "zstd", "int8"] = Field(
         default="raw",
-        description="Block codec: raw (zero-copy hits; the default), zstd, or auto (zstd where "
-        "a sample compresses well; each hit then decompresses on its request's path).",
+        description="Block codec: raw (zero-copy hits; the default), zstd, auto (adaptive "
+        "zstd: prompts of 4096+ tokens whose text repeats, level by free CPU, blocks that "
+        "shrink; each hit then decompresses on its request's path) or int8 (lossy, reference "
+        "engine: int8 KV with a float16 scale per token and head, about 0.26x the float32 "
+        "bytes, dequantized on load; part of the cache key, so int8 and exact blocks never "
+        "mix).",
     )
     min_tokens: int = Field(
         default=512, ge=0, le=1 << 20, description="Prompts shorter than this are not cached."

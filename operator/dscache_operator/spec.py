@@ -242,6 +242,13 @@ _VLLM_DTYPE = (
 )
 
 
+#: Why engine vllm refuses spec.cache.codec int8.
+_VLLM_INT8 = (
+    "spec.cache.codec int8 is the reference server's; the vLLM connector stores vLLM's own "
+    "KV dtype exactly: use raw (or vLLM's --kv-cache-dtype in spec.vllm.args)"
+)
+
+
 class DeepSeekCacheDeploymentSpec(SpecModel):
     """Desired state of a DeepSeekCacheDeployment."""
 
@@ -259,6 +266,11 @@ class DeepSeekCacheDeploymentSpec(SpecModel):
             "self.engine != 'vllm' || !has(self.server) || !has(self.server.dtype) "
             "|| self.server.dtype == 'float32'",
             _VLLM_DTYPE,
+        ),
+        (
+            "self.engine != 'vllm' || !has(self.cache) || !has(self.cache.codec) "
+            "|| self.cache.codec != 'int8'",
+            _VLLM_INT8,
         ),
     )
 
@@ -339,6 +351,8 @@ def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
         )
     if spec.engine == "vllm" and spec.server.dtype != "float32":
         raise InvalidSpecError(f"{_VLLM_DTYPE}, got {spec.server.dtype!r}")
+    if spec.engine == "vllm" and spec.cache.codec == "int8":
+        raise InvalidSpecError(_VLLM_INT8)
     if tenancy and spec.prewarm.prompts is not None and spec.prewarm.api_key_secret_ref is None:
         raise InvalidSpecError(
             "spec.prewarm.apiKeySecretRef is required when spec.auth.apiKeysSecretRef is set "

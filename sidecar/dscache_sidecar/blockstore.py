@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol, runtime_checkable
 
-from dscache_sidecar.codec import NUMPY_DTYPES, Codec
+from dscache_sidecar.codec import INT8_SOURCE_DTYPES, NUMPY_DTYPES, Codec, int8_stored_bytes
 from dscache_sidecar.index import BlockRecord
 from dscache_sidecar.metrics import StoreGauges
 from dscache_sidecar.segments import StoreFullError
@@ -122,7 +122,7 @@ class BlockSpec:
             raise ValueError("a block cannot be its own parent")
         if self.dtype not in NUMPY_DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}")
-        if self.codec not in (Codec.RAW, Codec.ZSTD_SHUFFLE):
+        if self.codec not in tuple(Codec):
             raise ValueError(f"unknown codec {self.codec}")
         if not 1 <= len(self.shape) <= 6 or any(d <= 0 for d in self.shape):
             raise ValueError("shape needs 1 to 6 positive dimensions")
@@ -130,6 +130,11 @@ class BlockSpec:
             raise ValueError("raw_bytes does not equal prod(shape) * itemsize")
         if self.codec == Codec.RAW and self.stored_bytes != self.raw_bytes:
             raise ValueError("a raw block stores exactly raw_bytes")
+        if self.codec == Codec.INT8_ROWS:
+            if self.dtype not in INT8_SOURCE_DTYPES:
+                raise ValueError(f"int8 blocks decode to {', '.join(INT8_SOURCE_DTYPES)}")
+            if self.stored_bytes != int8_stored_bytes(self.shape):
+                raise ValueError("an int8 block stores one byte per element + a scale per row")
         if not 0 < self.stored_bytes <= max_stored:
             raise ValueError(f"stored_bytes must be in (0, {max_stored}]")
 

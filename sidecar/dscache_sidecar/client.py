@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BlockData",
+    "Codec",
     "Verify",
     "LoadedBlocks",
     "LookupAnswer",
@@ -525,18 +526,27 @@ class SidecarClient:
     # -- writes
 
     def store(
-        self, tenant: str, blocks: Sequence[BlockData], *, compress: bool | None = None
+        self,
+        tenant: str,
+        blocks: Sequence[BlockData],
+        *,
+        compress: bool | None = None,
+        codec: Codec | None = None,
+        level: int | None = None,
     ) -> int:
         """Stores blocks; returns how many were newly stored.
 
         Args:
             compress: True forces zstd, False forces raw, None lets the codec
                 policy sample each block.
+            codec: this codec for every block (overrides ``compress``); a lossy
+                one (int8) only under keys whose fingerprint names it.
+            level: zstd level (None: the policy's, adapted to its speed budget).
         """
         if not blocks:
             return 0
         self._ready()
-        encoded = [self._encode(b, compress) for b in blocks]
+        encoded = [self._encode(b, compress, codec, level) for b in blocks]
         if self._segments is None:
             return sum(
                 self._put(tenant, b, codec, data)
@@ -573,12 +583,15 @@ class SidecarClient:
         result = _call(self._stub.Commit, pb.CommitRequest(writes=writes), self._long_timeout_s)
         return sum(1 for r in result.results if r == pb.COMMIT_OK)
 
-    def _encode(self, b: BlockData, compress: bool | None) -> tuple[Codec, bytes | memoryview]:
-        if compress is None:
-            codec = self.codec.choose(b.array)
-        else:
-            codec = Codec.ZSTD_SHUFFLE if compress else Codec.RAW
-        return codec, self.codec.encode(b.array, codec)
+    def _encode(
+        self, b: BlockData, compress: bool | None, codec: Codec | None, level: int | None
+    ) -> tuple[Codec, bytes | memoryview]:
+        if codec is None:
+            if compress is None:
+                codec = self.codec.choose(b.array)
+            else:
+                codec = Codec.ZSTD_SHUFFLE if compress else Codec.RAW
+        return codec, self.codec.encode(b.array, codec, dtype=b.dtype, level=level)
 
     def _put(self, tenant: str, b: BlockData, codec: Codec, data: bytes | memoryview) -> int:
         block = _new_block(b, codec, data)

@@ -1,10 +1,19 @@
-"""Block codecs: raw, or zstd over byte-shuffled elements.
+"""Block codecs: raw, zstd over byte-shuffled elements, or int8 with row scales.
 
 Contract:
-    * ``encode`` and ``decode`` are exact inverses: ``decode(encode(a))`` has the same
-      dtype, shape and bytes as ``a``.
-    * Raw blocks decode to a view of the given buffer (zero copy); compressed blocks
-      decode to a new array.
+    * Raw and zstd are exact: ``decode(encode(a))`` has the same dtype, shape and
+      bytes as ``a``.
+    * ``INT8_ROWS`` is lossy and only for float blocks (float32, float16,
+      bfloat16): each row of the last axis (one token of one head for GQA/MHA
+      blocks, one token's latent for MLA) is stored as int8 values
+      ``round(x / s)`` with ``s = max|row| / 127`` kept as float16 after the
+      values; ``decode`` multiplies back in float32 and returns the block's own
+      dtype and shape (bfloat16 rounded to nearest even). Each element's error is
+      at most half a step of its row, ``s / 2`` (plus the float16 rounding of
+      ``s``). Blocks of a lossy codec must live under their own keys: the model
+      server puts ``kv_codec`` in the fingerprint's ``extra``.
+    * Raw blocks decode to a view of the given buffer (zero copy); compressed and
+      int8 blocks decode to a new array.
     * ``CodecPolicy.choose`` compresses a sample of the block and picks zstd only when
       it saves at least ``min_saving`` of the bytes; everything else stays raw.
 
@@ -43,6 +52,70 @@ class Codec(IntEnum):
 
     RAW = 0
     ZSTD_SHUFFLE = 1
+    INT8_ROWS = 2
+
+
+#: Contract dtypes the int8 codec takes (and decodes back to).
+INT8_SOURCE_DTYPES = ("float32", "float16", "bfloat16")
+#: Bytes of one row scale of the int8 codec (float16).
+INT8_SCALE_BYTES = 2
+
+
+def int8_stored_bytes(shape: tuple[int, ...]) -> int:
+    """Stored size of an int8 block of ``shape``: one byte per element, one scale per row."""
+    n = int(np.prod(shape)) if shape else 0
+    rows = n // shape[-1] if shape and shape[-1] else 0
+    return n + INT8_SCALE_BYTES * rows
+
+
+def as_float32(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """The block's values as float32 (bfloat16 blocks are uint16 bit patterns)."""
+    if dtype == "bfloat16":
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    if dtype not in INT8_SOURCE_DTYPES:
+        raise ValueError(f"the int8 codec takes {', '.join(INT8_SOURCE_DTYPES)}, not {dtype}")
+    return arr.astype(np.float32, copy=False)
+
+
+def from_float32(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values in the contract dtype's storage (bfloat16: round to nearest even)."""
+    if dtype == "bfloat16":
+        bits = values.view(np.uint32)
+        rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+        return (rounded >> np.uint32(16)).astype(np.uint16)
+    return values.astype(NUMPY_DTYPES[dtype], copy=False)
+
+
+def encode_int8(arr: np.ndarray, dtype: str) -> bytes:
+    """int8 values then float16 row scales (see the module contract)."""
+    values = as_float32(np.ascontiguousarray(arr), dtype)
+    rows = values.reshape(-1, values.shape[-1]) if values.ndim else values.reshape(1, -1)
+    absmax = np.abs(rows).max(axis=1, keepdims=True)
+    scales = (absmax / 127.0).astype(np.float16)
+    if not np.isfinite(scales).all():
+        raise ValueError("the int8 codec needs finite values below float16's range x 127")
+    safe = np.where(scales > 0, scales, np.float16(1)).astype(np.float32)
+    q = np.clip(np.rint(rows / safe), -127, 127).astype(np.int8)
+    return bytes(q.tobytes() + scales.tobytes())
+
+
+def decode_int8(
+    payload: bytes | memoryview | np.ndarray, dtype: str, shape: tuple[int, ...]
+) -> np.ndarray:
+    """The dequantized block in ``dtype``'s storage type, a new array of ``shape``."""
+    if dtype not in INT8_SOURCE_DTYPES:
+        raise ValueError(f"the int8 codec decodes to {', '.join(INT8_SOURCE_DTYPES)}, not {dtype}")
+    n = int(np.prod(shape))
+    width = shape[-1]
+    rows = n // width
+    raw = np.frombuffer(payload, dtype=np.uint8)
+    if raw.size != n + INT8_SCALE_BYTES * rows:
+        raise ValueError("int8 payload size does not match the block's shape")
+    q = raw[:n].view(np.int8).reshape(rows, width)
+    scales = raw[n:].view(np.float16).astype(np.float32).reshape(rows, 1)
+    values = q.astype(np.float32)
+    values *= scales
+    return from_float32(values, dtype).reshape(shape)
 
 
 def dtype_name(arr: np.ndarray) -> str:
@@ -73,12 +146,20 @@ def unshuffle(planes: bytes, itemsize: int) -> np.ndarray:
     return np.ascontiguousarray(arr.reshape(itemsize, -1).T).reshape(-1)
 
 
-def encode(arr: np.ndarray, codec: Codec, level: int = 1) -> bytes | memoryview:
-    """Stored bytes of ``arr`` under ``codec`` (raw returns a view, no copy)."""
+def encode(
+    arr: np.ndarray, codec: Codec, level: int = 1, dtype: str | None = None
+) -> bytes | memoryview:
+    """Stored bytes of ``arr`` under ``codec`` (raw returns a view, no copy).
+
+    ``dtype`` is the contract name, needed by the int8 codec for bfloat16 blocks
+    (uint16 arrays); None takes it from the array.
+    """
     arr = np.ascontiguousarray(arr)
     if codec is Codec.RAW:
         flat: Any = arr.reshape(-1).view(np.uint8)
         return memoryview(flat)
+    if codec is Codec.INT8_ROWS:
+        return encode_int8(arr, dtype or dtype_name(arr))
     planes = shuffle(arr, arr.dtype.itemsize)
     return zstandard.ZstdCompressor(level=level).compress(planes)
 
@@ -102,6 +183,8 @@ def decode(
         if len(planes) != n * np_dtype.itemsize:
             raise ValueError("decompressed size does not match the block's shape")
         return unshuffle(planes, np_dtype.itemsize).view(np_dtype).reshape(shape)
+    if codec is Codec.INT8_ROWS:
+        return decode_int8(payload, dtype, shape)
     raise ValueError(f"unknown codec {codec!r}")
 
 
@@ -142,10 +225,23 @@ class CodecPolicy:
         saving = 1.0 - len(compressed) / max(1, len(planes))
         return Codec.ZSTD_SHUFFLE if saving >= self.min_saving else Codec.RAW
 
-    def encode(self, arr: np.ndarray, codec: Codec) -> bytes | memoryview:
-        """Encodes with the current level and adapts the level to the budget."""
-        if codec is Codec.RAW:
-            return encode(arr, codec)
+    def encode(
+        self,
+        arr: np.ndarray,
+        codec: Codec,
+        *,
+        dtype: str | None = None,
+        level: int | None = None,
+    ) -> bytes | memoryview:
+        """Encodes ``arr`` (contract ``dtype``; None: the array's own).
+
+        zstd runs at ``level`` when given, else at the policy's level, which moves
+        with the measured speed against the budget.
+        """
+        if codec is not Codec.ZSTD_SHUFFLE:
+            return encode(arr, codec, dtype=dtype)
+        if level is not None:
+            return encode(arr, codec, level=level)
         start = time.perf_counter()
         out = encode(arr, codec, level=self.level)
         elapsed = max(time.perf_counter() - start, 1e-9)

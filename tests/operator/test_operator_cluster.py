@@ -132,6 +132,10 @@ def test_invalid_resources_are_rejected_by_the_api_server(
             {"model": {"path": "/m"}, "engine": "vllm", "server": {"dtype": "bfloat16"}},
             "pass vLLM's own dtype in spec.vllm.args",
         ),
+        (
+            {"model": {"path": "/m"}, "engine": "vllm", "cache": {"codec": "int8"}},
+            "spec.cache.codec int8 is the reference server's",
+        ),
     ]
     long_name = {
         "apiVersion": "dscache.io/v1alpha1",

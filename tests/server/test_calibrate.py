@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from dscache_server.blockstore import NewBlock
 from dscache_server.calibrate import calibrate
+from dscache_server.storecodec import StoreCodec
 from srv_helpers import engine_for
 
 FIRST_CALL_STALL_S = 0.6
@@ -54,7 +55,9 @@ class StallingMemoryStore:
     ) -> _Leased:
         return _Leased(list(keys), [self.blocks[k] for k in keys])
 
-    def store(self, tenant: str, blocks: Sequence[NewBlock]) -> int:
+    def store(
+        self, tenant: str, blocks: Sequence[NewBlock], codec: StoreCodec | None = None
+    ) -> int:
         for b in blocks:
             self.blocks[b.key] = b.array
         return len(blocks)

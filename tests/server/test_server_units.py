@@ -219,7 +219,7 @@ def test_the_store_thread_runs_niced(tokenizer: DeepSeekTokenizer) -> None:
     seen: list[int] = []
 
     class Recorder:
-        def store(self, tenant: str, blocks: object) -> int:
+        def store(self, tenant: str, blocks: object, codec: object = None) -> int:
             seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             return 0
 

@@ -10,7 +10,9 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from dscache_sidecar.client import BlockData, SidecarClient, SidecarFullError
+from dscache_sidecar.client import BlockData, Codec, SidecarClient, SidecarFullError
+from dscache_sidecar.codec import int8_stored_bytes
+from dscache_sidecar.segments import extent_bytes
 from sidecar_helpers import (
     BLOCK_SHAPE,
     Sidecar,
@@ -193,10 +195,22 @@ def _stub(sidecar: Sidecar) -> pb_grpc.KVCacheStub:
 
 
 def _one_block(
-    dtype: str, shape: list[int], raw: int, stored: int, key: bytes = b"k" * 32, tenant: str = "t"
+    dtype: str,
+    shape: list[int],
+    raw: int,
+    stored: int,
+    key: bytes = b"k" * 32,
+    tenant: str = "t",
+    codec: int = pb.CODEC_RAW,
 ) -> pb.AllocateRequest:
     """An Allocate request for one block."""
-    info = pb.BlockInfo(dtype=dtype, shape=shape, raw_bytes=raw, stored_bytes=stored)
+    info = pb.BlockInfo(
+        dtype=dtype,
+        shape=shape,
+        raw_bytes=raw,
+        stored_bytes=stored,
+        codec=codec,  # type: ignore[arg-type]
+    )
     return pb.AllocateRequest(tenant=tenant, blocks=[pb.NewBlock(key=key, info=info)])
 
 
@@ -215,6 +229,10 @@ def _reserve(stub: pb_grpc.KVCacheStub, tenant: str, key: bytes) -> pb.Slot:
         lambda s: s.Allocate(_one_block("float32", [4], 16, 99)),
         lambda s: s.Allocate(_one_block("complex", [4], 16, 16)),
         lambda s: s.Allocate(_one_block("float32", [1 << 30], 1 << 32, 1 << 32)),
+        # int8 blocks: stored bytes other than one per element + a scale per row;
+        # an integer block (the codec quantizes floats only)
+        lambda s: s.Allocate(_one_block("float32", [4, 8], 128, 32, codec=pb.CODEC_INT8_ROWS)),
+        lambda s: s.Allocate(_one_block("uint8", [4, 8], 32, 40, codec=pb.CODEC_INT8_ROWS)),
         lambda s: s.Put(iter([pb.PutChunk(data=b"no header")])),
     ],
 )
@@ -280,3 +298,28 @@ def test_metrics_endpoint_serves_prometheus_text(sidecar: Sidecar) -> None:
     assert "dscache_sidecar_blocks 3.0" in body
     assert "dscache_sidecar_rpc_duration_seconds_bucket" in body
     assert "dscache_sidecar_compression_ratio" in body
+
+
+@pytest.mark.parametrize("volume", [True, False], ids=["allocate-commit", "put-get"])
+def test_int8_blocks_store_a_quarter_and_load_dequantized(sidecar: Sidecar, volume: bool) -> None:
+    assert sidecar.running is not None
+    client = sidecar.c if volume else SidecarClient(sidecar.running.socket_path)
+    try:
+        ch = chain()
+        keys = ch.keys(prompt(3, seed=31))
+        shape = (2, 2, 2, 64, 64)  # 64 KiB of float32 per block
+        blocks = blocks_for(keys, shape)
+        assert client.store(ch.tenant, blocks, codec=Codec.INT8_ROWS) == 3
+        with client.load(ch.tenant, keys, block_tokens=16) as loaded:
+            assert len(loaded.arrays) == 3
+            for b, arr in zip(blocks, loaded.arrays, strict=True):
+                assert arr.dtype == np.float32 and arr.shape == shape
+                step = np.abs(b.array).max(axis=-1, keepdims=True) / 127
+                assert (np.abs(arr - b.array) <= step * 0.51 + 1e-6).all()
+                assert not np.array_equal(arr, b.array)  # lossy: not the exact bytes
+        # On disk: int8 values + float16 row scales, not the float32 bytes.
+        assert client.stats().used_bytes == 3 * extent_bytes(int8_stored_bytes(shape))
+        assert 3 * extent_bytes(int8_stored_bytes(shape)) < 0.35 * 3 * blocks[0].array.nbytes
+    finally:
+        if client is not sidecar.c:
+            client.close()
