@@ -42,7 +42,14 @@ def shared(cluster: LocalRedisCluster) -> LocalRedisCluster:
 
 
 def pod(make_sidecar: Callable[..., Sidecar], c: LocalRedisCluster, **kw: Any) -> Sidecar:
-    """A daemon on its own (empty) data directory with ``c`` as its shared tier."""
+    """A daemon on its own (empty) data directory with ``c`` as its shared tier.
+
+    Timeouts are generous unless a test is about them: on a loaded machine a first
+    call (connection, slot map) can outlast the 0.25 s default, and these tests
+    check what is found, not how fast.
+    """
+    kw.setdefault("shared_timeout_s", 3.0)
+    kw.setdefault("shared_fetch_budget_s", 10.0)
     return make_sidecar(shared_nodes=c.nodes, **kw)
 
 
