@@ -31,6 +31,7 @@ _COMPONENTS: tuple[tuple[str, str], ...] = (
     ("dscache_tools.devcli", "dev"),
     ("dscache_tools.democli", "all"),
     ("dscache_tools.chaoscli", "all"),
+    ("dscache_tools.traincli", "server"),
 )
 
 Handler = Callable[[argparse.Namespace], int]
