@@ -1,5 +1,5 @@
 """``dscache replay`` and the component benchmarks (``bench store``, ``ttft``, ``balance``,
-``vllm``).
+``vllm``, ``shared-tier``, ``codec``).
 
 Light module: argument parsing only; each handler imports its implementation,
 so ``dscache --help`` never loads torch or matplotlib.
@@ -129,6 +129,22 @@ def _add_shared_tier(bench: Commands) -> None:
     bt.add_argument("--work-dir", default=None, help="where stores and logs go (a temp dir)")
     bt.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
     bt.set_defaults(handler=_run_bench_shared_tier)
+
+    bc = bench.add_parser(
+        "codec",
+        help="bytes per token, encode/decode speed and quality (perplexity, greedy agreement) "
+        "of fp32 / bf16 / int8 / zstd KV on small trained models",
+    )
+    bc.add_argument("--quick", action="store_true", help="the short profile (2 windows)")
+    bc.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    bc.add_argument("--png", dest="png_out", default=None, help="write a chart here")
+    bc.set_defaults(handler=_run_bench_codec)
+
+
+def _run_bench_codec(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.codec import run_cli
+
+    return run_cli(args)
 
 
 def _run_replay(args: argparse.Namespace) -> int:
