@@ -5,7 +5,9 @@ per-resource timer all run the same level-triggered reconcile, so a missed
 event is repaired on the next tick. Handlers never sleep: API failures become
 ``kopf.TemporaryError(delay=...)``; an invalid spec becomes
 ``kopf.PermanentError`` after the status says ``Ready=False, InvalidSpec``
-(the timer only records it and keeps ticking, so a fixed spec recovers).
+(the timer only records it and keeps ticking, so a fixed spec recovers). A
+resource whose namespace is being deleted is left alone (the API refuses new
+children there with 403 NamespaceTerminating; that is not an RBAC failure).
 Deletion needs no handler: every child has an ownerReference, so Kubernetes'
 garbage collector removes them. kopf keeps its timers stoppable with a
 finalizer (``dscache.io/finalizer``), which the running operator removes at
@@ -39,7 +41,16 @@ def _run(reconciler: Reconciler, body: kopf.Body, *, permanent: bool) -> None:
         if permanent:
             raise kopf.PermanentError(f"invalid spec: {exc}") from exc
         return
-    except (ApiError, OSError) as exc:
+    except ApiError as exc:
+        if exc.namespace_terminating:
+            # Its namespace is going away and takes the children with it: nothing
+            # to repair, and no error to retry (the deletion removes the finalizer).
+            reconciler.metrics.reconciles.labels(result="namespace_terminating").inc()
+            log.info("%s/%s: namespace is being deleted; not reconciling", ns, name)
+            return
+        reconciler.metrics.reconciles.labels(result="api_error").inc()
+        raise kopf.TemporaryError(str(exc), delay=reconciler.settings.retry_delay_seconds) from exc
+    except OSError as exc:
         reconciler.metrics.reconciles.labels(result="api_error").inc()
         raise kopf.TemporaryError(str(exc), delay=reconciler.settings.retry_delay_seconds) from exc
     reconciler.metrics.reconciles.labels(result="ok").inc()

@@ -32,6 +32,12 @@ class ApiError(RuntimeError):
     def __init__(self, status: int, reason: str, body: str) -> None:
         super().__init__(f"HTTP {status} {reason}: {body[:500]}")
         self.status = status
+        self.body = body
+
+    @property
+    def namespace_terminating(self) -> bool:
+        """The API refused new objects because their namespace is being deleted."""
+        return self.status == 403 and "NamespaceTerminating" in self.body
 
 
 @dataclass(frozen=True)

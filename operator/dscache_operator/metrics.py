@@ -13,7 +13,9 @@ class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.reconciles = self._counter(
-            "reconciles_total", "Reconciles by result: ok, invalid_spec, api_error.", "result"
+            "reconciles_total",
+            "Reconciles by result: ok, invalid_spec, api_error, namespace_terminating.",
+            "result",
         )
         self.reconcile_seconds = Histogram(
             f"{_PREFIX}reconcile_seconds",
