@@ -288,6 +288,7 @@ class Batcher:
         t["queue"] = t.get("queue", 0.0) + max(now - a.submitted - own, 0.0)
         a.hit_tokens = seq.restored_tokens
         self._count_hits(req, restored.admitted, a.hit_tokens, restored.hit_blocks)
+        self.cache.observe(len(req.token_ids), restored, a.compute_s)
         self.cache.store_async(req.chain, req.token_ids, seq, restored.hit_blocks)
         m = self.metrics
         m.prompt_tokens.labels(source="reused", tenant=req.tenant_label).inc(a.hit_tokens)

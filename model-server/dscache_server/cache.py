@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 
 from dscache.keys import KeyChain
+from dscache_server.admission import Admission, CostModel
 from dscache_server.blockstore import CacheError, KVBlockStore, Loaded
 from dscache_server.kv import LayoutAdapter, SequenceKV
 from dscache_server.metrics import ServerMetrics
@@ -41,44 +42,6 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two cache-fallback warnings (the rest go to debug: hot path).
 WARNING_INTERVAL_S = 10.0
-
-
-@dataclass
-class CostModel:
-    """Store-vs-recompute: does reading ``n`` cached tokens beat recomputing them?
-
-    Attributes:
-        prefill_tokens_per_s: measured prefill speed.
-        load_bytes_per_s: measured cache read speed (lease + map + first touch).
-        lookup_overhead_s: fixed cost of lookup + lease.
-        bytes_per_token: KV bytes per token of this model.
-    """
-
-    prefill_tokens_per_s: float
-    load_bytes_per_s: float
-    lookup_overhead_s: float
-    bytes_per_token: int
-
-    def load_cost_s(self, tokens: int) -> float:
-        """Seconds to restore ``tokens`` from the cache."""
-        return self.lookup_overhead_s + tokens * self.bytes_per_token / self.load_bytes_per_s
-
-    def recompute_cost_s(self, tokens: int) -> float:
-        """Seconds to prefill ``tokens`` (linear model; prefill only grows faster)."""
-        return tokens / self.prefill_tokens_per_s
-
-    def pays(self, tokens: int) -> bool:
-        """Whether loading ``tokens`` beats recomputing them."""
-        return tokens > 0 and self.load_cost_s(tokens) < self.recompute_cost_s(tokens)
-
-    def crossover_tokens(self) -> int | None:
-        """Smallest token count where loading pays; None if it never does."""
-        per_token_gain = 1.0 / self.prefill_tokens_per_s - (
-            self.bytes_per_token / self.load_bytes_per_s
-        )
-        if per_token_gain <= 0:
-            return None
-        return int(self.lookup_overhead_s / per_token_gain) + 1
 
 
 @dataclass
@@ -121,7 +84,12 @@ class PrefixCache:
         adapter: the engine's layout adapter.
         metrics: where decisions and failures are counted.
         cost: the calibrated cost model.
-        min_tokens: prompts shorter than this skip the cache.
+        min_tokens: a floor: prompts shorter than this skip the cache (no lookup, no
+            store) whatever the cost model says; 0 = the cost model alone decides.
+        admission_refit_s: refit the cost model from the requests' own timings at
+            most this often (None: the calibrated model stays; see ``admission``).
+        admission_probe: share of prompts refused on cost that are loaded anyway,
+            to keep measuring the sizes refused.
         lease_ttl_s: lease requested on loads.
         store_queue: background jobs pending at most.
         background_verify: check checksums while the prefill runs (see ``confirm``)
@@ -138,7 +106,10 @@ class PrefixCache:
     metrics: ServerMetrics
     cost: CostModel
     _: KW_ONLY
-    min_tokens: int = 512
+    min_tokens: int = 0
+    admission_refit_s: InitVar[float | None] = None
+    admission_probe: InitVar[float] = 0.0
+    max_tokens: InitVar[int] = 1 << 17
     lease_ttl_s: float = 60.0
     store_queue: InitVar[int] = 64
     background_verify: bool = True
@@ -147,8 +118,24 @@ class PrefixCache:
     store_policy: StorePolicy | None = None
     _writer: BlockWriter | None = field(init=False, default=None)
     _last_warning: float = field(init=False, default=0.0)
+    admission: Admission = field(init=False)
 
-    def __post_init__(self, store_queue: int, store_nice: int) -> None:
+    def __post_init__(
+        self,
+        admission_refit_s: float | None,
+        admission_probe: float,
+        max_tokens: int,
+        store_queue: int,
+        store_nice: int,
+    ) -> None:
+        self.admission = Admission(
+            self.cost,
+            block_tokens=self.adapter.block_tokens,
+            max_tokens=max_tokens,
+            refit_s=admission_refit_s,
+            probe=admission_probe,
+            metrics=self.metrics,
+        )
         if self.store is not None:
             self._writer = BlockWriter(
                 self.store,
@@ -165,26 +152,38 @@ class PrefixCache:
         return self.adapter.block_tokens
 
     def admit(self, prompt_tokens: int) -> str:
-        """Admission decision for a prompt: admit, short, no_gain or disabled."""
+        """Admission decision for a prompt: admit, probe, short, no_gain or disabled."""
+        decision: str
         if self.store is None:
             decision = "disabled"
         elif prompt_tokens < self.min_tokens:
             decision = "short"
-        elif not self.cost.pays(((prompt_tokens - 1) // self.block_tokens) * self.block_tokens):
-            decision = "no_gain"
         else:
-            decision = "admit"
+            usable = ((prompt_tokens - 1) // self.block_tokens) * self.block_tokens
+            decision = self.admission.decide(usable)
         self.metrics.admission.labels(decision=decision).inc()
         if decision == "no_gain":
             log.debug("cache skipped for %d tokens: loading would not pay", prompt_tokens)
         return decision
+
+    def observe(self, prompt_tokens: int, restored: Restored, compute_s: float) -> None:
+        """A finished prefill's timings, for the admission model: a restored prefix
+        is a load sample, a prompt computed from nothing a recompute sample."""
+        if restored.fallback is not None:
+            return  # its timings mix a failed load with a recompute
+        hit = restored.hit_blocks * self.block_tokens
+        if hit:
+            load_s = restored.lookup_s + restored.lease_s + restored.map_verify_s
+            self.admission.observe("load", hit, load_s)
+        else:
+            self.admission.observe("recompute", prompt_tokens, compute_s)
 
     def restore(self, chain: KeyChain, token_ids: Sequence[int], seq: SequenceKV) -> Restored:
         """Looks up, leases and maps the longest cached prefix into ``seq``. Never raises."""
         result = Restored()
         n = len(token_ids)
         result.cacheable_blocks = n // self.block_tokens
-        if self.admit(n) != "admit" or self.store is None:
+        if self.admit(n) not in ("admit", "probe") or self.store is None:
             return result
         result.admitted = True
         # The last token is always recomputed: its logits are needed.

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from dscache.keys import KeyChain, tenant_salt
+from dscache_server.admission import CostModel
 from dscache_server.blockstore import CacheError, KVBlockStore, NewBlock
-from dscache_server.cache import CostModel
 from dscache_server.engine import Engine
 from dscache_server.kv import LayoutAdapter
 

@@ -103,7 +103,23 @@ class ServerSettings(BaseSettings):
     )
     block_tokens: int = Field(default=256, ge=1, description="tokens per cache block")
     min_cache_tokens: int = Field(
-        default=512, ge=0, description="prompts shorter than this skip the cache, tokens"
+        default=0,
+        ge=0,
+        description="floor: prompts shorter than this skip the cache whatever the cost model "
+        "says, tokens (0: the cost model alone decides)",
+    )
+    admission_refit_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="refit the admission cost model from served requests' timings at most "
+        "this often, seconds (0: keep the start-up calibration)",
+    )
+    admission_probe: float = Field(
+        default=0.02,
+        ge=0,
+        le=1,
+        description="share of prompts refused on cost that are loaded anyway, so refused "
+        "sizes keep being measured",
     )
     lease_ttl_s: float = Field(
         default=60.0, gt=1, le=120, description="lease on loaded blocks, seconds"
@@ -204,7 +220,18 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--sidecar-data-dir": ("sidecar_data_dir", {"help": "cache volume path (zero-copy reads)"}),
     "--sidecar-timeout": ("sidecar_timeout_s", {"type": float, "help": "seconds per call"}),
     "--block-tokens": ("block_tokens", {"type": int, "help": "tokens per block (256)"}),
-    "--min-cache-tokens": ("min_cache_tokens", {"type": int, "help": "cache threshold (512)"}),
+    "--min-cache-tokens": (
+        "min_cache_tokens",
+        {"type": int, "help": "floor under the cost-based admission, tokens (0)"},
+    ),
+    "--admission-refit": (
+        "admission_refit_s",
+        {"type": float, "help": "refit the cost model from live timings every S (5; 0 = never)"},
+    ),
+    "--admission-probe": (
+        "admission_probe",
+        {"type": float, "help": "share of cost-refused prompts loaded anyway (0.02)"},
+    ),
     "--lease-ttl": ("lease_ttl_s", {"type": float, "help": "lease seconds (60)"}),
     "--api-keys": (
         "api_keys_file",

@@ -125,8 +125,9 @@ _SPECS: dict[str, _Spec] = {
         Counter,
         P + "cache_admission_total",
         ("decision",),
-        "Cache admission decisions: admit, short (under the minimum), no_gain "
-        "(loading would not beat recompute) or disabled.",
+        "Cache admission decisions: admit, short (under the floor), no_gain "
+        "(loading would not beat recompute), probe (refused, loaded anyway to keep "
+        "measuring) or disabled.",
     ),
     "cache_op_seconds": _Spec(
         Histogram,
@@ -178,7 +179,22 @@ _SPECS: dict[str, _Spec] = {
         Gauge,
         P + "cache_crossover_tokens",
         (),
-        "Calibrated prompt length above which loading beats recomputing.",
+        "Smallest usable prefix (tokens) that is loaded: where loading starts to beat "
+        "recomputing (-1: it never does).",
+    ),
+    "admission_upper_tokens": _Spec(
+        Gauge,
+        P + "cache_admission_upper_tokens",
+        (),
+        "Largest usable prefix (tokens) that is loaded (the context length when loading "
+        "pays up to it; -1: it never pays).",
+    ),
+    "cost_per_token": _Spec(
+        Gauge,
+        P + "cache_cost_seconds_per_token",
+        ("path", "tokens"),
+        "The admission model's seconds per token to load or recompute a prefix of up to "
+        "`tokens` tokens (calibrated at start, refined from served requests).",
     ),
 }
 
@@ -220,6 +236,8 @@ class ServerMetrics:
     inflight: Gauge
     store_backlog: Gauge
     crossover_tokens: Gauge
+    admission_upper_tokens: Gauge
+    cost_per_token: Gauge
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()

@@ -162,14 +162,15 @@ def build_runtime(
         lookup_overhead_s=settings.lookup_overhead_s,
         measure=settings.calibrate,
     )
-    crossover = cost.crossover_tokens()
-    metrics.crossover_tokens.set(crossover if crossover is not None else -1)
     cache = PrefixCache(
         store,
         engine.adapter,
         metrics,
         cost,
         min_tokens=settings.min_cache_tokens,
+        admission_refit_s=settings.admission_refit_s or None,
+        admission_probe=settings.admission_probe,
+        max_tokens=engine.max_context,
         lease_ttl_s=settings.lease_ttl_s,
         store_queue=settings.store_queue,
         background_verify=settings.verify_in_background,

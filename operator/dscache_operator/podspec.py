@@ -312,7 +312,12 @@ class CacheSpec(SpecModel):
         "mix).",
     )
     min_tokens: int = Field(
-        default=512, ge=0, le=1 << 20, description="Prompts shorter than this are not cached."
+        default=0,
+        ge=0,
+        le=1 << 20,
+        description="Floor under the cost-based admission: prompts shorter than this are "
+        "never cached. 0: the model server's cost model alone decides (it loads a prefix "
+        "where loading beats recomputing it, measured at start-up and refined while serving).",
     )
     tenant_quota: float = Field(
         default=1.0,

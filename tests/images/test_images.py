@@ -189,7 +189,7 @@ def test_sidecar_and_server_images_share_the_cache_like_a_pod(
     pod += ["--volume", f"{cache}:/cache"]
     sidecar = ["--capacity", "256MiB", "--segment-size", "64MiB", "--metrics-host", "127.0.0.1"]
     server = ["--model", "mini-gqa", "--host", "127.0.0.1", "--block-tokens", "64"]
-    server += ["--min-cache-tokens", "64", "--no-calibrate"]
+    server += ["--min-cache-tokens", "64", "--no-calibrate", "--admission-refit", "0"]
     sock = ("--sidecar-socket", "/cache/sidecar.sock", "--sidecar-data-dir", "/cache")
     names = (f"dscache-sidecar-{metrics_port}", f"dscache-server-{server_port}")
     try:

@@ -26,7 +26,10 @@ from dscache_operator.spec import parse_spec
 from dscache_sidecar.config import add_sidecar_arguments, settings_from_args
 from spec_helpers import released_revision, status_for, validated_deployment
 
-MINIMAL: dict[str, Any] = {"model": {"preset": "tiny-gqa"}}
+#: A minimal resource as the API server stored it until now: the CRD's defaults are
+#: persisted on create, the old ``cache.minTokens`` default (512) among them, so the
+#: new default (0, cost-based admission) changes no stored resource's revision.
+MINIMAL: dict[str, Any] = {"model": {"preset": "tiny-gqa"}, "cache": {"minTokens": 512}}
 #: The revision every operator so far computed for MINIMAL: a change is a rollout of
 #: every such resource on upgrade.
 REVISION_OF_MINIMAL = "3da970e14f"
@@ -53,7 +56,7 @@ SECRETS = {
 
 
 def _with_shared(shared: dict[str, Any]) -> dict[str, Any]:
-    return {**MINIMAL, "cache": {"shared": shared}}
+    return {**MINIMAL, "cache": {**MINIMAL["cache"], "shared": shared}}
 
 
 def _containers(dep: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

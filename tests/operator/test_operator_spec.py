@@ -141,7 +141,7 @@ def test_minimal_spec_gets_the_documented_defaults() -> None:
     assert spec.routing.load_modules == list(DEBIAN_LUA_MODULES)
     assert spec.interval_s == 300 and spec.rollback_window_s == 1800
     assert spec.routing.session_header == "X-Session-ID"
-    assert spec.cache.block_tokens == 256 and spec.cache.min_tokens == 512
+    assert spec.cache.block_tokens == 256 and spec.cache.min_tokens == 0
 
 
 @pytest.mark.parametrize(

@@ -56,6 +56,9 @@ def server_settings(sidecar: SidecarDaemon | None, **kw: Any) -> ServerSettings:
         "block_tokens": BLOCK_TOKENS,
         "min_cache_tokens": MIN_CACHE_TOKENS,
         "calibrate": False,
+        # The model stays as configured: live timings of the tiny test models must not
+        # turn admission off in the middle of a test about something else.
+        "admission_refit_s": 0.0,
         "circuit_cooldown_s": 0.2,
         "sidecar_timeout_s": 1.0,
         "default_max_tokens": 8,

@@ -16,9 +16,10 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+from dscache_server.admission import CostModel
 from dscache_server.batcher import Batcher
 from dscache_server.blockstore import SidecarBlockStore
-from dscache_server.cache import CostModel, PrefixCache
+from dscache_server.cache import PrefixCache
 from dscache_server.generate import GenerationRequest, GenerationResult, SamplingParams
 from dscache_server.metrics import ServerMetrics
 from dscache_server.tokenizer import DeepSeekTokenizer

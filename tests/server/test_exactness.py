@@ -16,8 +16,9 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from dscache_server.admission import CostModel
 from dscache_server.blockstore import SidecarBlockStore
-from dscache_server.cache import CostModel, PrefixCache
+from dscache_server.cache import PrefixCache
 from dscache_server.engine import TransformersEngine
 from dscache_server.metrics import ServerMetrics
 from srv_helpers import BLOCK_TOKENS, REPO, SidecarDaemon, engine_for, free_port
@@ -100,6 +101,7 @@ def test_prefix_stored_by_another_server_process(preset: str, sidecar: SidecarDa
         "--port", str(port),
         "--threads", "1",
         "--no-calibrate",
+        "--admission-refit", "0",
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         # The tenant header counts only from a gateway holding the secret.

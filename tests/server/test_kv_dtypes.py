@@ -16,8 +16,9 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from dscache_server.admission import CostModel
 from dscache_server.blockstore import SidecarBlockStore
-from dscache_server.cache import CostModel, PrefixCache
+from dscache_server.cache import PrefixCache
 from dscache_server.kv import LayoutAdapter
 from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics

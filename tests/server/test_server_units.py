@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from dscache_server.cache import CostModel
+from dscache_server.admission import CostModel
 from dscache_server.config import ServerSettings, add_server_arguments, settings_from_args
 from dscache_server.generate import (
     IncrementalDetokenizer,

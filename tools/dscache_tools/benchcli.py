@@ -140,6 +140,24 @@ def _add_shared_tier(bench: Commands) -> None:
     bc.add_argument("--png", dest="png_out", default=None, help="write a chart here")
     bc.set_defaults(handler=_run_bench_codec)
 
+    ba = bench.add_parser(
+        "admission",
+        help="cost-based cache admission vs the fixed 512-token threshold vs no cache, "
+        "on a chat-like workload of short turns",
+    )
+    ba.add_argument("--quick", action="store_true", help="the short profile (8 sessions)")
+    ba.add_argument("--model", default="mini-gqa", help="preset of the servers (mini-gqa)")
+    ba.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    ba.add_argument("--work-dir", default=None, help="where stores and logs go (a temp dir)")
+    ba.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    ba.set_defaults(handler=_run_bench_admission)
+
+
+def _run_bench_admission(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.admission import run_cli
+
+    return run_cli(args)
+
 
 def _run_bench_codec(args: argparse.Namespace) -> int:
     from dscache_tools.bench.codec import run_cli

@@ -30,9 +30,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from dscache_server.admission import CostModel
 from dscache_server.batcher import Batcher
 from dscache_server.blockstore import SidecarBlockStore
-from dscache_server.cache import CostModel, PrefixCache
+from dscache_server.cache import PrefixCache
 from dscache_server.engine import TransformersEngine
 from dscache_server.generate import GenerationRequest, SamplingParams
 from dscache_server.loading import load_engine
