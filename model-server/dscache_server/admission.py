@@ -159,11 +159,10 @@ class Admission:
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._classes = (self.max_blocks - 1).bit_length() + 1
-        classes = self._classes
         self._samples: dict[Path, list[deque[float]]] = {
-            p: [deque(maxlen=max(window, 1)) for _ in range(classes)] for p in PATHS
+            p: [deque(maxlen=max(window, 1)) for _ in range(self._classes)] for p in PATHS
         }
-        self._per_token: dict[Path, list[float | None]] = {p: [None] * classes for p in PATHS}
+        self._per_token: dict[Path, list[float | None]] = {p: [None] * self._classes for p in PATHS}
         self._last_refit = clock()
         self.range = self._fit()
         self._export()
@@ -232,13 +231,10 @@ class Admission:
         lower = upper = 0
         for blocks in range(1, self.max_blocks + 1):
             n = blocks * bt
-            pays = self.cost_s("load", n) < self.cost_s("recompute", n)
-            if pays and not lower:
-                lower = n
-            if lower and not pays:
-                break
-            if pays:
-                upper = n
+            if self.cost_s("load", n) < self.cost_s("recompute", n):
+                lower, upper = lower or n, n
+            elif lower:
+                break  # the first run of paying sizes is the range
         return AdmissionRange(lower, upper)
 
     def _export(self) -> None:
@@ -249,6 +245,6 @@ class Admission:
         m.crossover_tokens.set(r.lower if r.upper else -1)
         m.admission_upper_tokens.set(r.upper if r.upper else -1)
         for path in PATHS:
-            for i in range(len(self._per_token[path])):
+            for i in range(self._classes):
                 n = min((1 << i) * self.block_tokens, self.max_blocks * self.block_tokens)
                 m.cost_per_token.labels(path=path, tokens=str(n)).set(self.cost_s(path, n) / n)

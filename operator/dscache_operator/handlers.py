@@ -41,16 +41,13 @@ def _run(reconciler: Reconciler, body: kopf.Body, *, permanent: bool) -> None:
         if permanent:
             raise kopf.PermanentError(f"invalid spec: {exc}") from exc
         return
-    except ApiError as exc:
-        if exc.namespace_terminating:
+    except (ApiError, OSError) as exc:
+        if isinstance(exc, ApiError) and exc.namespace_terminating:
             # Its namespace is going away and takes the children with it: nothing
             # to repair, and no error to retry (the deletion removes the finalizer).
             reconciler.metrics.reconciles.labels(result="namespace_terminating").inc()
             log.info("%s/%s: namespace is being deleted; not reconciling", ns, name)
             return
-        reconciler.metrics.reconciles.labels(result="api_error").inc()
-        raise kopf.TemporaryError(str(exc), delay=reconciler.settings.retry_delay_seconds) from exc
-    except OSError as exc:
         reconciler.metrics.reconciles.labels(result="api_error").inc()
         raise kopf.TemporaryError(str(exc), delay=reconciler.settings.retry_delay_seconds) from exc
     reconciler.metrics.reconciles.labels(result="ok").inc()
