@@ -9,7 +9,9 @@ Contract:
       (pin blocks in place for zero-copy readers, with a TTL) and
       :class:`Reserving` (reserve space, let the writer fill it in place, then
       publish). The daemon answers UNIMPLEMENTED for the RPCs of a capability the
-      store lacks.
+      store lacks. :class:`Listing` (every stored key at once, and a change
+      counter) is what the holdings publisher reads; a store without it publishes
+      no holdings.
     * A miss is never an exception; malformed input raises ``ValueError``; a store
       that cannot make room raises :class:`StoreFullError`.
     * Time: a store reads time only through a :class:`Clock`. ``monotonic`` measures
@@ -28,7 +30,8 @@ import hashlib
 import math
 import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol, runtime_checkable
@@ -50,6 +53,7 @@ __all__ = [
     "CommitResult",
     "LeaseGrant",
     "Leasing",
+    "Listing",
     "Reserving",
     "SlotGrant",
     "StoreFullError",
@@ -253,4 +257,19 @@ class Reserving(Protocol):
 
     def abort(self, write_ids: Iterable[str]) -> int:
         """Drops reservations; returns how many were live."""
+        ...
+
+
+@runtime_checkable
+class Listing(Protocol):
+    """Capability: every stored key of every tenant in one cheap pass, and a counter
+    that tells whether anything changed (:mod:`dscache_sidecar.holdings_publisher`)."""
+
+    def change_id(self) -> int:
+        """A number that differs after any change to the stored keys (it may also
+        change when they did not)."""
+        ...
+
+    def scan_keys(self) -> AbstractContextManager[tuple[int, Iterator[bytes]]]:
+        """(count, keys) of a consistent snapshot, valid inside the ``with`` block."""
         ...

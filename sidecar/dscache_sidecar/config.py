@@ -94,6 +94,11 @@ class SidecarSettings(BaseSettings):
     tenant_quota: float = Field(default=1.0, gt=0, le=1)
     """The largest share of capacity one tenant may hold, in (0, 1]; 1 = no quota.
     A write over it evicts that tenant's own least recently used blocks first."""
+    holdings_refresh_s: float = Field(default=2.0, ge=0)
+    """Seconds between rebuilds of the holdings filter (a Bloom filter of every block
+    key in the index) served at ``GET /dscache/holdings`` on the HTTP port, for a
+    router that picks the pod holding the longest prefix; a rebuild is skipped while
+    the index is unchanged. 0 = not published (the path is 404)."""
     fault_injection: bool = False
     """Serve ``/debug/fault`` on the HTTP port to slow calls down or fail writes as a
     full disk does (:mod:`dscache_sidecar.faults`). A testing aid: never in production."""
@@ -201,6 +206,12 @@ def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--shared-timeout", type=float, help="seconds per remote operation")
     p.add_argument(
+        "--holdings-refresh",
+        type=float,
+        help="seconds between rebuilds of GET /dscache/holdings on the metrics port "
+        "(0 = off; default 2)",
+    )
+    p.add_argument(
         "--fault-injection",
         action="store_true",
         default=None,
@@ -225,6 +236,7 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
         "verify_on_start": "verify_on_start",
         "tenant_quota": "tenant_quota",
         "fault_injection": "fault_injection",
+        "holdings_refresh": "holdings_refresh_s",
         "shared_nodes": "shared_nodes",
         "shared_write_policy": "shared_write_policy",
         "shared_timeout": "shared_timeout_s",

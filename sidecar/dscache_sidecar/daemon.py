@@ -19,6 +19,9 @@ Contract:
     * With ``shared_nodes`` set, a shared tier on that Redis Cluster sits behind
       the store (:mod:`dscache_sidecar.shared`); a cluster that is down at start
       is not an error (the tier is tried on use, and skipped while it fails).
+    * With ``holdings_refresh_s`` > 0 and the HTTP port on, the same port serves
+      ``/dscache/holdings``: a Bloom filter of every key in the index, rebuilt in
+      the background (:mod:`dscache_sidecar.holdings_publisher`).
     * With ``fault_injection`` on (a testing aid, never in production), the same
       port serves ``/debug/fault`` and every KVCache call first waits the injected
       delay (:mod:`dscache_sidecar.faults`); off, nothing of it runs.
@@ -47,6 +50,7 @@ from dscache_sidecar.blockstore import BlockStore, StoreFullError
 from dscache_sidecar.config import SidecarSettings, settings_from_args
 from dscache_sidecar.errors import DataDirLockedError
 from dscache_sidecar.faults import FaultInjector
+from dscache_sidecar.holdings_publisher import HoldingsPublisher
 from dscache_sidecar.metrics import SidecarMetrics
 from dscache_sidecar.probes import ProbeServer, SocketHealthCheck, make_app, servicer_status
 from dscache_sidecar.redistier import RedisClusterTier
@@ -194,11 +198,14 @@ class RunningSidecar:
     socket_check: SocketHealthCheck | None = None
     faults: FaultInjector | None = None
     shared: SharedTier | None = None
+    holdings: HoldingsPublisher | None = None
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stops serving (in-flight calls get ``grace_s``), then closes the store."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace_s).wait()
+        if self.holdings is not None:
+            self.holdings.stop()  # it reads the index: before the store closes
         if self.shared is not None:
             self.shared.close()
         self.store.close()
@@ -254,16 +261,22 @@ def create_server(
     metrics_port: int | None = None
     http: ProbeServer | None = None
     socket_check: SocketHealthCheck | None = None
+    holdings: HoldingsPublisher | None = None
     if settings.metrics_port is not None:
         socket_check = SocketHealthCheck(sock, SERVICE_NAME, timeout_s=settings.readyz_timeout_s)
+        if settings.holdings_refresh_s > 0:
+            holdings = HoldingsPublisher(store, settings.holdings_refresh_s, metrics)
         app = make_app(
             metrics.registry,
             live=lambda: servicer_status(health_servicer, SERVICE_NAME),
             ready=socket_check,
             faults=faults,
+            holdings=holdings.current if holdings is not None else None,
         )
         http = ProbeServer(settings.metrics_host, settings.metrics_port, app)
         metrics_port = http.port
+        if holdings is not None:
+            holdings.start()
     log.info(
         "sidecar serving on unix:%s%s, metrics on %s",
         sock,
@@ -282,6 +295,7 @@ def create_server(
         socket_check,
         faults,
         shared,
+        holdings,
     )
 
 

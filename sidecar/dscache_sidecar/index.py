@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,6 +181,21 @@ class BlockIndex:
     def count(self) -> int:
         with self._env.begin(db=self._blocks) as txn:
             return int(txn.stat(self._blocks)["entries"])
+
+    @contextmanager
+    def scan_keys(self) -> Iterator[tuple[int, Iterator[bytes]]]:
+        """Every block key of every tenant, in key order, and how many there are: one
+        read transaction over the key table (values unread), open while the caller
+        iterates. No lock: LMDB readers never wait for the writer."""
+        with self._env.begin(db=self._blocks) as txn:
+            total = int(txn.stat(self._blocks)["entries"])
+            yield total, txn.cursor().iternext(keys=True, values=False)
+
+    def last_change(self) -> int:
+        """The id of the last committed write transaction. It changes on every write
+        (records, deletes, and access statistics too), so an equal id means an
+        unchanged index."""
+        return int(self._env.info()["last_txnid"])
 
     def close(self) -> None:
         self._env.close()

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -29,6 +29,8 @@ _LATENCY_BUCKETS = (
     0.25,
     1.0,
 )
+#: Holdings builds read every key in the index: milliseconds to seconds.
+_BUILD_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,24 @@ class SidecarMetrics:
             "dscache_sidecar_remote_write_drops_total",
             "Blocks not written to the shared tier, by reason (queue_full, down, error, gone)",
             "reason",
+        )
+
+        # The holdings filter (dscache_sidecar.holdings_publisher); zero while off.
+        self.holdings_keys = Gauge(
+            "dscache_sidecar_holdings_keys",
+            "Block keys in the published holdings filter (GET /dscache/holdings)",
+            registry=r,
+        )
+        self.holdings_bytes = Gauge(
+            "dscache_sidecar_holdings_bytes",
+            "Bytes of the published holdings filter (the response body)",
+            registry=r,
+        )
+        self.holdings_build = Histogram(
+            "dscache_sidecar_holdings_build_seconds",
+            "Time to read the index's keys and build the holdings filter, per build",
+            buckets=_BUILD_BUCKETS,
+            registry=r,
         )
 
     def count_lookup(self, op: str, hits: int, asked: int, block_tokens: int) -> None:

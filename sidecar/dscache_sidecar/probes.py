@@ -1,4 +1,4 @@
-"""The sidecar's HTTP server: ``/metrics`` as before, plus ``/healthz`` and ``/readyz``.
+"""The sidecar's HTTP server: ``/metrics``, ``/healthz``, ``/readyz``, ``/dscache/holdings``.
 
 Kubelet probes are plain HTTP GETs on the metrics port, so a probe spawns no
 process (the exec probes they replace started a Python interpreter for every
@@ -17,6 +17,11 @@ Contract:
       :mod:`dscache_sidecar.faults` when fault injection is on, else ``404``. A
       body that does not validate is ``400`` with the reason and changes nothing;
       a body over 64 KiB is ``413``; another method is ``405``.
+    * ``/dscache/holdings`` (``GET``): the latest holdings filter
+      (:mod:`dscache_sidecar.holdings_publisher`), ``200`` with
+      ``application/octet-stream`` bytes and the ``X-Dscache-Holdings-Keys`` and
+      ``-Generation`` headers; ``503`` before the first build; ``404`` when the
+      publisher is off; another method is ``405``.
     * Every other path is prometheus_client's WSGI app, exactly what
       ``prometheus_client.start_http_server`` served (content negotiation,
       gzip, ``name[]`` filters).
@@ -38,6 +43,8 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from pydantic import ValidationError
 
 from dscache_sidecar.faults import FaultInjector, Faults
+from dscache_sidecar.holdings import GENERATION_HEADER, HOLDINGS_PATH, KEYS_HEADER
+from dscache_sidecar.holdings_publisher import Holdings
 
 log = logging.getLogger(__name__)
 
@@ -159,22 +166,47 @@ def fault_app(faults: FaultInjector | None) -> WsgiApp:
     return app
 
 
+def holdings_app(holdings: Callable[[], Holdings | None] | None) -> WsgiApp:
+    """``/dscache/holdings``: GET serves the latest build of ``holdings()``; 404 when
+    ``holdings`` is None (the publisher is off), 503 while it has built nothing."""
+
+    def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if environ.get("REQUEST_METHOD", "GET") != "GET":
+            allow = (("Allow", "GET"),)
+            return _respond(start_response, "405 Method Not Allowed", b"GET\n", extra=allow)
+        if holdings is None:
+            return _respond(start_response, "404 Not Found", b"holdings are not published\n")
+        built = holdings()
+        if built is None:
+            not_yet = b"no holdings filter built yet\n"
+            return _respond(start_response, "503 Service Unavailable", not_yet)
+        extra = ((KEYS_HEADER, str(built.keys)), (GENERATION_HEADER, str(built.generation)))
+        return _respond(start_response, "200 OK", built.body, "application/octet-stream", extra)
+
+    return app
+
+
 def make_app(
     registry: CollectorRegistry,
     live: Callable[[], str],
     ready: Callable[[], str],
     faults: FaultInjector | None = None,
+    holdings: Callable[[], Holdings | None] | None = None,
 ) -> WsgiApp:
     """The WSGI app: ``/healthz`` from ``live()``, ``/readyz`` from ``ready()``,
-    ``/debug/fault`` over ``faults`` (None: fault injection off), else metrics."""
+    ``/debug/fault`` over ``faults`` (None: fault injection off),
+    ``/dscache/holdings`` from ``holdings()`` (None: not published), else metrics."""
     metrics = make_wsgi_app(registry)
     debug = fault_app(faults)
+    held = holdings_app(holdings)
     checks = {"/healthz": live, "/readyz": ready}
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == FAULT_PATH:
             return debug(environ, start_response)
+        if path == HOLDINGS_PATH:
+            return held(environ, start_response)
         check = checks.get(path)
         if check is None:
             out: Iterable[bytes] = metrics(environ, start_response)

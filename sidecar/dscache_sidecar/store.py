@@ -1,7 +1,7 @@
 """The KV block store: segments + LMDB index + eviction, safe under concurrency.
 
 :class:`KVStore` is the one concrete :class:`~dscache_sidecar.blockstore.BlockStore`;
-it also offers the ``Leasing`` and ``Reserving`` capabilities. It composes:
+it also offers the ``Leasing``, ``Reserving`` and ``Listing`` capabilities. It composes:
 :class:`~dscache_sidecar.catalog.Catalog` (what is cached, eviction, space),
 :class:`~dscache_sidecar.leases.LeaseTable` (pins), :class:`~dscache_sidecar.writes.Writes`
 (reservations and the commit path) and :mod:`~dscache_sidecar.reconcile` (start).
@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 
 from dscache_sidecar.blockstore import (
     BlockEvents,
@@ -448,6 +449,14 @@ class KVStore:
                 stored_payload_bytes=catalog.stored_payload,
                 tenants=catalog.usage.tenants,
             )
+
+    def change_id(self) -> int:
+        """The index's last write transaction (``Listing``): equal means unchanged."""
+        return self._idx().last_change()
+
+    def scan_keys(self) -> AbstractContextManager[tuple[int, Iterator[bytes]]]:
+        """Every key in the index, read without the store lock (``Listing``)."""
+        return self._idx().scan_keys()
 
     def keys(self) -> list[bytes]:
         """Every stored key (for tests and tools)."""
