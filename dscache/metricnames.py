@@ -94,6 +94,8 @@ ROUTER_UPSTREAM_INFLIGHT: Final = ROUTER_PREFIX + "upstream_inflight"
 #: Gauges: the configured canary weight (percent) and bounded-load factor.
 ROUTER_CANARY_WEIGHT: Final = ROUTER_PREFIX + "canary_weight_percent"
 ROUTER_BALANCE_FACTOR: Final = ROUTER_PREFIX + "balance_factor"
+#: Counter: requests placed on the picker's advice, by reason (or failed).
+ROUTER_PICKS: Final = ROUTER_PREFIX + "picks"
 #: Labels of the router's series.
 ROUTER_TRACK_LABEL: Final = "track"
 ROUTER_CODE_LABEL: Final = "code"

@@ -1,4 +1,4 @@
-"""``dscache server`` and ``dscache prewarm``.
+"""``dscache server``, ``dscache prewarm`` and ``dscache picker``.
 
 Light module: argument parsing only; each handler imports its implementation, so
 ``dscache --help`` never loads torch.
@@ -7,6 +7,7 @@ Light module: argument parsing only; each handler imports its implementation, so
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from dscache.cli import Commands
 
@@ -54,9 +55,60 @@ def register(sub: Commands, bench: Commands) -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
     p.set_defaults(handler=_run_prewarm)
 
+    k = sub.add_parser(
+        "picker", help="the router's picker: the pod holding a request's longest cached prefix"
+    )
+    add_picker_arguments(k)
+    k.set_defaults(handler=_run_picker)
+
 
 def _run_server(args: argparse.Namespace) -> int:
     from dscache_server.serve import run_from_args
+
+    return run_from_args(args)
+
+
+def add_picker_arguments(p: argparse.ArgumentParser) -> None:
+    """``dscache picker``'s flags (see :mod:`dscache_server.pickerserve`)."""
+    p.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8090, help="listen port (default 8090)")
+    p.add_argument(
+        "--holdings",
+        action="append",
+        default=[],
+        metavar="POD=URL",
+        help="a pod's sidecar holdings URL (repeatable), e.g. "
+        "10.0.0.5:8000=http://10.0.0.5:9400/dscache/holdings",
+    )
+    p.add_argument(
+        "--holdings-port",
+        type=int,
+        default=None,
+        help="for pods without --holdings: http://<pod IP>:PORT/dscache/holdings",
+    )
+    p.add_argument("--refresh", type=float, default=1.0, help="seconds between filter fetches (1)")
+    p.add_argument(
+        "--memory",
+        type=float,
+        default=120.0,
+        help="seconds the picker's own placements count (120)",
+    )
+    p.add_argument(
+        "--similarity-threshold",
+        type=float,
+        default=0.65,
+        help="estimated Jaccard from which a request follows a similar one (0.65; 0: off)",
+    )
+    p.add_argument(
+        "--domain-terms",
+        type=Path,
+        default=None,
+        help='JSON object {"term": weight} of words that count weight times in similarity',
+    )
+
+
+def _run_picker(args: argparse.Namespace) -> int:
+    from dscache_server.pickerserve import run_from_args
 
     return run_from_args(args)
 

@@ -6,6 +6,11 @@ Contract:
       loaded; 503 ``{"status": "loading" | "draining" | <load error>}`` with
       Retry-After otherwise (readiness).
     * ``GET /metrics``: the Prometheus text format (empty until the model is loaded).
+    * ``GET /dscache/keyinfo``: what a router needs to compute this server's block
+      keys: ``{"model", "block_tokens", "fingerprint"}`` (hex digest) and ``root``,
+      the key chain's root for requests without any credential when tenancy is off
+      (their keys are every anonymous client's anyway), else ``null`` (a tenant's
+      keys need its secret). 503 until the model is loaded.
     * ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``:
       OpenAI's API; 503 ``not_ready`` until the model is loaded (``state``); with
       tenancy on, 401 ``invalid_api_key`` without a known key (``auth``). The
@@ -18,6 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dscache_server.auth import DEFAULT_TENANT
 from dscache_server.completions import handle_completion
 from dscache_server.state import StateDep, authenticate
 
@@ -48,6 +54,24 @@ async def metrics(state: StateDep) -> Response:
     rt = state.runtime
     data = b"" if rt is None else generate_latest(rt.metrics.registry)
     return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+
+@probes.get("/dscache/keyinfo")
+async def keyinfo(state: StateDep) -> JSONResponse:
+    """The key chain's public facts (see the module contract)."""
+    rt = state.runtime
+    if rt is None:
+        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
+    anonymous = not rt.auth.tenancy and not rt.settings.tenant_secret.get_secret_value()
+    root = rt.chain_for(DEFAULT_TENANT).root.hex() if anonymous else None
+    return JSONResponse(
+        {
+            "model": rt.settings.model_name,
+            "block_tokens": rt.fingerprint.block_tokens,
+            "fingerprint": rt.fingerprint.digest().hex(),
+            "root": root,
+        }
+    )
 
 
 @openai_api.get("/models")

@@ -148,6 +148,18 @@ class RouterConfig(BaseModel):
         "in-flight count is below ceil(balance_factor * (in-flight of the track + 1) / live pods), "
         "else the next pod on the ring does; 0: plain consistent hash (no Lua); else >= 1",
     )
+    picker: Address | None = Field(
+        default=None,
+        description="HOST:PORT of a picker (`dscache picker`) the balancer consults per request "
+        "for the pod holding its longest cached prefix (KV-aware routing; needs balance_factor "
+        "> 0); None: the session / prompt-key hash alone",
+    )
+    picker_timeout_ms: int = Field(
+        default=250,
+        ge=10,
+        le=10_000,
+        description="how long a request waits for the picker before the hash places it",
+    )
     metrics: bool = Field(
         default=True,
         description="count requests, retries and upstream errors in Lua and serve them at "
@@ -192,6 +204,8 @@ class RouterConfig(BaseModel):
                     f"upstream addresses {names} are not IP:PORT; the bounded-load balancer "
                     "(balance_factor > 0) resolves no names: give IPs or set balance_factor=0"
                 )
+        if self.picker is not None and not self.balanced:
+            raise ValueError("picker needs the Lua balancer: set balance_factor >= 1")
         if self.upstream_header.lower() in _RESERVED_HEADERS:
             raise ValueError(f"upstream_header {self.upstream_header!r} is reserved by the router")
         return self

@@ -32,6 +32,13 @@ untried one (better a try than a certain 502). A retry marks the failed pod
 down and ends its in-flight count; ``log()`` ends the last one (and marks its
 pod down when it failed: no answer, 502, 503 or 504, as ``max_fails=1`` does).
 
+``pick(upstream)`` (``access_by_lua``, with a picker configured): asks the
+picker (:mod:`dscache_server.picker`) through the internal ``picker_path``
+subrequest which pod holds the longest cached prefix of the request; the
+balancer's first try takes that pod when it is in the track and up (the picker
+applied the load bound from the in-flight counts it was sent). No answer within
+the timeout, or a wrong one: the walk below, as without a picker.
+
 ``log()`` (``log_by_lua``, every proxied request) also counts the request by
 track role and status class, its retries, and each try by pod from
 ``$upstream_addr`` / ``$upstream_status`` (so the counters work without the
@@ -162,6 +169,13 @@ LUA_ROUTER = """\
             if pod and (not r.has[pod] or state.tried[pod] or dict:get("down:" .. pod)) then
                 pod = nil  -- gone from the track, failed or down: placed anew
             end
+            if not pod and next(state.tried) == nil then
+                -- The picker's choice (access phase): only for a first try, only if up.
+                local picked = ngx.ctx.dscache_pick
+                if picked and r.has[picked] and not dict:get("down:" .. picked) then
+                    pod = picked
+                end
+            end
             pod = pod or choose(r, state)
             if pin then
                 local ok, err = pins:set(pin, pod, config.pin_ttl)
@@ -175,6 +189,50 @@ LUA_ROUTER = """\
             local ok, err = balancer.set_current_peer(peers[pod][1], peers[pod][2])
             if not ok then
                 ngx.log(ngx.ERR, "dscache router: cannot send to ", pod, ": ", err)
+            end
+        end
+
+        -- Asks the picker (access phase) which pod should take the request: the track's
+        -- live pods in ring order with their in-flight counts, the load bound, the key
+        -- and the session's pin go as arguments, the body as it came. Any failure (an
+        -- error, a timeout, an answer naming no pod of the track): the walk decides.
+        local pick_reasons = {pinned = true, prefix = true, similar = true, hash = true,
+                              overloaded = true}
+        function M.pick(name)
+            local r = rings[name]
+            if not config.picker or r == nil or #r.pods < 2 then return end
+            local key = ngx.var.dscache_key
+            local source = ngx.var.dscache_key_source
+            local total, live = 0, 0
+            for _, pod in ipairs(r.pods) do
+                total = total + inflight(pod)
+                if not dict:get("down:" .. pod) then live = live + 1 end
+            end
+            local cap = ceil(config.factor * (total + 1) / math.max(live, 1))
+            local parts = {}
+            for _, pod in ipairs(walk(r, key)) do
+                if not dict:get("down:" .. pod) then
+                    parts[#parts + 1] = pod .. "/" .. inflight(pod)
+                end
+            end
+            if #parts == 0 then return end
+            local pinned = ""
+            if (source == "header" or source == "cookie") and pins ~= nil then
+                pinned = pins:get(name .. "\0" .. key) or ""
+            end
+            ngx.req.read_body()
+            local res = ngx.location.capture(config.picker_path, {
+                method = ngx.HTTP_POST, always_forward_body = true,
+                args = {pods = table.concat(parts, ","), cap = cap, key = key,
+                        source = source, pinned = pinned}})
+            if res and res.status == 200 and r.has[res.body] then
+                ngx.ctx.dscache_pick = res.body
+                local reason = res.header["X-Dscache-Pick-Reason"]
+                    or res.header["x-dscache-pick-reason"]
+                if not pick_reasons[reason] then reason = "hash" end
+                dict:incr("picks:" .. reason, 1, 0)
+            else
+                dict:incr("picks:failed", 1, 0)
             end
         end
 
@@ -253,6 +311,16 @@ LUA_ROUTER = """\
                 per_pod(names.inflight, "gauge",
                         "Tries in progress on each pod (counted by the Lua balancer).", nil,
                         inflight)
+            end
+            if config.picker then
+                family(names.picks, "counter",
+                       "Requests placed on the picker's advice, by its reason; failed: the "
+                       .. "picker did not answer in time or named no pod of the track.")
+                for _, reason in ipairs({"pinned", "prefix", "similar", "hash", "overloaded",
+                                         "failed"}) do
+                    sample(names.picks, '{reason="' .. reason .. '"}',
+                           dict:get("picks:" .. reason) or 0)
+                end
             end
             family(names.weight, "gauge", "The configured canary weight, percent.")
             sample(names.weight, "", config.canary_weight)

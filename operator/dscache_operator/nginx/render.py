@@ -20,6 +20,8 @@ from dscache_operator.nginx.lua_router import LUA_ROUTER
 CONFIG_ID_PREFIX = "# dscache-config-id: "
 #: Where the router serves its Prometheus metrics (with ``metrics`` on).
 METRICS_PATH = names.ROUTER_METRICS_PATH
+#: The internal location through which the balancer's Lua asks the picker.
+PICKER_PATH = "/_dscache/pick"
 #: Seconds a pod that failed a try is passed over (NGINX's ``fail_timeout``).
 FAIL_TIMEOUT_S = 10
 
@@ -83,12 +85,14 @@ def _router_lua(c: RouterConfig) -> str:
         "inflight": names.ROUTER_UPSTREAM_INFLIGHT,
         "weight": names.ROUTER_CANARY_WEIGHT,
         "factor": names.ROUTER_BALANCE_FACTOR,
+        "picks": names.ROUTER_PICKS + "_total",
     }
     table = (
         f"{{factor = {float(c.balance_factor)!r}, balanced = {str(c.balanced).lower()}, "
         f"fail_timeout = {FAIL_TIMEOUT_S}, pin_ttl = {c.pin_ttl_s}, "
         f"canary_weight = {float(c.effective_weight)!r}, "
         f"pods = {_lua_strings(c.all_pods)}, "
+        f'picker = {str(c.picker is not None).lower()}, picker_path = "{PICKER_PATH}", '
         f"tracks = {_lua_strings(('stable', 'canary', 'previous'))}, "
         f"upstreams = {{{upstreams}}}, "
         "names = {" + ", ".join(f'{k} = "{v}"' for k, v in metric.items()) + "}}"
@@ -211,6 +215,13 @@ def _render_lines(config: RouterConfig) -> list[str]:
     ):
         if pods:
             lines += _upstream(f"dscache_{name}", pods, c.upstream_keepalive, c.balanced)
+    if c.picker is not None:
+        lines += [
+            "    upstream dscache_picker {",
+            f"        server {c.picker};",
+            "        keepalive 16;",
+            "    }",
+        ]
     status = json.dumps(
         {
             "canary_weight": weight,
@@ -244,21 +255,10 @@ def _render_lines(config: RouterConfig) -> list[str]:
         "        }",
         "",
         *_metrics_location(c),
+        *_picker_location(c),
         "        location / {",
     ]
-    access: list[str] = []
-    if c.prompt_key.mode == "lua":
-        access.append(
-            LUA_PROMPT_KEY
-            % {
-                "scan": c.prompt_key.max_bytes * 4,
-                "max_bytes": c.prompt_key.max_bytes,
-                "max_messages": c.prompt_key.max_messages,
-            }
-        )
-    if memory:
-        live = ", ".join(f'["{t}"] = true' for t in c.live_tracks)
-        access.append(LUA_SESSION_MEMORY % {"live": live, "ttl": c.session_memory_s})
+    access = _access_lua(c, memory, track_var)
     if access:
         lines += ["        access_by_lua_block {", *access, "        }"]
     if counted:
@@ -302,6 +302,49 @@ def _render_lines(config: RouterConfig) -> list[str]:
         ]
     lines += ["        }", "    }", "}", ""]
     return lines
+
+
+def _access_lua(c: RouterConfig, memory: bool, track_var: str) -> list[str]:
+    """The ``access_by_lua_block`` body: prompt key, session memory, picker (in order)."""
+    access: list[str] = []
+    if c.prompt_key.mode == "lua":
+        access.append(
+            LUA_PROMPT_KEY
+            % {
+                "scan": c.prompt_key.max_bytes * 4,
+                "max_bytes": c.prompt_key.max_bytes,
+                "max_messages": c.prompt_key.max_messages,
+            }
+        )
+    if memory:
+        live = ", ".join(f'["{t}"] = true' for t in c.live_tracks)
+        access.append(LUA_SESSION_MEMORY % {"live": live, "ttl": c.session_memory_s})
+    if c.picker is not None:
+        access.append(
+            f'            require("dscache_router").pick("dscache_" .. ngx.var.{track_var[1:]})'
+        )
+    return access
+
+
+def _picker_location(c: RouterConfig) -> list[str]:
+    """The internal location the balancer asks the picker through (no client reaches it)."""
+    if c.picker is None:
+        return []
+    timeout = f"{c.picker_timeout_ms}ms"
+    return [
+        f"        location = {PICKER_PATH} {{",
+        "            internal;",
+        "            access_log off;",
+        "            proxy_pass http://dscache_picker/pick;",
+        "            proxy_http_version 1.1;",
+        '            proxy_set_header Connection "";',
+        *(f'            proxy_set_header {h} "";' for h in STRIPPED_HEADERS),
+        f"            proxy_connect_timeout {timeout};",
+        f"            proxy_send_timeout {timeout};",
+        f"            proxy_read_timeout {timeout};",
+        "        }",
+        "",
+    ]
 
 
 def _metrics_location(c: RouterConfig) -> list[str]:

@@ -79,6 +79,8 @@ class Router:
     canary_weight: float = 0.0
     prompt_key: bool = True
     balance_factor: float = 1.25
+    picker: str | None = None  # HOST:PORT of a running ``dscache picker``
+    picker_child: Child | None = None
 
     @property
     def url(self) -> str:
@@ -168,6 +170,8 @@ def render_router(router: Router) -> None:
         canary_weight=router.canary_weight,
         prompt_key=PromptKey(mode="lua" if router.prompt_key else "off"),
         balance_factor=router.balance_factor,
+        picker=router.picker,
+        picker_timeout_ms=1000,
         load_modules=DEBIAN_LUA_MODULES,
         pid_file=str(router.workdir / "nginx.pid"),
         temp_dir=str(router.workdir),

@@ -28,6 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 from dscache_tools.demo.parts import (
     NGINX_PACKAGES,
@@ -259,8 +260,13 @@ class LocalStack:
         *,
         canary_weight: float = 0.0,
         prompt_key: bool = True,
+        routing: Literal["hash", "kv"] = "hash",
     ) -> Router:
-        """Starts NGINX in front of the given servers (default: all, on stable)."""
+        """Starts NGINX in front of the given servers (default: all, on stable).
+
+        ``routing="kv"`` also starts the picker (KV-aware + similarity routing) and
+        has NGINX consult it; ``"hash"`` is the session / prompt-key hash alone.
+        """
         nginx = find_nginx()
         if self.router is not None:
             self.stop_router()
@@ -281,6 +287,8 @@ class LocalStack:
             prompt_key=prompt_key,
             balance_factor=self.options.balance_factor,
         )
+        if routing == "kv":
+            router.picker, router.picker_child = self._start_picker(stable + list(canary or ()))
         render_router(router)
         argv = [nginx, "-p", str(workdir), "-c", str(router.conf), "-e", "stderr"]
         argv += ["-g", "daemon off;"]
@@ -327,10 +335,30 @@ class LocalStack:
             raise StartError(f"nginx did not reload; log {router.child.log_path}")
 
     def stop_router(self) -> None:
-        """Stops NGINX (graceful quit)."""
+        """Stops NGINX (graceful quit), and its picker."""
         if self.router is not None:
             self.procs.stop(self.router.child)
+            if self.router.picker_child is not None:
+                self.procs.stop(self.router.picker_child)
             self.router = None
+
+    def _start_picker(self, servers: list[Server]) -> tuple[str, Child]:
+        """Starts ``dscache picker`` knowing each server's sidecar filter; its address."""
+        port = free_port()
+        args = ["picker", "--host", "127.0.0.1", "--port", str(port), "--refresh", "0.5"]
+        for s in servers:
+            if s.sidecar is not None:
+                url = f"http://127.0.0.1:{s.sidecar.metrics_port}/dscache/holdings"
+                args += ["--holdings", f"{s.address}={url}"]
+        child = self.procs.start(self._name("picker"), self._python(*args), env=self._env)
+        wait_until(
+            lambda: http_ok(f"http://127.0.0.1:{port}/health"),
+            child=child,
+            timeout_s=60,
+            what="serving",
+            interval_s=0.2,
+        )
+        return f"127.0.0.1:{port}", child
 
     # -- prometheus -----------------------------------------------------------------
 

@@ -1,0 +1,503 @@
+"""The router's picker: which pod should take a request, from what the pods hold.
+
+NGINX stays the data path. For each request its Lua asks the picker (an
+internal subrequest carrying the body, with a short timeout) and sends the
+request where the picker says, or places it by its own hash when the picker
+fails or is slow. The picker decides, in this order:
+
+1. ``pinned``: the router already keeps this session on a pod (its KV is there);
+   the picker only records it.
+2. ``prefix``: the pod holding the longest prefix of the request's block keys,
+   among the pods under the router's load bound (ties: the hash order). What a
+   pod holds is its sidecar's published filter
+   (:mod:`dscache_sidecar.holdings`, fetched every ``refresh_s``) joined with
+   the blocks the picker itself sent there in the last ``memory_s`` seconds
+   (a turn's follow-up often arrives before the next filter does).
+3. ``similar``: no pod holds a block of it (a prompt shorter than a block, a
+   filter not yet fetched), but a request seen recently is similar to it
+   (MinHash LSH over word shingles of its messages, datasketch; estimated
+   Jaccard >= ``similarity_threshold``; domain terms count ``weight`` times):
+   the pod that request went to, if under the bound.
+4. ``hash``: the first pod under the bound in the router's ring order (what the
+   router would have chosen without a picker); ``overloaded`` when none is.
+
+Contract:
+    * ``POST /pick?pods=ADDR/INFLIGHT,...&cap=N&key=K&source=S&pinned=ADDR``,
+      body = the client's request body. ``pods``: the track's live pods in the
+      router's ring order from the key's point, each with its in-flight count;
+      ``cap``: the router's load bound (0: none). Answer: 200, the chosen pod
+      address as the body, ``X-Dscache-Pick-Reason`` and
+      ``X-Dscache-Pick-Blocks`` headers. A body that is not a chat or completion
+      request still gets an answer (by similarity on its text, else hash); a
+      malformed ``pods`` is 400.
+    * Keys are computed only where they are public: a pod's ``/dscache/keyinfo``
+      gives the root for requests without credentials when tenancy is off; a
+      request with ``Authorization`` or a tenant's pod gets no prefix match
+      (similarity and hash still apply). Never a wrong answer, only a worse
+      choice: the chosen pod recomputes what it lacks.
+    * ``GET /metrics``, ``GET /health``; the state is bounded (``max_sessions``
+      similarity entries, ``max_memory_keys`` remembered keys per pod).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from datasketch import MinHash, MinHashLSH
+from dscache_sidecar.holdings import (
+    GENERATION_HEADER,
+    HOLDINGS_PATH,
+    HoldingsFilter,
+    HoldingsFormatError,
+)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dscache.keys import block_keys
+from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer, PieceCache, TemplateError
+
+log = logging.getLogger(__name__)
+
+KEYINFO_PATH = "/dscache/keyinfo"
+REASON_HEADER = "X-Dscache-Pick-Reason"
+BLOCKS_HEADER = "X-Dscache-Pick-Blocks"
+REASONS = ("pinned", "prefix", "similar", "hash", "overloaded")
+_WORD = re.compile(r"[\w$%.-]+", re.UNICODE)
+
+
+class PickError(ValueError):
+    """A pick request the picker cannot read (400)."""
+
+
+@dataclass(frozen=True)
+class PickerSettings:
+    """Knobs of the picker.
+
+    Attributes:
+        holdings: pod address -> its sidecar's holdings URL (explicit entries).
+        holdings_port: for other pods, ``http://<pod host>:<port>/dscache/holdings``
+            (None: only the explicit ones have filters).
+        refresh_s: seconds between two fetches of each pod's filter.
+        memory_s: how long the blocks the picker sent to a pod count as held there.
+        max_memory_keys: remembered keys per pod (oldest dropped first).
+        similarity_threshold: estimated Jaccard from which a request follows a
+            similar one's pod (0 disables similarity).
+        num_perm: MinHash permutations.
+        shingle_words: words per shingle.
+        domain_terms: word -> weight (a weight-w term counts as w shingles).
+        max_sessions: similarity entries kept (oldest dropped first).
+        min_blocks: blocks a pod must hold for a ``prefix`` choice.
+        fetch_timeout_s: timeout of a keyinfo or holdings fetch.
+    """
+
+    holdings: Mapping[str, str] = field(default_factory=dict)
+    holdings_port: int | None = None
+    refresh_s: float = 1.0
+    memory_s: float = 120.0
+    max_memory_keys: int = 200_000
+    similarity_threshold: float = 0.65
+    num_perm: int = 64
+    shingle_words: int = 4
+    domain_terms: Mapping[str, int] = field(default_factory=dict)
+    max_sessions: int = 20_000
+    min_blocks: int = 1
+    fetch_timeout_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A pod the router may send the request to, with its in-flight count."""
+
+    address: str
+    inflight: int
+
+
+@dataclass(frozen=True)
+class PickQuery:
+    """One pick request, parsed."""
+
+    pods: tuple[Candidate, ...]
+    cap: int
+    key: str
+    source: str
+    pinned: str | None
+    body: bytes
+    credentials: bool
+
+    @classmethod
+    def parse(cls, args: Mapping[str, str], body: bytes, credentials: bool) -> PickQuery:
+        """Parses the query string; raises :class:`PickError` for a malformed one."""
+        pods: list[Candidate] = []
+        for item in filter(None, args.get("pods", "").split(",")):
+            address, _, inflight = item.rpartition("/")
+            if not address or not inflight.isdigit():
+                raise PickError(f"pods entry {item!r} is not ADDRESS/INFLIGHT")
+            pods.append(Candidate(address, int(inflight)))
+        if not pods:
+            raise PickError("pods must name at least one pod")
+        cap_text = args.get("cap", "0") or "0"
+        if not cap_text.isdigit():
+            raise PickError(f"cap {cap_text!r} is not a whole number")
+        pinned = args.get("pinned") or None
+        return cls(
+            pods=tuple(pods),
+            cap=int(cap_text),
+            key=args.get("key", ""),
+            source=args.get("source", ""),
+            pinned=pinned,
+            body=body,
+            credentials=credentials,
+        )
+
+    def eligible(self, pod: Candidate) -> bool:
+        return self.cap <= 0 or pod.inflight < self.cap
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The picker's answer."""
+
+    pod: str
+    reason: str
+    blocks: int = 0
+
+
+@dataclass
+class _Pod:
+    """What the picker knows of one pod."""
+
+    address: str
+    root: bytes | None = None
+    block_tokens: int = 0
+    keyinfo_at: float = 0.0
+    holdings: HoldingsFilter | None = None
+    holdings_at: float = 0.0
+    generation: str = ""
+    recent: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
+
+
+class PickerMetrics:
+    """The picker's Prometheus metrics, on their own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.decisions = Counter(
+            "dscache_picker_decisions",
+            "Pods chosen, by reason (pinned, prefix, similar, hash, overloaded).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in REASONS:
+            self.decisions.labels(reason)
+        self.seconds = Histogram(
+            "dscache_picker_decision_seconds",
+            "Time to choose a pod (tokenizing and matching; not the HTTP round trip).",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+            registry=self.registry,
+        )
+        self.matched = Histogram(
+            "dscache_picker_matched_blocks",
+            "Blocks the chosen pod holds of the request (prefix choices).",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=self.registry,
+        )
+        self.fetch_errors = Counter(
+            "dscache_picker_fetch_errors",
+            "Failed keyinfo or holdings fetches.",
+            ["what"],
+            registry=self.registry,
+        )
+        self.pods = Gauge("dscache_picker_pods", "Pods known.", registry=self.registry)
+        self.filters = Gauge(
+            "dscache_picker_filters",
+            "Pods whose sidecar filter the picker holds.",
+            registry=self.registry,
+        )
+        self.filter_age = Gauge(
+            "dscache_picker_filter_age_seconds",
+            "Age of the oldest pod filter in use.",
+            registry=self.registry,
+        )
+
+
+def shingles(text: str, words: int, domain_terms: Mapping[str, int]) -> set[bytes]:
+    """Word shingles of ``text`` (lower-cased), plus weighted copies of domain terms."""
+    tokens = [t.lower() for t in _WORD.findall(text)]
+    out = {" ".join(tokens[i : i + words]).encode() for i in range(max(len(tokens) - words + 1, 1))}
+    for token in set(tokens):
+        weight = domain_terms.get(token, 0)
+        out.update(f"\x00{token}\x00{i}".encode() for i in range(weight))
+    out.discard(b"")
+    return out
+
+
+def request_text(body: Any) -> str:
+    """The content words of a chat or completion request (empty for anything else)."""
+    if not isinstance(body, dict):
+        return ""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = [str(m.get("content", "")) for m in messages if isinstance(m, dict)]
+        return "\n".join(parts)
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) else ""
+
+
+class Picker:
+    """The decision logic and its state (thread-safe; see the module contract)."""
+
+    def __init__(
+        self,
+        settings: PickerSettings,
+        tokenizer: DeepSeekTokenizer,
+        metrics: PickerMetrics | None = None,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.metrics = metrics or PickerMetrics()
+        self.clock = clock
+        self.pieces = PieceCache()
+        self._lock = threading.Lock()
+        self._pods: dict[str, _Pod] = {}
+        self._lsh = (
+            MinHashLSH(threshold=settings.similarity_threshold, num_perm=settings.num_perm)
+            if settings.similarity_threshold > 0
+            else None
+        )
+        self._sessions: OrderedDict[str, tuple[MinHash, str]] = OrderedDict()
+
+    # -- what the pods hold -------------------------------------------------------
+
+    def pods(self) -> list[str]:
+        with self._lock:
+            return list(self._pods)
+
+    def know(self, addresses: Iterable[str]) -> None:
+        """Starts tracking these pods (their facts come with the next refresh)."""
+        with self._lock:
+            for address in addresses:
+                if address not in self._pods:
+                    self._pods[address] = _Pod(address)
+            self.metrics.pods.set(len(self._pods))
+
+    def set_keyinfo(self, address: str, root: bytes | None, block_tokens: int) -> None:
+        with self._lock:
+            pod = self._pods.setdefault(address, _Pod(address))
+            pod.root, pod.block_tokens, pod.keyinfo_at = root, block_tokens, self.clock()
+
+    def set_holdings(self, address: str, holdings: HoldingsFilter, generation: str = "") -> None:
+        with self._lock:
+            pod = self._pods.setdefault(address, _Pod(address))
+            pod.holdings, pod.holdings_at, pod.generation = holdings, self.clock(), generation
+
+    def holdings_url(self, address: str) -> str | None:
+        explicit = self.settings.holdings.get(address)
+        if explicit:
+            return explicit
+        if self.settings.holdings_port is None:
+            return None
+        host = address.rsplit(":", 1)[0]
+        return f"http://{host}:{self.settings.holdings_port}{HOLDINGS_PATH}"
+
+    # -- the decision -------------------------------------------------------------
+
+    def pick(self, q: PickQuery) -> Pick:
+        """Chooses a pod for ``q`` and records the choice."""
+        started = time.perf_counter()
+        self.know(c.address for c in q.pods)
+        try:
+            body = json.loads(q.body) if q.body else None
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        text = request_text(body)
+        ids = None if q.credentials else self._token_ids(body)
+        minhash = self._minhash(text) if text else None
+        with self._lock:
+            now = self.clock()
+            keys = {c.address: self._keys(c.address, ids) for c in q.pods}
+            choice = self._choose(q, keys, minhash, now)
+            self._record(choice.pod, keys.get(choice.pod, []), q.key, minhash, now)
+        self.metrics.decisions.labels(choice.reason).inc()
+        if choice.reason == "prefix":
+            self.metrics.matched.observe(choice.blocks)
+        self.metrics.seconds.observe(time.perf_counter() - started)
+        return choice
+
+    def _token_ids(self, body: Any) -> list[int] | None:
+        if not isinstance(body, dict):
+            return None
+        try:
+            messages = body.get("messages")
+            if isinstance(messages, list):
+                chat = [ChatMessage(str(m["role"]), str(m.get("content", ""))) for m in messages]
+                return self.tokenizer.apply_chat_template(chat, pieces=self.pieces)
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                return self.tokenizer.encode(prompt)
+        except (TemplateError, KeyError, TypeError, ValueError):
+            return None
+        return None
+
+    def _minhash(self, text: str) -> MinHash | None:
+        if self._lsh is None:
+            return None
+        s = self.settings
+        m = MinHash(num_perm=s.num_perm)
+        m.update_batch(list(shingles(text, s.shingle_words, s.domain_terms)))
+        return m
+
+    def _keys(self, address: str, ids: list[int] | None) -> list[bytes]:
+        pod = self._pods.get(address)
+        if ids is None or pod is None or pod.root is None or pod.block_tokens <= 0:
+            return []
+        return block_keys(pod.root, ids, pod.block_tokens)
+
+    def _held(self, pod: _Pod, keys: Sequence[bytes], now: float) -> int:
+        n = 0
+        for key in keys:
+            expiry = pod.recent.get(key)
+            if (expiry is None or expiry < now) and (
+                pod.holdings is None or key not in pod.holdings
+            ):
+                break
+            n += 1
+        return n
+
+    def _choose(
+        self,
+        q: PickQuery,
+        keys: Mapping[str, list[bytes]],
+        minhash: MinHash | None,
+        now: float,
+    ) -> Pick:
+        addresses = {c.address for c in q.pods}
+        if q.pinned and q.pinned in addresses:
+            return Pick(q.pinned, "pinned")
+        eligible = [c for c in q.pods if q.eligible(c)]
+        best: tuple[int, str] | None = None
+        for c in eligible:
+            pod = self._pods[c.address]
+            held = self._held(pod, keys.get(c.address, []), now)
+            if held >= self.settings.min_blocks and (best is None or held > best[0]):
+                best = (held, c.address)
+        if best is not None:
+            return Pick(best[1], "prefix", best[0])
+        similar = self._similar(minhash, {c.address for c in eligible}, q.key)
+        if similar is not None:
+            return Pick(similar, "similar")
+        if eligible:
+            return Pick(eligible[0].address, "hash")
+        return Pick(q.pods[0].address, "overloaded")
+
+    def _similar(self, minhash: MinHash | None, eligible: set[str], key: str) -> str | None:
+        if minhash is None or self._lsh is None or not eligible:
+            return None
+        best: tuple[float, str] | None = None
+        for other in self._lsh.query(minhash):
+            entry = self._sessions.get(other)
+            if entry is None or entry[1] not in eligible:
+                continue
+            score = minhash.jaccard(entry[0])
+            if score >= self.settings.similarity_threshold and (best is None or score > best[0]):
+                best = (score, entry[1])
+        return best[1] if best else None
+
+    def _record(
+        self, address: str, keys: Sequence[bytes], key: str, minhash: MinHash | None, now: float
+    ) -> None:
+        pod = self._pods.get(address)
+        if pod is not None and keys:
+            expiry = now + self.settings.memory_s
+            for k in keys:
+                pod.recent[k] = expiry
+                pod.recent.move_to_end(k)
+            while len(pod.recent) > self.settings.max_memory_keys:
+                pod.recent.popitem(last=False)
+        if minhash is None or self._lsh is None or not key:
+            return
+        if key in self._sessions:
+            self._lsh.remove(key)
+            del self._sessions[key]
+        self._lsh.insert(key, minhash)
+        self._sessions[key] = (minhash, address)
+        while len(self._sessions) > self.settings.max_sessions:
+            old, _ = self._sessions.popitem(last=False)
+            self._lsh.remove(old)
+
+    # -- refreshing the pods' facts -------------------------------------------------
+
+    def refresh(self, client: httpx.Client) -> None:
+        """Fetches each known pod's keyinfo (until known) and holdings filter once."""
+        now = self.clock()
+        for address in self.pods():
+            with self._lock:
+                pod = self._pods[address]
+                need_info = pod.root is None and now - pod.keyinfo_at > 5.0
+            if need_info:
+                self._fetch_keyinfo(client, address)
+            url = self.holdings_url(address)
+            if url is not None:
+                self._fetch_holdings(client, address, url)
+        with self._lock:
+            ages = [now - p.holdings_at for p in self._pods.values() if p.holdings is not None]
+        self.metrics.filters.set(len(ages))
+        self.metrics.filter_age.set(max(ages) if ages else 0.0)
+
+    def _fetch_keyinfo(self, client: httpx.Client, address: str) -> None:
+        try:
+            r = client.get(f"http://{address}{KEYINFO_PATH}")
+            r.raise_for_status()
+            info = r.json()
+            root = bytes.fromhex(info["root"]) if info.get("root") else None
+            self.set_keyinfo(address, root, int(info["block_tokens"]))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            self.metrics.fetch_errors.labels("keyinfo").inc()
+            with self._lock:
+                self._pods[address].keyinfo_at = self.clock()
+            log.debug("picker: no keyinfo from %s: %s", address, exc)
+
+    def _fetch_holdings(self, client: httpx.Client, address: str, url: str) -> None:
+        try:
+            r = client.get(url)
+            r.raise_for_status()
+            holdings = HoldingsFilter.from_bytes(r.content)
+        except (httpx.HTTPError, HoldingsFormatError) as exc:
+            self.metrics.fetch_errors.labels("holdings").inc()
+            log.debug("picker: no holdings from %s: %s", url, exc)
+            return
+        self.set_holdings(address, holdings, r.headers.get(GENERATION_HEADER, ""))
+
+
+class Refresher:
+    """A daemon thread running :meth:`Picker.refresh` every ``refresh_s``."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="picker-refresh", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        timeout = self.picker.settings.fetch_timeout_s
+        with httpx.Client(timeout=timeout) as client:
+            while not self._stop.is_set():
+                try:
+                    self.picker.refresh(client)
+                except Exception:  # a refresh must never end the thread
+                    log.exception("picker: refresh failed")
+                self._stop.wait(self.picker.settings.refresh_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)

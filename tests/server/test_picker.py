@@ -1,0 +1,185 @@
+"""The router's picker: the pod holding a request's longest prefix, bounded by load."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from dscache_server.picker import Picker, PickError, PickerSettings, PickQuery, shingles
+from dscache_server.pickerserve import create_app
+from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer
+from dscache_sidecar.holdings import HoldingsFilter
+
+from dscache.keys import block_keys
+
+BT = 16  # small blocks: a few sentences make several
+ROOT = bytes(range(32))
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+
+DOC = " ".join(
+    f"Revenue of segment {i} grew {i % 7} percent in fiscal {2000 + i}." for i in range(40)
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> DeepSeekTokenizer:
+    return DeepSeekTokenizer()
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def picker(tokenizer: DeepSeekTokenizer, clock: Clock) -> Iterator[Picker]:
+    p = Picker(PickerSettings(memory_s=60.0), tokenizer, clock=clock)
+    for pod in (A, B, C):
+        p.set_keyinfo(pod, ROOT, BT)
+    yield p
+
+
+def chat(*turns: str) -> list[dict[str, str]]:
+    roles = ["system", "user", "assistant", "user", "assistant", "user"]
+    return [{"role": roles[i], "content": t} for i, t in enumerate(turns)]
+
+
+def keys_of(tokenizer: DeepSeekTokenizer, messages: list[dict[str, str]]) -> list[bytes]:
+    ids = tokenizer.apply_chat_template([ChatMessage(m["role"], m["content"]) for m in messages])
+    return block_keys(ROOT, ids, BT)
+
+
+def query(
+    messages: list[dict[str, str]] | None,
+    pods: str = f"{A}/0,{B}/0,{C}/0",
+    *,
+    cap: int = 0,
+    key: str = "k",
+    pinned: str = "",
+    credentials: bool = False,
+) -> PickQuery:
+    body = json.dumps({"messages": messages}).encode() if messages is not None else b"{}"
+    args = {"pods": pods, "cap": str(cap), "key": key, "source": "header", "pinned": pinned}
+    return PickQuery.parse(args, body, credentials)
+
+
+def test_the_pod_holding_the_longest_prefix_takes_the_request(
+    picker: Picker, tokenizer: DeepSeekTokenizer
+) -> None:
+    turn1 = chat(DOC, "What grew most?")
+    turn2 = chat(DOC, "What grew most?", "Segment 6.", "And least?")
+    keys2 = keys_of(tokenizer, turn2)
+    # C holds the whole first turn's prompt; B holds only the document's first blocks.
+    picker.set_holdings(C, HoldingsFilter.of(keys_of(tokenizer, turn1), 1000))
+    picker.set_holdings(B, HoldingsFilter.of(keys2[:2], 1000))
+    choice = picker.pick(query(turn2))
+    assert (choice.pod, choice.reason) == (C, "prefix")
+    assert choice.blocks == len(keys_of(tokenizer, turn1)) > 2
+
+
+def test_a_pod_over_the_load_bound_is_passed_over_for_the_next_best(
+    picker: Picker, tokenizer: DeepSeekTokenizer
+) -> None:
+    msgs = chat(DOC, "Summarise.")
+    keys = keys_of(tokenizer, msgs)
+    picker.set_holdings(A, HoldingsFilter.of(keys, 1000))
+    picker.set_holdings(B, HoldingsFilter.of(keys[:3], 1000))
+    # A is at the bound (3 in flight, cap 3): never everyone to one pod.
+    choice = picker.pick(query(msgs, f"{A}/3,{B}/1,{C}/0", cap=3))
+    assert (choice.pod, choice.reason, choice.blocks) == (B, "prefix", 3)
+    # Every pod at the bound: the ring's first, marked as such.
+    over = picker.pick(query(msgs, f"{C}/5,{A}/5", cap=3))
+    assert (over.pod, over.reason) == (C, "overloaded")
+
+
+def test_without_a_held_prefix_the_ring_order_decides(picker: Picker) -> None:
+    choice = picker.pick(query(chat("Hello there, a short chat."), f"{B}/0,{A}/0,{C}/0"))
+    assert (choice.pod, choice.reason) == (B, "hash")
+
+
+def test_a_pinned_session_keeps_its_pod_and_its_blocks_are_remembered_there(
+    picker: Picker, tokenizer: DeepSeekTokenizer, clock: Clock
+) -> None:
+    msgs = chat(DOC, "First question?")
+    assert picker.pick(query(msgs, pinned=B)).reason == "pinned"
+    # The id-less next turn finds its history on B before any filter says so.
+    follow = chat(DOC, "First question?", "An answer.", "Second question?")
+    choice = picker.pick(query(follow, key="p-other"))
+    assert (choice.pod, choice.reason) == (B, "prefix")
+    # The picker's own memory fades: after memory_s only the filters count.
+    clock.now += 61.0
+    assert picker.pick(query(chat(DOC, "Third?"), key="p-x")).reason in ("hash", "similar")
+
+
+def test_a_similar_request_follows_its_conversation_without_blocks(
+    tokenizer: DeepSeekTokenizer,
+) -> None:
+    p = Picker(PickerSettings(similarity_threshold=0.5), tokenizer)  # no keyinfo: no keys at all
+    talk = "we discussed the quarterly filings of the northern utility and its debt covenants " * 3
+    first = p.pick(query(chat(talk, "what about the dividend policy"), f"{B}/0,{A}/0", key="s1"))
+    assert first.reason == "hash" and first.pod == B
+    # The same conversation one turn later, id-less: hashed elsewhere, follows its content.
+    later = chat(talk, "what about the dividend policy", "It is stable.", "and buybacks")
+    choice = p.pick(query(later, f"{A}/0,{B}/0", key="p-1"))
+    assert (choice.pod, choice.reason) == (B, "similar")
+    # An unrelated chat does not.
+    other = p.pick(
+        query(chat("tell me a poem about autumn leaves and rain"), f"{A}/0,{B}/0", key="x")
+    )
+    assert (other.pod, other.reason) == (A, "hash")
+
+
+def test_a_request_with_credentials_gets_no_prefix_match(
+    picker: Picker, tokenizer: DeepSeekTokenizer
+) -> None:
+    msgs = chat(DOC, "Q?")
+    picker.set_holdings(C, HoldingsFilter.of(keys_of(tokenizer, msgs), 1000))
+    # Its tenant's keys are not the anonymous chain's: a match would be a lie.
+    assert picker.pick(query(msgs, f"{A}/0,{C}/0", credentials=True)).reason != "prefix"
+
+
+def test_domain_terms_count_as_extra_shingles() -> None:
+    plain = shingles("ebitda rose", 2, {})
+    weighted = shingles("ebitda rose", 2, {"ebitda": 3})
+    assert len(weighted) == len(plain) + 3
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"pods": ""},
+        {"pods": "10.0.0.1:8000"},
+        {"pods": "10.0.0.1:8000/x"},
+        {"pods": "10.0.0.1:8000/1", "cap": "-1"},
+    ],
+)
+def test_a_malformed_query_is_refused(args: dict[str, str]) -> None:
+    with pytest.raises(PickError):
+        PickQuery.parse(args, b"", False)
+
+
+async def test_the_http_app_answers_a_pod_or_400(picker: Picker) -> None:
+    app = create_app(picker)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://picker") as client:
+        body = json.dumps({"messages": chat("Hi.")})
+        r = await client.post("/pick", params={"pods": f"{C}/0,{A}/0", "cap": "2"}, content=body)
+        assert r.status_code == 200
+        assert r.text == C and r.headers["x-dscache-pick-reason"] == "hash"
+        bad = await client.post("/pick", params={"pods": "nonsense"}, content=body)
+        assert bad.status_code == 400 and "ADDRESS/INFLIGHT" in bad.json()["error"]
+        # A body that is no request at all still gets a pod.
+        junk = await client.post("/pick", params={"pods": f"{A}/0"}, content=b"\xff\x00")
+        assert junk.status_code == 200 and junk.text == A
+        metrics = await client.get("/metrics")
+        assert 'dscache_picker_decisions_total{reason="hash"} 2.0' in metrics.text
