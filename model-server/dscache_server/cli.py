@@ -100,6 +100,13 @@ def add_picker_arguments(p: argparse.ArgumentParser) -> None:
         help="estimated Jaccard from which a request follows a similar one (0.65; 0: off)",
     )
     p.add_argument(
+        "--domain-term",
+        action="append",
+        default=[],
+        metavar="TERM=WEIGHT",
+        help="a word that counts WEIGHT times in similarity (repeatable)",
+    )
+    p.add_argument(
         "--domain-terms",
         type=Path,
         default=None,

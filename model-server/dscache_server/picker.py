@@ -41,6 +41,7 @@ Contract:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -228,9 +229,17 @@ class PickerMetrics:
         )
 
 
-def shingles(text: str, words: int, domain_terms: Mapping[str, int]) -> set[bytes]:
-    """Word shingles of ``text`` (lower-cased), plus weighted copies of domain terms."""
-    tokens = [t.lower() for t in _WORD.findall(text)]
+#: Words of a request that similarity looks at: its opening, where a conversation
+#: is told apart from another (each later turn repeats it), at bounded cost.
+SHINGLED_WORDS = 768
+
+
+def shingles(
+    text: str, words: int, domain_terms: Mapping[str, int], limit: int = SHINGLED_WORDS
+) -> set[bytes]:
+    """Word shingles of ``text``'s first ``limit`` words (lower-cased), plus weighted
+    copies of the domain terms among them."""
+    tokens = [m.group().lower() for m in itertools.islice(_WORD.finditer(text), limit)]
     out = {" ".join(tokens[i : i + words]).encode() for i in range(max(len(tokens) - words + 1, 1))}
     for token in set(tokens):
         weight = domain_terms.get(token, 0)
@@ -448,7 +457,8 @@ class Picker:
             if url is not None:
                 self._fetch_holdings(client, address, url)
         with self._lock:
-            ages = [now - p.holdings_at for p in self._pods.values() if p.holdings is not None]
+            done = self.clock()
+            ages = [done - p.holdings_at for p in self._pods.values() if p.holdings is not None]
         self.metrics.filters.set(len(ages))
         self.metrics.filter_age.set(max(ages) if ages else 0.0)
 

@@ -92,6 +92,11 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
             if not isinstance(weight, int) or not 0 <= weight <= 64:
                 raise ValueError(f"{args.domain_terms}: weight of {term!r} must be 0..64")
             terms[str(term).lower()] = weight
+    for item in args.domain_term:
+        term, sep, weight = item.partition("=")
+        if not sep or not term or not weight.isdigit() or int(weight) > 64:
+            raise ValueError(f"--domain-term {item!r} is not TERM=WEIGHT (weight 0..64)")
+        terms[term.lower()] = int(weight)
     if not 0.0 <= args.similarity_threshold <= 1.0:
         raise ValueError("--similarity-threshold must be in [0, 1]")
     if args.refresh <= 0:

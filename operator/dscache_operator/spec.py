@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from dscache_operator.nginx import DEBIAN_LUA_MODULES
 from dscache_operator.podspec import (
@@ -51,6 +51,53 @@ from dscache_operator.schema import (
 DEFAULT_ROUTER_IMAGE = ImageSpec(repository="ghcr.io/dscache/dscache-router", tag="0.1.0")
 #: ``load_module`` paths of the default router image (Debian's libnginx-mod-http-{ndk,lua}).
 DEFAULT_ROUTER_MODULES: tuple[str, ...] = DEBIAN_LUA_MODULES
+
+
+DomainTerm = Annotated[str, Field(pattern=r"^[A-Za-z0-9$%._-]{1,64}$")]
+TermWeight = Annotated[int, Field(ge=0, le=64)]
+
+
+class PickerSpec(SpecModel):
+    """The router's picker: KV-aware routing (a container beside NGINX in each router pod)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Route each request to the pod holding the longest cached prefix of it "
+        "(from the sidecars' published filters), under balanceFactor's load bound; else to "
+        "the pod of a similar recent request; else by the session / prompt-key hash. Off: the "
+        "hash alone. Needs balanceFactor >= 1.",
+    )
+    image: ImageSpec = Field(
+        default=DEFAULT_CORE_IMAGE,
+        description="Image running `dscache picker` (the slim core image).",
+    )
+    port: int = Field(default=8090, ge=1, le=65535, description="Picker port (pod-local).")
+    timeout: Duration = Field(
+        default="250ms",
+        description="How long a request waits for the picker before the hash places it.",
+    )
+    similarity_threshold: float = Field(
+        default=0.65,
+        ge=0.0,
+        le=1.0,
+        description="Estimated Jaccard (MinHash over word shingles) from which a request with "
+        "no cached prefix follows a similar recent request's pod; 0 = off.",
+    )
+    domain_terms: Annotated[dict[DomainTerm, TermWeight], Field(max_length=1024)] = Field(
+        default_factory=dict,
+        description="Words that weigh more in similarity: term -> weight (a weight-w term "
+        "counts as w shingles), e.g. {ebitda: 4}.",
+    )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="Resources of the picker container."
+    )
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout_range(cls, value: str) -> str:
+        if not 0.01 <= parse_duration(value) <= 10.0:
+            raise ValueError(f"routing.picker.timeout {value!r} must be between 10ms and 10s")
+        return value
 
 
 class RoutingSpec(SpecModel):
@@ -111,6 +158,9 @@ class RoutingSpec(SpecModel):
     port: int = Field(default=80, ge=1, le=65535, description="Port of the router Service.")
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec, description="Resources of the router container."
+    )
+    picker: PickerSpec = Field(
+        default_factory=PickerSpec, description="KV-aware routing (the picker beside NGINX)."
     )
 
 

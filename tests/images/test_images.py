@@ -146,10 +146,22 @@ def test_server_runs_dscache_and_a_forward_of_mini_gqa(run_image: RunImage) -> N
 def test_core_runs_every_light_command_and_has_no_torch(run_image: RunImage) -> None:
     ref = IMAGES["core"].ref
     assert run_image(ref, "--version").strip() == f"dscache {__version__}"
-    for command in ("sidecar", "operator", "prewarm", "load"):
+    for command in ("sidecar", "operator", "prewarm", "load", "picker"):
         assert "usage: dscache" in run_image(ref, command, "--help"), command
     probe = "import importlib.util as u; print([m for m in ('torch', 'triton') if u.find_spec(m)])"
     assert run_image(ref, "-c", probe, entrypoint="python").strip() == "[]"
+    # The router pod's picker runs from this image: tokenizer, similarity, a decision.
+    assert run_image(ref, "-c", PICKER_SMOKE, entrypoint="python").strip() == "10.0.0.2:8000 hash"
+
+
+PICKER_SMOKE = """
+from dscache_server.picker import Picker, PickerSettings, PickQuery
+from dscache_server.tokenizer import DeepSeekTokenizer
+picker = Picker(PickerSettings(), DeepSeekTokenizer())
+body = b'{"messages": [{"role": "user", "content": "hello there"}]}'
+choice = picker.pick(PickQuery.parse({"pods": "10.0.0.2:8000/0,10.0.0.1:8000/0"}, body, False))
+print(choice.pod, choice.reason)
+"""
 
 
 def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 120) -> str:

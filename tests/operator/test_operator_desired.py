@@ -20,6 +20,7 @@ from dscache_operator.desired import (
     router_deployment,
 )
 from dscache_operator.nginx import DEBIAN_LUA_MODULES, render_nginx_conf
+from dscache_operator.nginx.render import PICKER_HEALTH_PATH
 from dscache_operator.podspec import revision_of
 from dscache_operator.quantity import quantity_bytes
 from dscache_operator.schema import InvalidSpecError
@@ -427,7 +428,7 @@ def test_router_runs_nginx_itself_and_watches_its_config(
 ) -> None:
     dep = router_deployment(OWNER, spec)
     pod = dep["spec"]["template"]["spec"]
-    (c,) = pod["containers"]
+    c, picker = pod["containers"]
     assert c["image"] == "ghcr.io/dscache/dscache-router:0.1.0"
     assert c["command"] == ["nginx"]  # exec form, no shell
     assert c["args"] == [
@@ -451,6 +452,41 @@ def test_router_runs_nginx_itself_and_watches_its_config(
         assert f"load_module {module};" in text
     openresty = parse_spec({**spec.model_dump(by_alias=True), "routing": {"loadModules": []}})
     assert "load_module" not in render_text(openresty)
+    # Beside NGINX, the picker on the pod's loopback: NGINX asks it, and proxies its health.
+    assert picker["command"] == ["dscache"] and picker["image"] == spec.sidecar.image.reference
+    assert picker["args"][:5] == ["picker", "--host", "127.0.0.1", "--port", "8090"]
+    assert picker["args"][5:7] == ["--holdings-port", str(spec.sidecar.metrics_port)]
+    assert picker["livenessProbe"]["httpGet"] == {"path": PICKER_HEALTH_PATH, "port": "http"}
+    assert cfg.picker == "127.0.0.1:8090" and cfg.picker_timeout_ms == 250
+    assert f"location = {PICKER_HEALTH_PATH}" in text and "upstream dscache_picker" in text
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [{"picker": {"enabled": False}}, {"balanceFactor": 0}],
+    ids=["picker off", "no Lua balancer"],
+)
+def test_without_the_picker_the_router_pod_is_nginx_alone(
+    spec: DeepSeekCacheDeploymentSpec, routing: dict[str, object]
+) -> None:
+    off = parse_spec({**spec.model_dump(by_alias=True), "routing": routing})
+    (c,) = router_deployment(OWNER, off)["spec"]["template"]["spec"]["containers"]
+    assert c["name"] == "nginx"
+    assert router_config(off, status_for(off), ("10.0.0.1:8000",), ()).picker is None
+    assert "dscache_picker" not in render_text(off)
+
+
+def test_picker_settings_reach_its_flags_and_bad_ones_are_refused(
+    spec: DeepSeekCacheDeploymentSpec,
+) -> None:
+    picker = {"similarityThreshold": 0.8, "domainTerms": {"ebitda": 4}, "timeout": "1s"}
+    tuned = parse_spec({**spec.model_dump(by_alias=True), "routing": {"picker": picker}})
+    args = router_deployment(OWNER, tuned)["spec"]["template"]["spec"]["containers"][1]["args"]
+    assert args[7:] == ["--similarity-threshold", "0.8", "--domain-term", "ebitda=4"]
+    assert router_config(tuned, status_for(tuned), ("10.0.0.1:8000",), ()).picker_timeout_ms == 1000
+    for bad in ({"timeout": "20s"}, {"domainTerms": {"a b": 1}}, {"similarityThreshold": 2}):
+        with pytest.raises(InvalidSpecError):
+            parse_spec({**spec.model_dump(by_alias=True), "routing": {"picker": bad}})
 
 
 def render_text(spec: DeepSeekCacheDeploymentSpec) -> str:

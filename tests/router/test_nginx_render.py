@@ -54,6 +54,8 @@ def test_bounded_loads_render_a_lua_balancer_per_track() -> None:
         ({"stable": ("10.0.0.1:8000",), "balance_factor": 0.5}, "or at least 1"),
         ({"stable": ("10.0.0.1:8000",), "balance_factor": -1}, "greater than or equal"),
         ({"upstream_header": "X-Dscache-Tenant"}, "reserved"),
+        ({"picker": "127.0.0.1:8090", "balance_factor": 0}, "picker needs the Lua balancer"),
+        ({"picker": "127.0.0.1:8090; deny all"}, "upstream address"),
     ],
 )
 def test_bad_balancer_inputs_are_rejected_with_a_reason(
@@ -183,6 +185,8 @@ def test_nginx_accepts_every_rendering(nginx: Nginx, pods: dict[str, Pod]) -> No
         {"stable": stable, "prompt_key": PromptKey(mode="off")},
         {"stable": stable, "canary": canary, "balance_factor": 0, "metrics": False},
         {"stable": stable, "balance_factor": 3, "session_memory_s": 60, "previous": canary},
+        {"stable": stable, "canary": canary, "session_memory_s": 60, "picker": "127.0.0.1:9"},
+        {"stable": stable, "picker": "127.0.0.1:9", "prompt_key": PromptKey(mode="off")},
     ):
         result = nginx.check(nginx.config(**kwargs))
         assert result.returncode == 0, result.stderr

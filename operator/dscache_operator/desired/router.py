@@ -1,5 +1,11 @@
 """The session router: ConfigMap, Deployment and Service of NGINX (pure).
 
+With ``routing.picker`` on (and bounded loads), each router pod also runs the
+picker (``dscache picker`` on the pod's loopback) that NGINX's Lua consults per
+request for KV-aware routing; its liveness probe goes through NGINX
+(:data:`~dscache_operator.nginx.render.PICKER_HEALTH_PATH`), so the picker
+listens on loopback only.
+
 The router runs NGINX itself (exec form, no shell) and reloads itself when
 its mounted config changes: the rendered config carries a Lua timer that sends
 NGINX's master a SIGHUP when the file changes (see
@@ -14,6 +20,7 @@ import hashlib
 from dscache_operator.desired import common
 from dscache_operator.desired.common import TMP, Obj, Owner, meta, selector_labels
 from dscache_operator.nginx import PromptKey, RouterConfig, render_nginx_conf
+from dscache_operator.nginx.render import PICKER_HEALTH_PATH
 from dscache_operator.schema import parse_duration
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
@@ -46,6 +53,7 @@ def router_config(
     prev = status.previous_slot
     warm = prev is not None and prev != status.canary_slot
     memory = round(parse_duration(r.session_memory))
+    picker = picker_active(spec)
     return RouterConfig(
         listen=str(ROUTER_PORT),
         stable=stable,
@@ -60,6 +68,8 @@ def router_config(
         cookie_name=r.cookie_name,
         prompt_key=PromptKey(mode=r.prompt_key, max_bytes=r.prompt_key_bytes),
         balance_factor=r.balance_factor,
+        picker=f"127.0.0.1:{r.picker.port}" if picker else None,
+        picker_timeout_ms=round(parse_duration(r.picker.timeout) * 1000),
         load_modules=tuple(r.load_modules),
         pid_file=f"{TMP}/nginx.pid",
         temp_dir=TMP,
@@ -68,6 +78,28 @@ def router_config(
         watch_config=True,
         config_path=ROUTER_CONF,
     )
+
+
+def picker_active(spec: DeepSeekCacheDeploymentSpec) -> bool:
+    """Whether the router pods run the picker (enabled, and the Lua balancer is on)."""
+    return spec.routing.picker.enabled and spec.routing.balance_factor > 0
+
+
+def _picker_container(spec: DeepSeekCacheDeploymentSpec) -> Obj:
+    """``dscache picker`` on the pod's loopback; NGINX proxies its health for the probe."""
+    p = spec.routing.picker
+    args = ["picker", "--host", "127.0.0.1", "--port", str(p.port)]
+    args += ["--holdings-port", str(spec.sidecar.metrics_port)]
+    args += ["--similarity-threshold", f"{p.similarity_threshold:g}"]
+    for term, weight in sorted(p.domain_terms.items()):
+        args += ["--domain-term", f"{term}={weight}"]
+    probe = {"httpGet": {"path": PICKER_HEALTH_PATH, "port": "http"}, "periodSeconds": 10}
+    return {
+        **common.container("picker", p.image, ["dscache"], args),
+        "livenessProbe": {**probe, "initialDelaySeconds": 10, "failureThreshold": 6},
+        "resources": common.resources(p.resources),
+        "volumeMounts": [{"name": "tmp", "mountPath": TMP}],
+    }
 
 
 def router_configmap(owner: Owner, config: RouterConfig) -> Obj:
@@ -114,7 +146,9 @@ def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
                 "metadata": {"labels": sel},
                 "spec": {
                     **common.pod_spec(spec.scheduling, spread=sel),
-                    "containers": [nginx],
+                    "containers": [nginx, _picker_container(spec)]
+                    if picker_active(spec)
+                    else [nginx],
                     "volumes": [
                         {"name": "config", "configMap": {"name": f"{owner.name}-router"}},
                         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},

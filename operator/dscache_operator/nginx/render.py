@@ -22,6 +22,8 @@ CONFIG_ID_PREFIX = "# dscache-config-id: "
 METRICS_PATH = names.ROUTER_METRICS_PATH
 #: The internal location through which the balancer's Lua asks the picker.
 PICKER_PATH = "/_dscache/pick"
+#: The picker's health, proxied by NGINX (the picker listens on the pod's loopback).
+PICKER_HEALTH_PATH = "/dscache/router/picker-health"
 #: Seconds a pod that failed a try is passed over (NGINX's ``fail_timeout``).
 FAIL_TIMEOUT_S = 10
 
@@ -342,6 +344,15 @@ def _picker_location(c: RouterConfig) -> list[str]:
         f"            proxy_connect_timeout {timeout};",
         f"            proxy_send_timeout {timeout};",
         f"            proxy_read_timeout {timeout};",
+        "        }",
+        "",
+        f"        location = {PICKER_HEALTH_PATH} {{",
+        "            access_log off;",
+        "            proxy_pass http://dscache_picker/health;",
+        "            proxy_http_version 1.1;",
+        '            proxy_set_header Connection "";',
+        "            proxy_connect_timeout 1s;",
+        "            proxy_read_timeout 5s;",
         "        }",
         "",
     ]
