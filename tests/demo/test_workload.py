@@ -1,10 +1,11 @@
-"""The finance workload: determinism, structure, shares, and the ideal hit ratio."""
+"""The finance workload: determinism, structure, shares, variants, files, the ideal hit ratio."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,10 @@ import pytest
 from dscache_tools import democli
 from dscache_tools.workload import (
     COMPANIES,
+    SYSTEM_PROMPT,
     ChatRequest,
     WorkloadConfig,
+    dossier,
     generate,
     ideal_hit_ratio,
     load_server_tokenizer,
@@ -107,6 +110,131 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
         read_jsonl(path)
 
 
+_GOOD = (
+    '{"session":"s","turn":0,"company":"X","lang":"en","session_id":null,'
+    '"messages":[{"role":"user","content":"hi"}]}'
+)
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ("{not json", "Expecting"),
+        ('{"session":"s","turn":0}', "missing key 'company'"),
+        ('["a list"]', "not a workload request"),
+        (_GOOD.replace('[{"role":"user","content":"hi"}]', "[]"), "no messages"),
+        (_GOOD.replace('"user"', '"robot"'), "unknown role 'robot'"),
+        (_GOOD.replace('"turn":0', '"turn":"first"'), "invalid literal"),
+        (_GOOD.replace('"turn":0', '"turn":-1'), "turn must be >= 0"),
+    ],
+)
+def test_a_malformed_line_is_named_with_the_reason(tmp_path: Path, bad: str, why: str) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text(f"{_GOOD}\n\n{bad}\n{_GOOD}\n")
+    with pytest.raises(ValueError, match=rf"w\.jsonl:3: .*{why}"):
+        read_jsonl(path)
+
+
+def test_a_line_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(_GOOD.encode() + b"\n\xff\xfe\n")
+    with pytest.raises(ValueError, match=r"w\.jsonl:2: .*utf-8"):
+        read_jsonl(path)
+
+
+def test_standard_sessions_open_with_the_system_prompt_and_the_dossier() -> None:
+    cfg = WorkloadConfig(sessions=30, seed=3, companies=4)
+    assert cfg.variant == "standard"
+    by_ticker = {c.ticker: c for c in COMPANIES}
+    for turns in sessions_of(generate(cfg)).values():
+        company = by_ticker[turns[0].company]
+        assert turns[0].messages[:2] == [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "system", "content": dossier(company, 3)},
+        ]
+        assert turns[0].messages[2]["role"] == "user"
+
+
+def _varied(sessions: int = 60, seed: int = 1) -> list[ChatRequest]:
+    return generate(WorkloadConfig(sessions=sessions, seed=seed, companies=3, variant="varied"))
+
+
+def _sections(text: str) -> list[str]:
+    return text.split("\n\n### ")
+
+
+def test_varied_sessions_open_differently_about_the_same_filings() -> None:
+    sessions = list(sessions_of(_varied()).values())
+    firsts = [turns[0].messages[0]["content"] for turns in sessions]
+    assert len(set(firsts)) == len(firsts)  # no two sessions open alike
+    # The first line differs too, so no phrasing is a shared prefix of two sessions.
+    assert len({f.split("\n", 1)[0] for f in firsts}) == len(firsts)
+    by_company: dict[str, list[list[ChatRequest]]] = {}
+    for turns in sessions:
+        by_company.setdefault(turns[0].company, []).append(turns)
+    for company, group in by_company.items():
+        docs = [t[0].messages[1]["content"] for t in group]
+        expected = dossier(next(c for c in COMPANIES if c.ticker == company), 1)
+        for doc in docs:  # the same dossier, header first, sections reordered
+            assert sorted(_sections(doc)) == sorted(_sections(expected))
+            assert _sections(doc)[0] == _sections(expected)[0]
+        assert len(set(docs)) > len(docs) // 2
+    # A greeting or not: two system messages, then a greeting exchange or the question.
+    greeted = [t[0].messages for t in sessions if len(t[0].messages) == 5]
+    assert 0 < len(greeted) < len(sessions)
+    assert all(len(t[0].messages) in (3, 5) for t in sessions)
+    for messages in greeted:
+        assert [m["role"] for m in messages] == ["system", "system", "user", "assistant", "user"]
+
+
+def test_varied_sessions_keep_each_turn_a_prefix_of_the_next() -> None:
+    for turns in sessions_of(_varied(sessions=20)).values():
+        for prev, cur in itertools.pairwise(turns):
+            assert cur.messages[: len(prev.messages)] == prev.messages
+
+
+def test_varied_differs_from_standard_only_in_the_opening() -> None:
+    cfg = WorkloadConfig(sessions=40, seed=2, companies=4)
+    standard = generate(cfg)
+    varied = generate(replace(cfg, variant="varied"))
+    assert len(standard) == len(varied)
+    for s, v in zip(standard, varied, strict=True):
+        assert (s.session, s.turn, s.company, s.lang, s.session_id, s.reconnected) == (
+            v.session,
+            v.turn,
+            v.company,
+            v.lang,
+            v.session_id,
+            v.reconnected,
+        )
+        assert s.messages[0] != v.messages[0]
+        # Everything after the opening (two system messages; a greeting) is the same.
+        tail = len(s.messages) - 2
+        assert v.messages[-tail:] == s.messages[-tail:]
+
+
+def test_varied_is_deterministic_by_seed() -> None:
+    a = [r.to_json() for r in _varied(sessions=10, seed=7)]
+    assert a == [r.to_json() for r in _varied(sessions=10, seed=7)]
+    assert a != [r.to_json() for r in _varied(sessions=10, seed=8)]
+    with pytest.raises(ValueError, match="variant"):
+        WorkloadConfig(variant="shuffled")  # type: ignore[arg-type]
+
+
+def test_varied_sessions_share_no_first_block(tokenizer: Any) -> None:
+    """What the variant is for: sessions about the same filings share no prefix block."""
+    cfg = WorkloadConfig(sessions=24, seed=4, companies=2, min_turns=1, max_turns=2)
+    standard, varied = generate(cfg), generate(replace(cfg, variant="varied"))
+
+    def first_blocks(reqs: list[ChatRequest]) -> list[tuple[int, ...]]:
+        return [tuple(prompt_ids(tokenizer, t[0])[:256]) for t in sessions_of(reqs).values()]
+
+    assert len(set(first_blocks(standard))) == 2  # one per company
+    assert len(set(first_blocks(varied))) == 24  # one per session
+    ideal_standard = ideal_hit_ratio(standard, tokenizer).token_hit_ratio
+    assert ideal_hit_ratio(varied, tokenizer).token_hit_ratio < ideal_standard - 0.1
+
+
 def test_prompt_of_a_turn_is_a_token_prefix_of_the_next(tokenizer: Any) -> None:
     reqs = generate(WorkloadConfig(sessions=6, seed=5, companies=4))
     lengths = []
@@ -190,3 +318,31 @@ def test_cli_writes_the_file_and_prints_the_ideal(
     text = capsys.readouterr().out
     assert "ideal token hit ratio 0." in text
     assert len(read_jsonl(out)) == sum(1 for _ in out.open())
+
+
+def _workload_cli(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    democli.register(sub, sub)
+    return parser.parse_args(["workload", "finance", *argv])
+
+
+def test_cli_writes_the_varied_variant(tmp_path: Path) -> None:
+    out = tmp_path / "varied.jsonl"
+    args = _workload_cli(
+        "--variant", "varied", "--sessions", "6", "--seed", "9", "--out", str(out), "--no-ideal"
+    )
+    assert args.handler(args) == 0
+    assert read_jsonl(out) == generate(WorkloadConfig(sessions=6, seed=9, variant="varied"))
+
+
+def test_cli_refuses_a_prewarm_file_for_the_varied_variant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "varied.jsonl"
+    args = _workload_cli(
+        "--variant", "varied", "--out", str(out), "--prewarm-out", str(tmp_path / "p.jsonl")
+    )
+    assert args.handler(args) == 2
+    assert "--prewarm-out needs --variant standard" in capsys.readouterr().err
+    assert not out.exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -18,6 +19,12 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 _T = TypeVar("_T", bound="DataclassInstance")
+
+#: ``WorkloadConfig.variant``'s values (kept here so parsing imports no workload code).
+VARIANTS = ("standard", "varied")
+
+#: Routing modes ``dscache demo --routing`` compares.
+ROUTING_MODES = ("hash", "kv")
 
 
 def register(sub: Commands, bench: Commands) -> None:
@@ -54,6 +61,14 @@ def _add_workload(sub: Commands) -> None:
         type=float,
         default=0.1,
         help="share of sessions that reconnect under a new id (default 0.1)",
+    )
+    f.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default="standard",
+        help="standard: sessions about a company share their opening (system prompt and "
+        "dossier); varied: each session opens its own way, so none shares a prefix from the "
+        "start (default standard)",
     )
     f.add_argument("--min-turns", type=int, default=2, help="fewest turns per session (2)")
     f.add_argument("--max-turns", type=int, default=8, help="most turns per session (8)")
@@ -148,6 +163,31 @@ def _add_demo(sub: Commands) -> None:
         default="request",
         help="drop ids per request, or for whole sessions (default request)",
     )
+    source = d.add_mutually_exclusive_group()
+    source.add_argument(
+        "--workload-variant",
+        choices=VARIANTS,
+        default="standard",
+        help="the generated sample: standard, or varied (each session opens its own way, so "
+        "sessions share no prefix from the start; see dscache workload finance --variant)",
+    )
+    source.add_argument(
+        "--workload",
+        dest="workload_file",
+        metavar="FILE",
+        type=Path,
+        default=None,
+        help="replay this JSONL (dscache workload's format) instead of a generated sample; "
+        "the sample's options (--sessions, --companies, --seed, --drop-*) do not apply",
+    )
+    d.add_argument(
+        "--routing",
+        metavar="MODE[,MODE]",
+        type=_routing,
+        default=ROUTING_MODES,
+        help="routing modes to compare, each a cache-on pass: hash (the session / prompt-key "
+        "hash: the cache-on pass) and kv (the KV-aware picker) (default hash,kv)",
+    )
     d.add_argument("--no-prewarm", action="store_true", help="start the cache-on pass cold")
     d.add_argument(
         "--fallback-pass",
@@ -217,6 +257,22 @@ def _duration(text: str) -> float:
     return float(m.group(1)) * scale
 
 
+def _routing(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(","))
+    bad = [m for m in modes if m not in ROUTING_MODES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown routing mode {bad[0]!r} (choose from {', '.join(ROUTING_MODES)})"
+        )
+    if len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"a routing mode is named twice: {text!r}")
+    if "hash" not in modes:
+        raise argparse.ArgumentTypeError(
+            "the cache-on pass routes by hash, so the list must include it: e.g. hash,kv"
+        )
+    return modes
+
+
 def _options(cls: type[_T], args: argparse.Namespace, **overrides: Any) -> _T:
     """``cls`` built from the parsed flags whose ``dest`` is one of its fields.
 
@@ -244,6 +300,13 @@ def _run_workload(args: argparse.Namespace) -> int:
     )
 
     cfg = _options(WorkloadConfig, args, companies=args.companies or len(COMPANIES))
+    if args.prewarm_out is not None and cfg.variant != "standard":
+        print(
+            "dscache workload: error: --prewarm-out needs --variant standard (varied "
+            "sessions share no opening a prewarm could warm)",
+            file=sys.stderr,
+        )
+        return 2
     requests = generate(cfg)
     write_jsonl(requests, args.out)
     if args.prewarm_out is not None:

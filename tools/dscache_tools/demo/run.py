@@ -6,16 +6,26 @@ What runs (all real processes on loopback, see :mod:`dscache_tools.demo.stack`):
    sample is replayed at a fixed concurrency.
 2. *cache on*: the same two servers, each with its own sidecar (fresh, empty), the
    company documents prewarmed on each pod (the operator's prewarm job), and the
-   same requests at the same concurrency.
-3. (default run only) *cache on without the prompt-key fallback*: as 2, but the
+   same requests at the same concurrency, routed by the session / prompt-key hash.
+3. (``kv`` in ``routing``, the default) *cache on, kv routing*: as 2, but the router
+   asks the KV-aware picker which pod holds the longest cached prefix.
+4. (default run only) *cache on without the prompt-key fallback*: as 2, but the
    router does not key id-less requests by their prompt, which shows what the
    fallback is worth for the 40% of requests that lost their session id.
 
+The requests are the generated finance sample (``standard`` or ``varied``
+openings) or a workload file in ``dscache workload``'s format.
+
 Contract:
-    * Both passes send the same requests in the same order at the same concurrency.
+    * Every pass sends the same requests in the same order at the same concurrency;
+      every cache-on pass gets the same prewarm.
     * The report's hit ratios are counter deltas read from the servers' /metrics
       over the timed run only (the prewarm is not counted); the ideal ratio is
       computed for the same requests after the same prewarm.
+    * ``routing`` in the report lists each cache-on pass as a routing mode with its
+      token hit ratio (``ROUTING_PASSES``), in that order; ``cache_on`` is always
+      the ``hash`` pass.
+    * A workload that cannot be read or built is an error before any child starts.
     * Every child is stopped on exit, including on Ctrl-C and SIGTERM.
 """
 
@@ -25,9 +35,10 @@ import asyncio
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +53,7 @@ from dscache_tools.workload import (
     WorkloadConfig,
     generate,
     prewarm_requests,
+    read_jsonl,
     summary,
     summary_line,
 )
@@ -67,6 +79,16 @@ REPORT_KEYS = (
     "duration_s",
 )
 
+#: The cache-on passes ``routing`` lists, in order: (routing mode, pass key).
+ROUTING_PASSES = (
+    ("hash", "cache_on"),
+    ("kv", "cache_on_kv"),
+    ("hash-no-prompt-key", "cache_on_no_prompt_key"),
+)
+
+#: Routing modes a run can compare (``DemoOptions.routing``).
+RoutingMode = Literal["hash", "kv"]
+
 
 @dataclass(frozen=True)
 class DemoOptions:
@@ -83,6 +105,11 @@ class DemoOptions:
         max_tokens: completion tokens per request.
         drop_id_share: share of requests whose session id is dropped.
         drop_mode: drop per request or per session (see ``WorkloadConfig``).
+        workload_variant: the generated sample's variant (see ``WorkloadConfig``).
+        workload_file: replay this JSONL instead of a generated sample (the sample's
+            knobs above do not apply).
+        routing: routing modes to compare, each a cache-on pass; must include
+            ``hash`` (the cache-on pass); ``kv`` adds the KV-aware pass.
         prewarm: send each company's documents to every pod before the cache-on run.
         fallback_pass: also run cache-on without the router's prompt-key fallback
             (None: only in the default profile).
@@ -102,11 +129,19 @@ class DemoOptions:
     max_tokens: int = 8
     drop_id_share: float = 0.4
     drop_mode: Literal["request", "session"] = "request"
+    workload_variant: Literal["standard", "varied"] = "standard"
+    workload_file: Path | None = None
+    routing: tuple[RoutingMode, ...] = ("hash", "kv")
     prewarm: bool = True
     fallback_pass: bool | None = None
     prometheus: bool = False
     workdir: Path | None = None
     threads: int = 1
+
+    def __post_init__(self) -> None:
+        unknown = set(self.routing) - {"hash", "kv"}
+        if unknown or "hash" not in self.routing:
+            raise ValueError(f"routing must include 'hash' and only hash, kv: {self.routing}")
 
     def profile(self) -> tuple[int, int, bool]:
         """(sessions, companies, fallback pass) after applying the profile."""
@@ -146,8 +181,25 @@ class PassResult:
         return out
 
 
+@dataclass(frozen=True)
+class DemoWorkload:
+    """What every pass replays, and the prewarm every cache-on pass sends first.
+
+    Attributes:
+        requests: the requests, in replay order.
+        warm: the prewarm (one shared prefix per company), or empty.
+        file: the workload file, or None for a generated sample.
+        prewarm_note: one line saying what the prewarm is, or why there is none.
+    """
+
+    requests: list[ChatRequest]
+    warm: list[ChatRequest]
+    file: Path | None
+    prewarm_note: str
+
+
 def build_workload(opts: DemoOptions) -> list[ChatRequest]:
-    """The demo's workload sample."""
+    """The demo's generated workload sample."""
     sessions, companies, _ = opts.profile()
     return generate(
         WorkloadConfig(
@@ -159,8 +211,46 @@ def build_workload(opts: DemoOptions) -> list[ChatRequest]:
             drop_mode=opts.drop_mode,
             min_turns=3,
             max_turns=8,
+            variant=opts.workload_variant,
         )
     )
+
+
+def choose_prewarm(
+    requests: Sequence[ChatRequest], *, enabled: bool
+) -> tuple[list[ChatRequest], str]:
+    """The prewarm of ``requests`` and a line saying what it is, or why there is none.
+
+    The prewarm is each company's system messages (:func:`prewarm_requests`); a
+    company whose first request has none gets no prewarm request.
+    """
+    if not enabled:
+        return [], "no prewarm (--no-prewarm)"
+    warm = [w for w in prewarm_requests(requests) if any(m["role"] == "system" for m in w.messages)]
+    if not warm:
+        return [], "no prewarm: the requests carry no system messages (the shared prefix)"
+    return warm, (
+        f"prewarm: the system messages of {len(warm)} "
+        f"compan{'y' if len(warm) == 1 else 'ies'} on every pod before each cache-on pass"
+    )
+
+
+def load_workload(opts: DemoOptions) -> DemoWorkload:
+    """The requests of ``opts`` (the file's, or a generated sample) and their prewarm.
+
+    Raises:
+        ValueError: a malformed workload file (the message names the line), an
+            empty one, or sample knobs out of range.
+        OSError: the file cannot be read.
+    """
+    if opts.workload_file is not None:
+        requests = read_jsonl(opts.workload_file)
+        if not requests:
+            raise ValueError(f"{opts.workload_file}: no requests")
+    else:
+        requests = build_workload(opts)
+    warm, note = choose_prewarm(requests, enabled=opts.prewarm)
+    return DemoWorkload(requests, warm, opts.workload_file, note)
 
 
 def _prewarm(servers: Sequence[Server], warm: Sequence[ChatRequest]) -> None:
@@ -187,17 +277,19 @@ def _run_pass(
     stack: LocalStack,
     opts: DemoOptions,
     workload: Sequence[ChatRequest],
+    warm: Sequence[ChatRequest] = (),
     *,
     cache: bool,
     prompt_key: bool = True,
+    routing: RoutingMode = "hash",
 ) -> PassResult:
     print(f"\n== {name}: starting {opts.servers} model servers ({opts.model}, cache "
-          f"{'on' if cache else 'off'}) ...", flush=True)  # fmt: skip
+          f"{'on' if cache else 'off'}, {routing} routing) ...", flush=True)  # fmt: skip
     t0 = time.perf_counter()
     servers = stack.start_servers(opts.servers, cache=cache)
-    router = stack.start_router(servers, prompt_key=prompt_key)
-    if cache and opts.prewarm:
-        _prewarm(servers, prewarm_requests(workload))
+    router = stack.start_router(servers, prompt_key=prompt_key, routing=routing)
+    if cache and warm:
+        _prewarm(servers, warm)
     if opts.prometheus:
         port = stack.start_prometheus(run_label=name.replace(" ", "_").replace(",", ""))
         print(f"   Prometheus on http://127.0.0.1:{port} (label run)", flush=True)
@@ -221,17 +313,24 @@ def _run_pass(
     return PassResult(name, report, startup, (load_before + load_after) / 2)
 
 
-def run_demo(opts: DemoOptions) -> dict[str, Any]:
-    """Runs the demo; returns the JSON report (also printed as a table)."""
+def run_demo(opts: DemoOptions, workload: DemoWorkload | None = None) -> dict[str, Any]:
+    """Runs the demo on ``workload`` (default: ``load_workload(opts)``); returns the JSON report.
+
+    The report is also printed as a table by :func:`main`.
+    """
     started = time.perf_counter()
-    workload = build_workload(opts)
+    if workload is None:
+        workload = load_workload(opts)
+    requests, warm = workload.requests, workload.warm
     _, _, fallback = opts.profile()
-    warm = prewarm_requests(workload) if opts.prewarm else []
     tok = load_server_tokenizer()
-    ideal = ideal_hit_ratio(workload, tok, warm=warm)
-    info = summary(workload)
-    print(f"workload: {summary_line(info)}; mean prompt {ideal.mean_prompt_tokens:.0f} "
+    ideal = ideal_hit_ratio(requests, tok, warm=warm)
+    info = summary(requests)
+    variant = opts.workload_variant if workload.file is None else None
+    what = f"{variant} finance sample" if workload.file is None else str(workload.file)
+    print(f"workload ({what}): {summary_line(info)}; mean prompt {ideal.mean_prompt_tokens:.0f} "
           f"tokens; ideal token hit ratio {ideal.token_hit_ratio:.3f}", flush=True)  # fmt: skip
+    print(workload.prewarm_note, flush=True)
     own_dir = opts.workdir is None
     workdir = opts.workdir or Path(tempfile.mkdtemp(prefix="dscache-demo-"))
     stack = LocalStack(
@@ -242,14 +341,19 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     ok = False
     try:
         with terminate_on_sigterm(), stack:
-            passes["cache_off"] = _run_pass("cache off", stack, opts, workload, cache=False)
-            passes["cache_on"] = _run_pass("cache on", stack, opts, workload, cache=True)
+            passes["cache_off"] = _run_pass("cache off", stack, opts, requests, cache=False)
+            passes["cache_on"] = _run_pass("cache on", stack, opts, requests, warm, cache=True)
+            if "kv" in opts.routing:
+                passes["cache_on_kv"] = _run_pass(
+                    "cache on, kv routing", stack, opts, requests, warm, cache=True, routing="kv"
+                )
             if fallback:
                 passes["cache_on_no_prompt_key"] = _run_pass(
                     "cache on, no prompt-key fallback",
                     stack,
                     opts,
-                    workload,
+                    requests,
+                    warm,
                     cache=True,
                     prompt_key=False,
                 )
@@ -263,14 +367,45 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     finally:
         if own_dir and ok:
             shutil.rmtree(workdir, ignore_errors=True)
+    return assemble_result(
+        passes,
+        ideal_token_hit_ratio=ideal.token_hit_ratio,
+        workload={
+            **info,
+            "mean_prompt_tokens": ideal.mean_prompt_tokens,
+            "file": None if workload.file is None else str(workload.file),
+            "variant": variant,
+            "prewarm_requests": len(warm),
+        },
+        settings={k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()},
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def assemble_result(
+    passes: Mapping[str, PassResult],
+    *,
+    ideal_token_hit_ratio: float,
+    workload: dict[str, Any],
+    settings: dict[str, Any],
+    wall_s: float,
+) -> dict[str, Any]:
+    """The JSON report of finished passes (pure: no stack, no clock).
+
+    ``passes`` holds ``cache_off`` and ``cache_on`` at least, by their report keys;
+    ``routing`` lists the cache-on passes of ``ROUTING_PASSES`` that ran.
+    """
     result: dict[str, Any] = {name: p.figures() for name, p in passes.items()}
-    result["ideal_token_hit_ratio"] = ideal.token_hit_ratio
-    result["workload"] = {**info, "mean_prompt_tokens": ideal.mean_prompt_tokens}
-    result["settings"] = {
-        k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()
-    }
+    result["ideal_token_hit_ratio"] = ideal_token_hit_ratio
+    result["routing"] = [
+        {"name": mode, "token_hit_ratio": result[key]["token_hit_ratio"]}
+        for mode, key in ROUTING_PASSES
+        if key in passes
+    ]
+    result["workload"] = workload
+    result["settings"] = settings
     result["targets"] = check_targets(result)
-    result["wall_s"] = time.perf_counter() - started
+    result["wall_s"] = wall_s
     result["latencies"] = {
         name: {
             "ttft_s": [r.ttft_s for r in p.report.results if r.ok and r.ttft_s is not None],
@@ -282,9 +417,17 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
 
 
 def main(opts: DemoOptions, json_out: Path | None, png_out: Path | None) -> int:
-    """Runs the demo, prints the table, writes JSON and PNG; returns the exit code."""
+    """Runs the demo, prints the table, writes JSON and PNG; returns the exit code.
+
+    A workload that cannot be read is exit code 2, before anything starts.
+    """
     try:
-        result = run_demo(opts)
+        workload = load_workload(opts)
+    except (OSError, ValueError) as exc:
+        print(f"dscache demo: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = run_demo(opts, workload)
     except KeyboardInterrupt:
         return 130
     publish(result, format_table(result), json_out, png_out, write_png)

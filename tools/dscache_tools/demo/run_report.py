@@ -3,9 +3,11 @@
 Contract:
     * ``check_targets`` judges the cache-on pass against the cache-off pass with
       the issue's goals (and the cache-on TTFT P50 against its floor, the prefill of
-      the uncached tail plus one decode step); a figure that cannot be computed is
-      None and not met.
-    * ``format_table`` prints markdown, so it pastes into docs as is.
+      the uncached tail plus one decode step); with a kv routing pass, also that pass
+      against the ideal; a figure that cannot be computed is None and not met.
+      Targets are reported, never an exit code.
+    * ``format_table`` prints markdown, so it pastes into docs as is; it shows every
+      pass the result holds and the ``routing`` comparison.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def check_targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     add("ttft_p50_on_over_floor", floor, "<= 1.3", floor is not None and floor <= 1.3)
     errors = float(on["errors"] + off["errors"])
     add("errors", errors, "== 0", errors == 0)
+    if "cache_on_kv" in result:
+        kv = _div(result["cache_on_kv"]["token_hit_ratio"], ideal)
+        add("kv_routing_hit_vs_ideal", kv, ">= 0.95", kv is not None and kv >= 0.95)
     return {n: {"value": v, "goal": g, "met": m} for n, v, g, m in rows}
 
 
@@ -65,14 +70,19 @@ _ROWS: tuple[tuple[str, str, str, bool], ...] = (
 )
 
 
+#: Every pass the report can hold, in table order, and its title.
+_TITLES = {
+    "cache_off": "cache off",
+    "cache_on": "cache on",
+    "cache_on_kv": "cache on, kv routing",
+    "cache_on_no_prompt_key": "cache on, no prompt key",
+}
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The side-by-side table (markdown, so it pastes into docs as is)."""
-    cols = [c for c in ("cache_off", "cache_on", "cache_on_no_prompt_key") if c in result]
-    titles = {
-        "cache_off": "cache off",
-        "cache_on": "cache on",
-        "cache_on_no_prompt_key": "cache on, no prompt key",
-    }
+    cols = [c for c in _TITLES if c in result]
+    titles = _TITLES
     header = "| | " + " | ".join(titles[c] for c in cols) + " | on / off |"
     lines = [header, "|---|" + "---:|" * (len(cols) + 1)]
     for label, key, spec, compare in _ROWS:
@@ -83,7 +93,20 @@ def format_table(result: dict[str, Any]) -> str:
             ratio = "-" if r is None else f"{r:.2f}x"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {ratio} |")
     lines.append("")
-    lines.append(f"ideal token hit ratio of this workload: {result['ideal_token_hit_ratio']:.3f}")
+    ideal = result["ideal_token_hit_ratio"]
+    lines.append(f"ideal token hit ratio of this workload: {ideal:.3f}")
+    routing = result.get("routing") or []
+    if routing:
+        lines += ["", "| routing (cache on) | token hit ratio | share of the ideal |"]
+        lines.append("|---|---:|---:|")
+        for row in routing:
+            share = _div(row["token_hit_ratio"], ideal)
+            lines.append(
+                f"| {row['name']} | {cell(row['token_hit_ratio'], '.3f')} | "
+                + ("-" if share is None else f"{100 * share:.0f}%")
+                + " |"
+            )
+        lines.append("")
     cores = os.cpu_count() or 1
     loads = {c: result[c].get("load_avg", 0.0) for c in cols}
     lines.append(
@@ -112,12 +135,13 @@ def write_png(result: dict[str, Any], path: Path) -> None:
     """Latency distributions (CDF of TTFT and end-to-end) and hit ratios, as a PNG."""
     plt = pyplot()
 
-    colors = {"cache_off": "#c0392b", "cache_on": "#27ae60", "cache_on_no_prompt_key": "#2980b9"}
-    labels = {
-        "cache_off": "cache off",
-        "cache_on": "cache on",
-        "cache_on_no_prompt_key": "cache on, no prompt key",
+    colors = {
+        "cache_off": "#c0392b",
+        "cache_on": "#27ae60",
+        "cache_on_kv": "#8e44ad",
+        "cache_on_no_prompt_key": "#2980b9",
     }
+    labels = _TITLES
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, key, title in (
         (axes[0], "ttft_s", "time to first token"),
@@ -135,7 +159,7 @@ def write_png(result: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     ax = axes[2]
-    names = [n for n in ("cache_off", "cache_on", "cache_on_no_prompt_key") if n in result]
+    names = [n for n in _TITLES if n in result]
     metrics = [
         ("token", "token_hit_ratio"),
         ("block", "block_hit_ratio"),

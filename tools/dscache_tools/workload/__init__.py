@@ -24,8 +24,12 @@ Contract:
       turn ``t``'s. The history is fixed in the workload rather than taken from the
       model's reply, so every run sends the same prompts and the ideal hit ratio is
       a property of the file.
-    * Every session about one company starts with the same two system messages
-      (the assistant's instructions, then the company dossier).
+    * ``variant="standard"`` (the default): every session about one company starts
+      with the same two system messages (the assistant's instructions, then the
+      company dossier). ``variant="varied"``: each session opens its own way (a
+      dated opening line, one of several phrasings of the instructions, the
+      dossier's sections in its own order, a greeting or not), so sessions share
+      no prefix from the start; everything after the opening is ``standard``'s.
     * ``session_id`` is None on a request whose id the gateway dropped (it must then
       carry neither the header nor a cookie); a reconnected session switches to a
       new id from its reconnect turn on.
@@ -43,6 +47,7 @@ from dscache_tools.workload.languages import LANGUAGES, SYSTEM_PROMPT, Language
 from dscache_tools.workload.model import (
     COMPANIES,
     DEFAULT_MAX_TOKENS,
+    VARIANTS,
     ChatRequest,
     Company,
     WorkloadConfig,
@@ -62,6 +67,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "LANGUAGES",
     "SYSTEM_PROMPT",
+    "VARIANTS",
     "ChatRequest",
     "ChatTokenizer",
     "Company",

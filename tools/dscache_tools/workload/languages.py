@@ -35,6 +35,46 @@ SYSTEM_PROMPT = (
     "公式;资料中没有的信息须明确说明;不提供投资建议或目标价;使用提问所用的语言作答。"
 )
 
+#: ``variant="varied"``: the instructions of :data:`SYSTEM_PROMPT` as other desks
+#: phrase them (both languages in each); a session draws one, after its opening line.
+SYSTEM_PROMPT_PHRASINGS: tuple[str, ...] = (
+    SYSTEM_PROMPT,
+    "Role: research assistant (FinSight) for buy-side analysts. Source of truth: the "
+    "company dossier attached below, which holds the background, the segment data and "
+    "three fiscal years of audited statements; use nothing else. When you cite a number, "
+    "copy it from the dossier and give its fiscal year. When you derive a ratio, write "
+    "the formula first (gross margin = gross profit / revenue; current ratio = current "
+    "assets / current liabilities; debt-to-equity = total debt / shareholders' equity; "
+    "free cash flow = operating cash flow - capital expenditure). If the dossier is "
+    "silent, say that it is. No investment advice, no price targets. Reply in the "
+    "language the analyst writes in.\n"
+    "角色:面向买方分析师的研究助手 FinSight。唯一依据是下方附上的公司资料(背景、分部数据、"
+    "三个财年经审计的报表),不得使用其他信息。引用数字须照抄资料并注明财年;推算比率须先写"
+    "公式;资料未涉及的内容须直说;不给投资建议或目标价;用分析师提问的语言回答。",
+    "FinSight answers questions from the investment research desk about one listed "
+    "company at a time. Everything it says must come from the dossier that follows: "
+    "company background, segment figures, and the audited financial statements of the "
+    "last three fiscal years. Quote figures verbatim with their fiscal year; for any "
+    "ratio, state the formula you used (gross margin, current ratio, debt-to-equity, "
+    "free cash flow as operating cash flow less capital expenditure); if something is "
+    "not in the dossier, say so rather than guess; do not recommend trades or give "
+    "price targets; use the language of the question.\n"
+    "FinSight 为投研部门解答关于单一上市公司的问题,所有内容均须出自下方的公司资料"
+    "(公司背景、分部数据及最近三个财年经审计的财务报表)。数字照录并注明财年;比率须写明"
+    "所用公式;资料中没有的不要猜测并明确说明;不推荐交易、不给目标价;以提问语言作答。",
+    "Instructions for this session. You are a financial knowledge-base assistant. Work "
+    "only from the company dossier below (background, segments, audited statements for "
+    "three fiscal years). 1) Figures: exactly as in the dossier, with the fiscal year. "
+    "2) Ratios: show the formula (gross margin = gross profit / revenue; current ratio "
+    "= current assets / current liabilities; debt-to-equity = total debt / equity; free "
+    "cash flow = operating cash flow - capex). 3) Gaps: say plainly that the dossier "
+    "does not cover it. 4) No investment advice or price targets. 5) Answer in the "
+    "question's language.\n"
+    "本次会话说明:你是财务知识库助手,只能依据下方公司资料(背景、分部、三个财年经审计报表)"
+    "作答。1)数字与资料一致并注明财年;2)比率写出公式;3)资料未覆盖的须明确说明;"
+    "4)不提供投资建议或目标价;5)用提问的语言回答。",
+)
+
 #: The questions analysts ask, one row per question: (English, Chinese).
 _QUESTIONS: tuple[tuple[str, str], ...] = (
     (
@@ -276,7 +316,57 @@ _TEXT: dict[str, tuple[str, str]] = {
         "以上数字均来自公司资料,不构成投资建议。",
     ),
     "list_sep": (", ", "、"),
+    "greeting_reply": (
+        "Of course. I have the dossier of {name} ({ticker}); what would you like to know?",
+        "好的。我这里有{name}({ticker})的公司资料,请问想了解哪些方面?",
+    ),
 }
+
+#: ``variant="varied"``: a session's first line, one drawn per session, in the
+#: language of its questions: (English, Chinese).
+_OPENINGS: tuple[tuple[str, str], ...] = (
+    (
+        "Today is {date}, {time}. You are assisting {analyst} of the {desk} desk.",
+        "今天是{date},{time}。你正在协助{desk}的{analyst}。",
+    ),
+    (
+        "Session opened by {analyst} ({desk}) on {date} at {time}.",
+        "{analyst}({desk})于{date} {time}开启本次会话。",
+    ),
+    (
+        "Analyst: {analyst}. Desk: {desk}. Local time: {date} {time}.",
+        "分析师:{analyst}。所属团队:{desk}。当地时间:{date} {time}。",
+    ),
+)
+
+#: Who opens a varied session: (English, Chinese).
+_ANALYSTS: tuple[tuple[str, str], ...] = (
+    ("Alex Morgan", "王磊"),
+    ("Priya Shah", "李静"),
+    ("Daniel Kim", "张伟"),
+    ("Sofia Rossi", "陈晨"),
+    ("Tom Becker", "刘洋"),
+    ("Hannah Lee", "赵敏"),
+    ("Marcus Webb", "周婷"),
+    ("Yuki Tanaka", "孙浩"),
+)
+
+#: Their desks: (English, Chinese).
+_DESKS: tuple[tuple[str, str], ...] = (
+    ("equity research", "股票研究部"),
+    ("credit research", "信用研究部"),
+    ("portfolio management", "投资组合管理部"),
+    ("risk", "风险管理部"),
+    ("ESG research", "ESG研究组"),
+)
+
+#: A greeting some varied sessions open with, before the first question; the
+#: assistant's reply is ``text["greeting_reply"]``: (English, Chinese).
+_GREETINGS: tuple[tuple[str, str], ...] = (
+    ("Hi! I'd like to go through the filings of {name} today.", "你好!今天想看看{name}的财报。"),
+    ("Hello, can you help me with {name}?", "你好,能帮我分析一下{name}吗?"),
+    ("Good morning. {name} is on my list today.", "早上好,今天要研究{name}。"),
+)
 
 _FACTS: tuple[tuple[str, str], ...] = (
     (
@@ -335,6 +425,11 @@ class Language:
         risks: principal-risk lines (``{p}`` percent, ``{d}`` debt, ``{y}`` year).
         text: dossier and answer templates by name.
         facts: the answer sentences, one per kind of question.
+        openings: first lines of a varied session (``{date}``, ``{time}``,
+            ``{analyst}``, ``{desk}``).
+        analysts: names for ``{analyst}``.
+        desks: names for ``{desk}``.
+        greetings: a varied session's optional first user message (``{name}``).
     """
 
     code: str
@@ -343,6 +438,10 @@ class Language:
     risks: tuple[str, ...]
     text: Mapping[str, str]
     facts: tuple[str, ...]
+    openings: tuple[str, ...]
+    analysts: tuple[str, ...]
+    desks: tuple[str, ...]
+    greetings: tuple[str, ...]
 
 
 def _column(code: str, i: int) -> Language:
@@ -353,6 +452,10 @@ def _column(code: str, i: int) -> Language:
         risks=tuple(row[i] for row in _RISKS),
         text={name: row[i] for name, row in _TEXT.items()},
         facts=tuple(row[i] for row in _FACTS),
+        openings=tuple(row[i] for row in _OPENINGS),
+        analysts=tuple(row[i] for row in _ANALYSTS),
+        desks=tuple(row[i] for row in _DESKS),
+        greetings=tuple(row[i] for row in _GREETINGS),
     )
 
 

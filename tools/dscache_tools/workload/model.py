@@ -22,6 +22,12 @@ from typing import Any, Literal
 #: prompt, not the answer, is what the cache saves).
 DEFAULT_MAX_TOKENS = 24
 
+#: The workload's variants (``WorkloadConfig.variant``).
+VARIANTS = ("standard", "varied")
+
+#: Roles a request's messages may have.
+ROLES = ("system", "user", "assistant")
+
 
 @dataclass(frozen=True)
 class Company:
@@ -101,6 +107,13 @@ class WorkloadConfig:
             the company's filings.
         max_tokens: completion tokens each request asks for.
         companies: how many of the listed companies to use (the first N).
+        variant: ``standard``: every session about a company opens with the same
+            system prompt and dossier (they share a token prefix from the start);
+            ``varied``: each session opens its own way (a dated opening line, one
+            of several phrasings of the instructions, the dossier's sections in
+            its own order, a greeting or not), so no two sessions share a prefix
+            from the start. The other draws are the same as ``standard``'s for the
+            seed: the same companies, questions, answers and ids.
     """
 
     sessions: int = 200
@@ -113,6 +126,7 @@ class WorkloadConfig:
     other_language_share: float = 0.15
     max_tokens: int = DEFAULT_MAX_TOKENS
     companies: int = len(COMPANIES)
+    variant: Literal["standard", "varied"] = "standard"
 
     def __post_init__(self) -> None:
         if self.sessions < 1:
@@ -127,6 +141,8 @@ class WorkloadConfig:
             raise ValueError(f"drop_mode must be 'request' or 'session', got {self.drop_mode!r}")
         if not 1 <= self.companies <= len(COMPANIES):
             raise ValueError(f"companies must be within [1, {len(COMPANIES)}]")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {self.variant!r}")
 
 
 @dataclass(frozen=True)
@@ -172,10 +188,14 @@ class ChatRequest:
 
     @classmethod
     def from_json(cls, line: str) -> ChatRequest:
-        """Parses one JSONL line; raises ValueError on a malformed one."""
+        """Parses one JSONL line; raises ValueError on a malformed one.
+
+        Besides the fields' types it checks what a replay needs: at least one
+        message, each a known role; a turn >= 0; max_tokens >= 1.
+        """
         try:
             d = json.loads(line)
-            return cls(
+            req = cls(
                 session=str(d["session"]),
                 turn=int(d["turn"]),
                 company=str(d["company"]),
@@ -187,8 +207,19 @@ class ChatRequest:
                 ],
                 max_tokens=int(d.get("max_tokens", DEFAULT_MAX_TOKENS)),
             )
-        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        except KeyError as exc:
+            raise ValueError(f"not a workload request: missing key {exc}") from exc
+        except (TypeError, ValueError) as exc:
+            # json.JSONDecodeError is a ValueError; so is int("x").
             raise ValueError(f"not a workload request: {exc}") from exc
+        if not req.messages:
+            raise ValueError("not a workload request: no messages")
+        roles = {m["role"] for m in req.messages} - set(ROLES)
+        if roles:
+            raise ValueError(f"not a workload request: unknown role {sorted(roles)[0]!r}")
+        if req.turn < 0 or req.max_tokens < 1:
+            raise ValueError("not a workload request: turn must be >= 0 and max_tokens >= 1")
+        return req
 
 
 def write_jsonl(requests: Iterable[ChatRequest], path: Path) -> int:
@@ -203,15 +234,20 @@ def write_jsonl(requests: Iterable[ChatRequest], path: Path) -> int:
 
 
 def read_jsonl(path: Path) -> list[ChatRequest]:
-    """Reads a workload file; raises ValueError naming the bad line."""
+    """Reads a workload file; raises ValueError naming the bad line (``FILE:LINE: why``).
+
+    Blank lines are skipped; a line that is not UTF-8 is a bad line too. An
+    unreadable file raises OSError.
+    """
     out = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 out.append(ChatRequest.from_json(line))
-            except ValueError as exc:
+            except ValueError as exc:  # UnicodeDecodeError is one
                 raise ValueError(f"{path}:{lineno}: {exc}") from exc
     return out
 

@@ -8,7 +8,9 @@ Contract:
     * ``dossier(company, seed)`` is a pure function: the background's random
       details come from ``random.Random(f"{seed}/{ticker}/text")``, drawn in one
       fixed order whatever the language, so a company's dossier is the same in
-      every process and every workload that samples it.
+      every process and every workload that samples it. It is its
+      ``dossier_sections`` (the header, then one section per heading) joined by
+      blank lines.
     * ``answer_facts(f, lang)`` is pure; :func:`answer` draws from the caller's
       generator (the workload's), in a fixed order.
     * The statements always add up: every derived row is computed from the same
@@ -107,6 +109,15 @@ def _figures(f: Financials) -> dict[str, Any]:
 
 def dossier(company: Company, seed: int = 0) -> str:
     """The company's background and financial statements (the shared document)."""
+    return "\n\n".join(dossier_sections(company, seed))
+
+
+def dossier_sections(company: Company, seed: int = 0) -> list[str]:
+    """The dossier's sections in their order: the header first, then one per heading.
+
+    Joined with a blank line they are :func:`dossier`; the varied workload reorders
+    all but the header.
+    """
     f = financials(company, seed)
     rng = random.Random(f"{seed}/{company.ticker}/text")
     lang = LANGUAGES[company.lang]
@@ -141,10 +152,13 @@ def dossier(company: Company, seed: int = 0) -> str:
         "capex_lo": rng.randint(6, 14),
         "capex_hi": rng.randint(15, 22),
     }
-    lines = [t["header"].format(**v), "", t["h_background"], t["background"].format(**v), ""]
-    lines += [t["history"].format(**v), "", t["h_segment_notes"]]
+    sections = [
+        t["header"].format(**v),
+        "\n".join([t["h_background"], t["background"].format(**v), "", t["history"].format(**v)]),
+    ]
+    notes = [t["h_segment_notes"]]
     for name, vals in f.segments:
-        lines.append(
+        notes.append(
             t["segment_note"].format(
                 **v,
                 segment=name,
@@ -156,12 +170,24 @@ def dossier(company: Company, seed: int = 0) -> str:
                 backlog=rng.uniform(0.3, 1.8),
             )
         )
-    lines += ["", *statements(f, lang.labels)]
-    lines += [t["h_discussion"], t["discussion"].format(**v), "", t["h_risks"]]
+    sections.append("\n".join(notes))
+    # statements() closes every table with a blank line: one section per table.
+    table: list[str] = []
+    for line in statements(f, lang.labels):
+        if line:
+            table.append(line)
+        else:
+            sections.append("\n".join(table))
+            table = []
+    sections.append("\n".join([t["h_discussion"], t["discussion"].format(**v)]))
+    risk_lines = [t["h_risks"]]
     for r in risks:
-        lines.append("- " + r.format(p=rng.uniform(18, 55), d=f.long_debt[2] * 0.6, y=v["y2"] + 1))
-    lines += ["", t["h_auditor"], t["auditor"].format(**v)]
-    return "\n".join(lines)
+        risk_lines.append(
+            "- " + r.format(p=rng.uniform(18, 55), d=f.long_debt[2] * 0.6, y=v["y2"] + 1)
+        )
+    sections.append("\n".join(risk_lines))
+    sections.append("\n".join([t["h_auditor"], t["auditor"].format(**v)]))
+    return sections
 
 
 def answer_facts(f: Financials, lang: Language) -> tuple[str, ...]:
