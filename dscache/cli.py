@@ -32,6 +32,7 @@ _COMPONENTS: tuple[tuple[str, str], ...] = (
     ("dscache_tools.democli", "all"),
     ("dscache_tools.chaoscli", "all"),
     ("dscache_tools.traincli", "server"),
+    ("dscache_tools.templatescli", "server"),
 )
 
 Handler = Callable[[argparse.Namespace], int]

@@ -1,5 +1,5 @@
 """``dscache replay`` and the component benchmarks (``bench store``, ``ttft``, ``balance``,
-``vllm``, ``shared-tier``, ``codec``).
+``vllm``, ``shared-tier``, ``codec``, ``admission``, ``coldstart``).
 
 Light module: argument parsing only; each handler imports its implementation,
 so ``dscache --help`` never loads torch or matplotlib.
@@ -151,6 +151,44 @@ def _add_shared_tier(bench: Commands) -> None:
     ba.add_argument("--work-dir", default=None, help="where stores and logs go (a temp dir)")
     ba.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
     ba.set_defaults(handler=_run_bench_admission)
+
+    bk = bench.add_parser(
+        "coldstart",
+        help="a cold pod's first requests with no prewarm, the user's document list, or "
+        "templates mined from earlier traffic: token hit ratio and TTFT",
+    )
+    bk.add_argument("--quick", action="store_true", help="the short profile (8 requests)")
+    bk.add_argument("--model", default="mini-gqa", help="preset of the servers (mini-gqa)")
+    bk.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    bk.add_argument("--work-dir", default=None, help="where stores and logs go (a temp dir)")
+    bk.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    bk.set_defaults(handler=_run_bench_coldstart)
+
+    bq = bench.add_parser(
+        "router",
+        help="the latency the picker's KV-aware choice adds per request, against the plain "
+        "hash router, with stand-in pods (P50 / P99 at concurrency 1 and 4)",
+    )
+    bq.add_argument("--quick", action="store_true", help="the short profile (about a minute)")
+    bq.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    bq.add_argument(
+        "--requests", type=int, default=None, help="cut the workload to its first N requests"
+    )
+    bq.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    bq.add_argument("--png", dest="png_out", default=None, help="write a chart here")
+    bq.set_defaults(handler=_run_bench_router)
+
+
+def _run_bench_coldstart(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.coldstart import run_cli
+
+    return run_cli(args)
+
+
+def _run_bench_router(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.router import run_cli
+
+    return run_cli(args)
 
 
 def _run_bench_admission(args: argparse.Namespace) -> int:
