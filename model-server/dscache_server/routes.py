@@ -8,9 +8,10 @@ Contract:
     * ``GET /metrics``: the Prometheus text format (empty until the model is loaded).
     * ``GET /dscache/keyinfo``: what a router needs to compute this server's block
       keys: ``{"model", "block_tokens", "fingerprint"}`` (hex digest) and ``root``,
-      the key chain's root for requests without any credential when tenancy is off
-      (their keys are every anonymous client's anyway), else ``null`` (a tenant's
-      keys need its secret). 503 until the model is loaded.
+      the key chain's root of requests without any credential when tenancy is off
+      (the anonymous tenant's, with the tenant secret applied: every anonymous
+      client shares it anyway, and it reveals no other tenant's), else ``null``
+      (a tenant's keys need its key). 503 until the model is loaded.
     * ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``:
       OpenAI's API; 503 ``not_ready`` until the model is loaded (``state``); with
       tenancy on, 401 ``invalid_api_key`` without a known key (``auth``). The
@@ -62,8 +63,7 @@ async def keyinfo(state: StateDep) -> JSONResponse:
     rt = state.runtime
     if rt is None:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
-    anonymous = not rt.auth.tenancy and not rt.settings.tenant_secret.get_secret_value()
-    root = rt.chain_for(DEFAULT_TENANT).root.hex() if anonymous else None
+    root = None if rt.auth.tenancy else rt.chain_for(DEFAULT_TENANT).root.hex()
     return JSONResponse(
         {
             "model": rt.settings.model_name,

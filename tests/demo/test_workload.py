@@ -346,3 +346,29 @@ def test_cli_refuses_a_prewarm_file_for_the_varied_variant(
     assert args.handler(args) == 2
     assert "--prewarm-out needs --variant standard" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_chat_workload_drops_ids_per_request_without_changing_the_chats(
+    tmp_path: Path,
+) -> None:
+    from dscache_tools.workload.chat import chat_workload
+
+    from dscache.cli import main
+
+    kept = chat_workload(30, seed=5)
+    dropped = chat_workload(30, seed=5, drop_id_share=0.4)
+    assert [r.messages for r in dropped] == [r.messages for r in kept]
+    assert all(r.session_id == r.session for r in kept)
+    share = sum(r.session_id is None for r in dropped) / len(dropped)
+    assert 0.25 < share < 0.55, share
+    # Within one conversation some turns carry the id and some do not: the split case.
+    by_session: dict[str, set[bool]] = {}
+    for r in dropped:
+        by_session.setdefault(r.session, set()).add(r.session_id is None)
+    assert sum(len(v) == 2 for v in by_session.values()) > 10
+    with pytest.raises(ValueError, match="drop_id_share"):
+        chat_workload(3, drop_id_share=1.5)
+    out = tmp_path / "chat.jsonl"
+    argv = ["workload", "chat", "--sessions", "30", "--seed", "5", "--out", str(out)]
+    assert main(argv) == 0
+    assert read_jsonl(out) == dropped

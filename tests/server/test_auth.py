@@ -245,3 +245,20 @@ def test_tenant_label_values_stay_bounded(live_server: Callable[..., LiveServer]
         assert values == {"default", "other"} | {f"team{i}" for i in range(32)}, name
     text = httpx.get(srv.url + "/metrics").text
     assert "k17" not in text and "apikey:" not in text
+
+
+def test_keyinfo_gives_the_anonymous_root_only_when_tenancy_is_off(
+    live_server: Callable[..., LiveServer], key_file: Path
+) -> None:
+    # The router's picker computes keys of anonymous requests with it (tenant secret applied).
+    srv = live_server(tenant_secret="ns-a")
+    info = httpx.get(srv.url + "/dscache/keyinfo").json()
+    rt = srv.runtime
+    assert info["root"] == rt.chain_for("default").root.hex()
+    assert info["block_tokens"] == rt.fingerprint.block_tokens
+    assert info["fingerprint"] == rt.fingerprint.digest().hex()
+    # With API keys there is no anonymous tenant, and a tenant's root is not for the asking.
+    assert (
+        httpx.get(live_server(api_keys_file=key_file).url + "/dscache/keyinfo").json()["root"]
+        is None
+    )

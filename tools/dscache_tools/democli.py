@@ -86,6 +86,22 @@ def _add_workload(sub: Commands) -> None:
         "prewarm Job (kubectl create configmap finance-prompts --from-file=prompts.jsonl=FILE)",
     )
     f.set_defaults(handler=_run_workload)
+    c = wsub.add_parser(
+        "chat", help="short multi-turn chats with no shared documents (little reuse across users)"
+    )
+    c.add_argument("--sessions", type=int, default=100, help="conversations (default 100)")
+    c.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    c.add_argument("--out", required=True, type=Path, help="JSONL file to write")
+    c.add_argument(
+        "--drop-id-share",
+        type=float,
+        default=0.4,
+        help="share of requests without a session id, drawn per request (default 0.4)",
+    )
+    c.add_argument("--min-turns", type=int, default=4, help="fewest turns per session (4)")
+    c.add_argument("--max-turns", type=int, default=10, help="most turns per session (10)")
+    c.add_argument("--max-tokens", type=int, default=16, help="completion tokens asked (16)")
+    c.set_defaults(handler=_run_chat_workload)
 
 
 def _add_load(sub: Commands) -> None:
@@ -321,6 +337,27 @@ def _run_workload(args: argparse.Namespace) -> int:
             f"{ideal.max_prompt_tokens}); ideal token hit ratio {ideal.token_hit_ratio:.3f} "
             f"(infinite cache, {args.block_tokens}-token blocks, prefix semantics)"
         )
+    return 0
+
+
+def _run_chat_workload(args: argparse.Namespace) -> int:
+    from dscache_tools.workload import summary, summary_line, write_jsonl
+    from dscache_tools.workload.chat import chat_workload
+
+    try:
+        requests = chat_workload(
+            args.sessions,
+            seed=args.seed,
+            min_turns=args.min_turns,
+            max_turns=args.max_turns,
+            max_tokens=args.max_tokens,
+            drop_id_share=args.drop_id_share,
+        )
+    except ValueError as exc:
+        print(f"dscache workload chat: error: {exc}", file=sys.stderr)
+        return 2
+    write_jsonl(requests, args.out)
+    print(f"wrote {summary_line(summary(requests))} to {args.out}")
     return 0
 
 

@@ -11,8 +11,11 @@ Contract:
       generator), in the finance workload's format (:class:`ChatRequest`), so
       ``dscache load`` and the benches replay it unchanged.
     * Turn ``t`` sends turn ``t-1``'s messages, its canned answer and one new
-      question (an exact prefix, as in the finance workload); every request
-      carries its session id (``company`` is ``"chat"``, ``lang`` ``"en"``).
+      question (an exact prefix, as in the finance workload); a request carries
+      its session id unless drawn into ``drop_id_share`` (per request, from a
+      generator of its own, so the conversations do not change with the share;
+      ``company`` is ``"chat"``, ``lang`` ``"en"``). ``dscache workload chat``
+      writes it.
 """
 
 from __future__ import annotations
@@ -128,10 +131,18 @@ def chat_workload(
     user_words: tuple[int, int] = (15, 50),
     answer_words: tuple[int, int] = (30, 80),
     max_tokens: int = 16,
+    drop_id_share: float = 0.0,
 ) -> list[ChatRequest]:
-    """``sessions`` conversations of ``min_turns..max_turns`` short turns each."""
+    """``sessions`` conversations of ``min_turns..max_turns`` short turns each.
+
+    ``drop_id_share``: the share of requests sent without their session id (drawn
+    per request, as a gateway that loses the header now and then).
+    """
     if sessions < 1:
         raise ValueError("sessions must be >= 1")
+    if not 0.0 <= drop_id_share <= 1.0:
+        raise ValueError("drop_id_share must be in [0, 1]")
+    drops = random.Random(f"chat/{seed}/drops")
     if not 1 <= min_turns <= max_turns:
         raise ValueError("need 1 <= min_turns <= max_turns")
     rng = random.Random(f"chat/{seed}")
@@ -147,7 +158,7 @@ def chat_workload(
                     turn=turn,
                     company="chat",
                     lang="en",
-                    session_id=session,
+                    session_id=None if drops.random() < drop_id_share else session,
                     reconnected=False,
                     messages=list(messages),
                     max_tokens=max_tokens,
