@@ -332,7 +332,8 @@ class Picker:
         minhash = self._minhash(text) if text else None
         with self._lock:
             now = self.clock()
-            keys = {c.address: self._keys(c.address, ids) for c in q.pods}
+            chains: dict[tuple[bytes, int], list[bytes]] = {}  # pods of a track share one
+            keys = {c.address: self._keys(c.address, ids, chains) for c in q.pods}
             choice = self._choose(q, keys, minhash, now)
             self._record(choice.pod, keys.get(choice.pod, []), q.key, minhash, now)
         self.metrics.decisions.labels(choice.reason).inc()
@@ -364,11 +365,19 @@ class Picker:
         m.update_batch(list(shingles(text, s.shingle_words, s.domain_terms)))
         return m
 
-    def _keys(self, address: str, ids: list[int] | None) -> list[bytes]:
+    def _keys(
+        self,
+        address: str,
+        ids: list[int] | None,
+        chains: dict[tuple[bytes, int], list[bytes]],
+    ) -> list[bytes]:
         pod = self._pods.get(address)
         if ids is None or pod is None or pod.root is None or pod.block_tokens <= 0:
             return []
-        return block_keys(pod.root, ids, pod.block_tokens)
+        chain = (pod.root, pod.block_tokens)
+        if chain not in chains:
+            chains[chain] = block_keys(pod.root, ids, pod.block_tokens)
+        return chains[chain]
 
     def _held(self, pod: _Pod, keys: Sequence[bytes], now: float) -> int:
         n = 0

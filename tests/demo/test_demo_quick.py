@@ -42,7 +42,7 @@ def test_demo_quick_reports_the_cache_paying_off(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| token hit ratio |" in proc.stdout  # the side-by-side table
     result = json.loads(out.read_text())
-    for side in ("cache_off", "cache_on"):
+    for side in ("cache_off", "cache_on", "cache_on_kv"):
         assert set(DOCUMENTED) <= set(result[side]), side
         assert set(REPORT_KEYS) <= set(result[side]), side
         assert result[side]["errors"] == 0
@@ -56,7 +56,38 @@ def test_demo_quick_reports_the_cache_paying_off(tmp_path: Path) -> None:
     assert on["e2e_p99_s"] < off["e2e_p99_s"]
     assert on["qps"] > off["qps"]
     assert 0.0 < result["ideal_token_hit_ratio"] < 1.0
+    # The routing comparison: today's hash routing and the picker, on the same requests.
+    routing = {r["name"]: r["token_hit_ratio"] for r in result["routing"]}
+    assert routing == {
+        "hash": on["token_hit_ratio"],
+        "kv": result["cache_on_kv"]["token_hit_ratio"],
+    }
+    assert routing["kv"] >= 0.7
+    assert "| token hit ratio |" in proc.stdout and "kv" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_quick_varied_openings_compares_the_routings(tmp_path: Path) -> None:
+    need_nginx()
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dscache.cli", "demo", "--quick", "--workload-variant", "varied",
+         "--json", str(out)],
+        env={**os.environ, **child_env()},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["workload"]["variant"] == "varied"
+    ideal = result["ideal_token_hit_ratio"]
+    routing = {r["name"]: r["token_hit_ratio"] for r in result["routing"]}
+    assert set(routing) == {"hash", "kv"} and 0.0 < ideal < 1.0
+    assert all(result[side]["errors"] == 0 for side in ("cache_off", "cache_on", "cache_on_kv"))
+    # The picker finds what the conversations left on each pod: near the ideal.
+    assert routing["kv"] >= 0.9 * ideal, (routing, ideal)
 
 
 def _processes_using(path: Path) -> list[str]:
