@@ -55,7 +55,6 @@ from typing import Any
 import httpx
 from datasketch import MinHash, MinHashLSH
 from dscache_sidecar.holdings import (
-    GENERATION_HEADER,
     HOLDINGS_PATH,
     HoldingsFilter,
     HoldingsFormatError,
@@ -181,7 +180,6 @@ class _Pod:
     keyinfo_at: float = 0.0
     holdings: HoldingsFilter | None = None
     holdings_at: float = 0.0
-    generation: str = ""
     recent: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
 
 
@@ -303,10 +301,10 @@ class Picker:
             pod = self._pods.setdefault(address, _Pod(address))
             pod.root, pod.block_tokens, pod.keyinfo_at = root, block_tokens, self.clock()
 
-    def set_holdings(self, address: str, holdings: HoldingsFilter, generation: str = "") -> None:
+    def set_holdings(self, address: str, holdings: HoldingsFilter) -> None:
         with self._lock:
             pod = self._pods.setdefault(address, _Pod(address))
-            pod.holdings, pod.holdings_at, pod.generation = holdings, self.clock(), generation
+            pod.holdings, pod.holdings_at = holdings, self.clock()
 
     def holdings_url(self, address: str) -> str | None:
         explicit = self.settings.holdings.get(address)
@@ -409,14 +407,14 @@ class Picker:
                 best = (held, c.address)
         if best is not None:
             return Pick(best[1], "prefix", best[0])
-        similar = self._similar(minhash, {c.address for c in eligible}, q.key)
+        similar = self._similar(minhash, {c.address for c in eligible})
         if similar is not None:
             return Pick(similar, "similar")
         if eligible:
             return Pick(eligible[0].address, "hash")
         return Pick(q.pods[0].address, "overloaded")
 
-    def _similar(self, minhash: MinHash | None, eligible: set[str], key: str) -> str | None:
+    def _similar(self, minhash: MinHash | None, eligible: set[str]) -> str | None:
         if minhash is None or self._lsh is None or not eligible:
             return None
         best: tuple[float, str] | None = None
@@ -493,7 +491,7 @@ class Picker:
             self.metrics.fetch_errors.labels("holdings").inc()
             log.debug("picker: no holdings from %s: %s", url, exc)
             return
-        self.set_holdings(address, holdings, r.headers.get(GENERATION_HEADER, ""))
+        self.set_holdings(address, holdings)
 
 
 class Refresher:

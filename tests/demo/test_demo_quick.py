@@ -27,19 +27,24 @@ DOCUMENTED = (
 )
 
 
-def test_demo_quick_reports_the_cache_paying_off(tmp_path: Path) -> None:
-    need_nginx()
-    out, png = tmp_path / "demo.json", tmp_path / "demo.png"
+def _demo(*args: str) -> subprocess.CompletedProcess[str]:
+    """``dscache demo --quick ARGS`` as a user runs it; asserts it succeeded."""
     proc = subprocess.run(
-        [sys.executable, "-m", "dscache.cli", "demo", "--quick", "--json", str(out),
-         "--png", str(png)],
+        [sys.executable, "-m", "dscache.cli", "demo", "--quick", *args],
         env={**os.environ, **child_env()},
         capture_output=True,
         text=True,
         timeout=900,
         check=False,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_demo_quick_reports_the_cache_paying_off(tmp_path: Path) -> None:
+    need_nginx()
+    out, png = tmp_path / "demo.json", tmp_path / "demo.png"
+    proc = _demo("--json", str(out), "--png", str(png))
     assert "| token hit ratio |" in proc.stdout  # the side-by-side table
     result = json.loads(out.read_text())
     for side in ("cache_off", "cache_on", "cache_on_kv"):
@@ -70,16 +75,7 @@ def test_demo_quick_reports_the_cache_paying_off(tmp_path: Path) -> None:
 def test_demo_quick_varied_openings_compares_the_routings(tmp_path: Path) -> None:
     need_nginx()
     out = tmp_path / "demo.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "dscache.cli", "demo", "--quick", "--workload-variant", "varied",
-         "--json", str(out)],
-        env={**os.environ, **child_env()},
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _demo("--workload-variant", "varied", "--json", str(out))
     result = json.loads(out.read_text())
     assert result["workload"]["variant"] == "varied"
     ideal = result["ideal_token_hit_ratio"]
