@@ -13,7 +13,8 @@ Contract:
       gateway authenticated the client). A tenant header without a valid token,
       or a token that is not the secret, is a 401 ``untrusted_tenant_header``;
       with no secret configured, every tenant header is refused so. A client never
-      silently lands in another tenant.
+      silently lands in another tenant. ``Authenticator.is_gateway`` applies the same
+      token check to routes only the gateway may use.
     * Keys are compared through their SHA-256 digests (a dict of digests; the
       presented key is hashed first) and the gateway token with
       ``hmac.compare_digest``, so timing reveals nothing of a key or the secret.
@@ -255,6 +256,22 @@ class Authenticator:
         """The tenant labels known before any request (metrics show them as 0)."""
         return self.keys.tenants() if self.keys is not None else (DEFAULT_TENANT,)
 
+    @property
+    def has_gateway_secret(self) -> bool:
+        """Whether a gateway secret is configured (else no request is the gateway's)."""
+        return self._secret is not None
+
+    def is_gateway(self, headers: Mapping[str, str]) -> bool:
+        """Whether these headers carry the gateway token (compared in constant time)."""
+        return self._is_secret(headers.get(self._token_header))
+
+    def _is_secret(self, token: str | None) -> bool:
+        return (
+            self._secret is not None
+            and token is not None
+            and hmac.compare_digest(_digest(token), self._secret)
+        )
+
     def authenticate(self, headers: Mapping[str, str]) -> Principal:
         """The sender of a request with these headers.
 
@@ -270,12 +287,7 @@ class Authenticator:
     def _from_gateway(
         self, claimed: str | None, token: str | None, headers: Mapping[str, str]
     ) -> Principal:
-        valid = (
-            self._secret is not None
-            and token is not None
-            and hmac.compare_digest(_digest(token), self._secret)
-        )
-        if not valid:
+        if not self._is_secret(token):
             raise AuthError(
                 401,
                 f"the {self._tenant_header} and {self._token_header} headers are accepted only "

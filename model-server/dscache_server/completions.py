@@ -8,6 +8,9 @@ Contract:
     * The slot is entered in one place (``_answer``) on an ``AsyncExitStack``: a plain
       response gives it back when the generation ends; a stream hands the stack to
       its ``SlotStreamingResponse``, which gives it back when sending ends.
+    * A parsed request's prompt is counted by the live template miner
+      (``Runtime.record_template``, its session as its conversation) before it waits
+      for a slot.
     * The session header is read, logged and echoed on every answer, errors included;
       every answer is counted in ``requests_total{endpoint, code, tenant}`` once the
       model is loaded (a bug counts as 500; a refused request as tenant ``other``).
@@ -87,6 +90,7 @@ async def _answer(
     parsed = parse_request(rt, endpoint, body, principal, started)
     parsed.generation.timings["tokenize"] = time.perf_counter() - t0
     parsed.generation.session_id = session_id
+    rt.record_template(parsed.generation, principal.tenant)
     request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
     log.info(
         "request %s endpoint=%s session=%s prompt_tokens=%d",

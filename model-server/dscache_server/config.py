@@ -168,6 +168,21 @@ class ServerSettings(BaseSettings):
     lookup_overhead_s: float | None = Field(
         default=None, ge=0, description="fixed cost of a lookup + lease, seconds"
     )
+    # -- live template mining (dscache_server.templatelog)
+    template_log: bool = Field(
+        default=True,
+        description="count the block-aligned prompt prefixes requests share and list the "
+        "templates worth prewarming at GET /dscache/templates (gateway token only)",
+    )
+    template_log_capacity: int = Field(
+        default=1024,
+        ge=16,
+        description="prefixes counted at most (entries); the token ids kept take at most "
+        "capacity x max_blocks x block_tokens x 4 bytes (8 MiB at the defaults)",
+    )
+    template_log_max_blocks: int = Field(
+        default=8, ge=1, description="longest prefix counted, blocks"
+    )
 
     @field_validator("api_keys_file")
     @classmethod
@@ -249,6 +264,14 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "zstd_min_repetition",
         {"type": float, "help": "auto codec: least repeated 4-gram share (0.15)"},
     ),
+    "--template-log-capacity": (
+        "template_log_capacity",
+        {"type": int, "help": "prefixes the live template miner counts at most (1024)"},
+    ),
+    "--template-log-max-blocks": (
+        "template_log_max_blocks",
+        {"type": int, "help": "longest prefix the live template miner counts, blocks (8)"},
+    ),
 }
 
 
@@ -263,6 +286,13 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="skip the start-up calibration (use the configured or default speeds)",
     )
+    p.add_argument(
+        "--no-template-log",
+        dest="template_log",
+        action="store_false",
+        default=None,
+        help="do not mine templates from live traffic (GET /dscache/templates answers 404)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -272,6 +302,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         value = getattr(args, field, None)
         if value is not None:
             overrides[field] = value
-    if getattr(args, "calibrate", None) is not None:
-        overrides["calibrate"] = args.calibrate
+    for switch in ("calibrate", "template_log"):
+        if getattr(args, switch, None) is not None:
+            overrides[switch] = getattr(args, switch)
     return ServerSettings(**overrides)

@@ -170,6 +170,15 @@ _SPECS: dict[str, _Spec] = {
         "Background store jobs by the codec chosen (raw, zstd, int8, sample = zstd where "
         "a block shrinks) and why (fixed, short, low_repetition, no_headroom, chosen).",
     ),
+    "templates_recorded": _Spec(
+        Counter,
+        P + "templates_recorded_total",
+        (),
+        "Requests the live template miner counted (those with a full block).",
+    ),
+    "templates_tracked": _Spec(
+        Gauge, P + "templates_tracked", (), "Prompt prefixes the live template miner holds."
+    ),
     "queue_depth": _Spec(Gauge, P + "queue_depth", (), "Requests waiting for a generation slot."),
     "inflight": _Spec(Gauge, P + "inflight_requests", (), "Requests holding a generation slot."),
     "store_backlog": _Spec(
@@ -232,6 +241,8 @@ class ServerMetrics:
     lookups: Counter
     blocks_stored: Counter
     store_codec: Counter
+    templates_recorded: Counter
+    templates_tracked: Gauge
     queue_depth: Gauge
     inflight: Gauge
     store_backlog: Gauge

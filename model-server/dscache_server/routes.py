@@ -1,4 +1,4 @@
-"""The HTTP routes: probes, metrics, the model list and the two completion APIs.
+"""The HTTP routes: probes, metrics, live templates, the model list and the completion APIs.
 
 Contract:
     * ``GET /health``: 200 while the process serves HTTP (liveness).
@@ -12,6 +12,20 @@ Contract:
       (the anonymous tenant's, with the tenant secret applied: every anonymous
       client shares it anyway, and it reveals no other tenant's), else ``null``
       (a tenant's keys need its key). 503 until the model is loaded.
+    * ``GET /dscache/templates?top=N&tenant=T``: the live template miner's top ``N``
+      (default 100, 1 to 1000) templates, of tenant id ``T`` or all, best first:
+      ``{"model", "block_tokens", "fingerprint", "templates": [{"tenant", "key",
+      "tokens", "prefix_tokens", "count", "conversations", "saved_tokens"}]}``
+      (``templatelog``). They are other users' prompt prefixes: only the gateway
+      may read them (``X-Dscache-Gateway-Token`` = the gateway secret, else 401
+      ``invalid_gateway_token``; no secret configured: 403
+      ``templates_need_gateway_secret``).
+    * ``GET /dscache/templates/filter?top=N``: every block key of those templates
+      (all tenants) as a holdings-format Bloom filter
+      (:class:`dscache_sidecar.holdings.HoldingsFilter`); keys are digests, so no
+      token is needed. Both answer 404 ``templates_off`` when mining is off, 400
+      ``invalid_value`` for a bad ``top``, 503 ``not_ready`` until the model is
+      loaded; both run on a worker thread (ranking and encoding take a while).
     * ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``:
       OpenAI's API; 503 ``not_ready`` until the model is loaded (``state``); with
       tenancy on, 401 ``invalid_api_key`` without a known key (``auth``). The
@@ -20,13 +34,25 @@ Contract:
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from collections.abc import Mapping
+from typing import Annotated
+
+from dscache_sidecar.holdings import KEYS_HEADER, HoldingsFilter
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dscache_server.auth import DEFAULT_TENANT
+from dscache_server.auth import DEFAULT_TENANT, GATEWAY_TOKEN_HEADER
 from dscache_server.completions import handle_completion
-from dscache_server.state import StateDep, authenticate
+from dscache_server.errors import APIError
+from dscache_server.runtime import Runtime
+from dscache_server.state import AppState, StateDep, authenticate
+from dscache_server.templatelog import FILTER_PATH, MAX_TOP, TEMPLATES_PATH, TemplateLog
+
+#: Templates listed when ``top`` is not given.
+DEFAULT_TOP = 100
+#: The ``top`` query parameter of the template routes.
+TopQuery = Annotated[int, Query(ge=1, le=MAX_TOP, description="templates listed, best first")]
 
 probes = APIRouter(tags=["probes"])
 openai_api = APIRouter(prefix="/v1", tags=["openai"])
@@ -72,6 +98,73 @@ async def keyinfo(state: StateDep) -> JSONResponse:
             "root": root,
         }
     )
+
+
+@probes.get(TEMPLATES_PATH)
+def templates(
+    request: Request, state: StateDep, top: TopQuery = DEFAULT_TOP, tenant: str | None = None
+) -> JSONResponse:
+    """The live templates, for the gateway only (see the module contract)."""
+    rt, miner = _template_log(state)
+    _gateway_only(rt, request.headers)
+    return JSONResponse(
+        {
+            "model": rt.settings.model_name,
+            "block_tokens": rt.fingerprint.block_tokens,
+            "fingerprint": rt.fingerprint.digest().hex(),
+            "templates": [t.to_dict() for t in miner.top(top, tenant)],
+        }
+    )
+
+
+@probes.get(FILTER_PATH)
+def templates_filter(state: StateDep, top: TopQuery = DEFAULT_TOP) -> Response:
+    """The block keys of the live templates as a holdings filter (see the module contract)."""
+    _, miner = _template_log(state)
+    keys = miner.keys(top)
+    bloom = HoldingsFilter.of(keys, capacity=max(len(keys), 1))
+    return Response(
+        bloom.to_bytes(),
+        media_type="application/octet-stream",
+        headers={KEYS_HEADER: str(len(keys))},
+    )
+
+
+def _gateway_only(rt: Runtime, headers: Mapping[str, str]) -> None:
+    auth = rt.auth
+    if not auth.has_gateway_secret:
+        raise APIError(
+            403,
+            "the templates are other users' prompt prefixes: only the gateway may read them, "
+            "and this server has no gateway secret (DSCACHE_SERVER_GATEWAY_SECRET)",
+            type_="permission_error",
+            code="templates_need_gateway_secret",
+        )
+    if not auth.is_gateway(headers):
+        raise APIError(
+            401,
+            f"send the gateway secret as {GATEWAY_TOKEN_HEADER} to read the templates",
+            code="invalid_gateway_token",
+        )
+
+
+def _template_log(state: AppState) -> tuple[Runtime, TemplateLog]:
+    rt = state.runtime
+    if rt is None:
+        raise APIError(
+            503,
+            state.load_error or "the server is loading",
+            type_="service_unavailable",
+            code="not_ready",
+            retry_after=1,
+        )
+    if rt.templates is None:
+        raise APIError(
+            404,
+            "live template mining is off on this server (--no-template-log)",
+            code="templates_off",
+        )
+    return rt, rt.templates
 
 
 @openai_api.get("/models")

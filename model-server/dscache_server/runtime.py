@@ -1,9 +1,9 @@
 """Builds the server's objects from its settings and passes them down.
 
 ``build_runtime(settings, metrics)`` is the one place that wires engine, tokenizer,
-sidecar store, cost model, prefix cache, batcher (the engine thread) and
-authenticator together; nothing is global, so tests build as many runtimes as they
-like.
+sidecar store, cost model, prefix cache, batcher (the engine thread), authenticator
+and live template miner together; nothing is global, so tests build as many
+runtimes as they like.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dscache_server.generate import GenerationRequest, GenerationResult
 from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
 from dscache_server.storecodec import AdaptiveZstd, StorePolicy
+from dscache_server.templatelog import TemplateLog, replayable
 from dscache_server.tokenizer import DeepSeekTokenizer, PieceCache
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Runtime:
     batcher: Batcher
     metrics: ServerMetrics
     auth: Authenticator
+    templates: TemplateLog | None = None
     pieces: PieceCache = field(default_factory=PieceCache)
     _chains: LRUCache[str, KeyChain] = field(default_factory=lambda: LRUCache(CHAIN_CACHE_SIZE))
     _chains_lock: Lock = field(default_factory=Lock)
@@ -72,6 +74,24 @@ class Runtime:
                 chain = KeyChain(self.fingerprint, tenant_salt(tenant, secret))
                 self._chains[tenant] = chain
             return chain
+
+    def record_template(self, req: GenerationRequest, tenant: str) -> None:
+        """Counts ``req``'s prompt prefixes in the live template miner, if it runs.
+
+        The keys of its first ``max_blocks`` blocks are computed here, at most a few
+        blocks' hashes: the cache computes its own later, on the engine thread, and
+        only for the prompts it admits.
+        """
+        miner = self.templates
+        if miner is None or not replayable(tenant):
+            return
+        blocks = min(len(req.token_ids) // miner.block_tokens, miner.max_blocks)
+        if blocks == 0:
+            return
+        keys = req.chain.keys(req.token_ids[: blocks * miner.block_tokens])
+        miner.record(tenant, req.session_id, req.token_ids, keys)
+        self.metrics.templates_recorded.inc()
+        self.metrics.templates_tracked.set(len(miner))
 
     async def generate(
         self, req: GenerationRequest, emit: Callable[[str], None] = lambda _delta: None
@@ -185,6 +205,13 @@ def build_runtime(
         ),
     )
     batcher = Batcher(engine, tokenizer, cache, metrics, prefill_chunk=settings.prefill_chunk)
+    templates = None
+    if settings.template_log:
+        templates = TemplateLog(
+            block_tokens=engine.fingerprint.block_tokens,
+            capacity=settings.template_log_capacity,
+            max_blocks=settings.template_log_max_blocks,
+        )
     return Runtime(
         settings=settings,
         engine=engine,
@@ -196,4 +223,5 @@ def build_runtime(
         batcher=batcher,
         metrics=metrics,
         auth=auth,
+        templates=templates,
     )

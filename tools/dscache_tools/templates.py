@@ -24,6 +24,9 @@ Contract:
       ``coverage`` (their sum over all prompt tokens) is what caching the listed
       templates once saves; a lower bound when a shorter template was cut by
       ``top``. Templates are ranked by ``saved_tokens``, most first.
+    * These rules (eligible, maximal, saved tokens, ranking) are
+      :mod:`dscache_server.templaterank`'s, which the model server's live miner
+      (:mod:`dscache_server.templatelog`) shares.
     * Each template carries the shortest message prefix of a request it came from
       whose rendering (generation prompt included, as the chat API sends it)
       starts with the template's tokens, so ``dscache prewarm`` can replay it:
@@ -41,6 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from dscache_server.templaterank import Counted, select
 
 from dscache.keys import KEY_BYTES, block_keys
 from dscache_tools.workload import ChatTokenizer, read_jsonl
@@ -239,7 +244,6 @@ class _Node:
     first: int  # index of the first request with it
     count: int = 0
     conversations: set[str] = field(default_factory=set)
-    longest_child_count: int = 0  # most requests a listed-eligible child has
 
 
 def mine(
@@ -249,7 +253,12 @@ def mine(
     *,
     root: bytes = DEFAULT_ROOT,
 ) -> Mined:
-    """The top templates of ``chats`` (see the module contract)."""
+    """The top templates of ``chats`` (see the module contract).
+
+    The rules (eligible, maximal, saved tokens, ranking) are
+    :func:`dscache_server.templaterank.select`'s, which the server's live miner
+    shares.
+    """
     opts = options or MineOptions()
     bt = opts.block_tokens
     ids_of = [chat_ids(tokenizer, c.messages) for c in chats]
@@ -264,51 +273,42 @@ def mine(
             node.count += 1
             node.conversations.add(conversation)
             parent = key
-
-    def eligible(n: _Node) -> bool:
-        return n.count >= opts.min_count and len(n.conversations) >= opts.min_conversations
-
-    for node in nodes.values():
-        if node.parent is not None and eligible(node):
-            up = nodes[node.parent]
-            up.longest_child_count = max(up.longest_child_count, node.count)
-    candidates = {k for k, n in nodes.items() if eligible(n) and n.count > n.longest_child_count}
-    # Rank by what each adds to its nearest candidate ancestor, keep the top, then
-    # recount against the ancestors actually kept (a dropped one adds to the rest).
-    chosen = _rank(nodes, candidates, candidates, bt)[: opts.top]
-    kept = set(chosen)
-    ranked = _rank(nodes, kept, kept, bt)
+    ranked = select(
+        (_counted(nodes, key, bt) for key in nodes),
+        opts.top,
+        min_count=opts.min_count,
+        min_conversations=opts.min_conversations,
+    )
     templates = []
-    for key in ranked:
-        node = nodes[key]
+    for r in ranked:
+        node = nodes[r.prefix.key]
         ids = ids_of[node.first][: node.depth * bt]
         templates.append(
             Template(
                 ids=tuple(ids),
                 count=node.count,
                 conversations=len(node.conversations),
-                saved_tokens=_saved(nodes, key, kept, bt),
+                saved_tokens=r.saved_tokens,
                 messages=_replay(tokenizer, chats[node.first].messages, ids),
             )
         )
     return Mined(templates, len(chats), sum(len(ids) for ids in ids_of), bt)
 
 
-def _saved(nodes: dict[bytes, _Node], key: bytes, listed: set[bytes], bt: int) -> int:
-    """``(count - 1) x`` the tokens ``key`` adds to its nearest listed ancestor."""
+def _counted(nodes: dict[bytes, _Node], key: bytes, bt: int) -> Counted:
     node = nodes[key]
+    ancestors = []
     up = node.parent
-    while up is not None and up not in listed:
+    while up is not None:
+        ancestors.append(up)
         up = nodes[up].parent
-    base = nodes[up].depth if up is not None else 0
-    return (node.count - 1) * (node.depth - base) * bt
-
-
-def _rank(nodes: dict[bytes, _Node], keys: set[bytes], listed: set[bytes], bt: int) -> list[bytes]:
-    """``keys`` by saved tokens, most first; ties: longer, earlier seen, then key."""
-    return sorted(
-        keys,
-        key=lambda k: (-_saved(nodes, k, listed, bt), -nodes[k].depth, nodes[k].first, k),
+    return Counted(
+        key=key,
+        ancestors=tuple(ancestors),
+        tokens=node.depth * bt,
+        count=node.count,
+        conversations=len(node.conversations),
+        order=node.first,
     )
 
 
