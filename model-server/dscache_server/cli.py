@@ -25,13 +25,49 @@ def register(sub: Commands, bench: Commands) -> None:
         "--target",
         action="append",
         required=True,
-        help="server base URL, e.g. http://127.0.0.1:8000; repeatable and/or comma-separated: "
-        "every prompt goes to every target",
+        help="server base URL, e.g. http://127.0.0.1:8000; repeatable and/or comma-separated "
+        "(the pods of one track)",
     )
     p.add_argument(
         "--prompts",
-        required=True,
+        default=None,
         help='JSONL file: one chat per line ({"messages": [...]} or a list of messages)',
+    )
+    p.add_argument(
+        "--mined-from",
+        action="append",
+        default=[],
+        help="server base URLs whose live-mined templates to send too (repeatable and/or "
+        "comma-separated; needs $DSCACHE_PREWARM_GATEWAY_TOKEN)",
+    )
+    p.add_argument("--mined-top", type=int, default=100, help="mined templates sent (default 100)")
+    p.add_argument(
+        "--placement",
+        choices=["all", "ring"],
+        default="all",
+        help="all: every prompt to every target (default); ring: each prompt to the pods "
+        "the router's consistent hash picks for it",
+    )
+    p.add_argument(
+        "--copies", type=int, default=1, help="ring: pods of each prompt's walk warmed (1)"
+    )
+    p.add_argument(
+        "--skip-copies",
+        type=int,
+        default=0,
+        help="ring: the first pods of each walk, warmed by an earlier step (0)",
+    )
+    p.add_argument(
+        "--prompt-key-max-bytes",
+        type=int,
+        default=4096,
+        help="the router's promptKey.maxBytes (4096)",
+    )
+    p.add_argument(
+        "--prompt-key-max-messages",
+        type=int,
+        default=2,
+        help="the router's promptKey.maxMessages (2)",
     )
     p.add_argument(
         "--tenant",

@@ -1,16 +1,31 @@
 """``dscache prewarm``: send prompts to servers so their prefixes get stored.
 
-Each line of the prompts file is one chat: ``{"messages": [...]}`` or a bare list
-of messages. Every chat is sent as a one-token completion (the prefill stores the
-prompt's full blocks in the background).
+Prompts come from a JSONL file (each line one chat: ``{"messages": [...]}`` or a
+bare list of messages) and/or from the templates the serving pods mined from
+live traffic (``--mined-from``: each pod's ``GET /dscache/templates``, read
+with the gateway token; each template is sent as its own tenant's token ids to
+``/v1/completions``). Every prompt is sent as a one-token completion (the
+prefill stores the prompt's full blocks in the background).
 
 Several targets (``--target`` repeated and/or comma-separated) are the pods of
-one track: each pod has its own KV store and the router may send a session to
-any of them, so every prompt goes to every target, all targets at once, with
-``--concurrency`` requests in flight per target. Failures are counted and
-reported per target; the command exits non-zero when any target had prompts to
-take and took none (a pod that cannot be warmed is worth a failed Job), and
-with 2 when the prompts cannot be read.
+one track. Where each prompt goes is the placement:
+
+* ``all`` (the default): every prompt to every target, as a pod may receive a
+  session with any of them.
+* ``ring``: the router's own choice. The prompt's key is computed from the
+  exact bytes sent, as the router computes it for a request without a session
+  id (:func:`dscache.routing.prompt_key`; the bytes are compact UTF-8 JSON, as
+  the OpenAI Python SDK sends), and the prompt goes to the first
+  ``--copies`` pods of its walk on the track's ring (:class:`dscache.routing.Ring`),
+  skipping the first ``--skip-copies`` (warmed by an earlier step): the pods the
+  router tries for that prompt, in order. A canary rollout warms one copy
+  before its first step and more as its share of sessions grows.
+
+Per target, ``--concurrency`` requests are in flight, all targets at once.
+Failures are counted and reported per target; the command exits non-zero when
+any target had prompts to take and took none (a pod that cannot be warmed is
+worth a failed Job), and with 2 when the prompts cannot be read. Mined
+templates are best effort: a pod that cannot answer is logged and skipped.
 """
 
 from __future__ import annotations
@@ -20,16 +35,25 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from tqdm import tqdm
 
+from dscache.routing import Ring, prompt_key
+
 log = logging.getLogger(__name__)
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+TENANT_HEADER = "X-Dscache-Tenant"
+GATEWAY_TOKEN_HEADER = "X-Dscache-Gateway-Token"  # noqa: S105 - a header name
+
+Placement = Literal["all", "ring"]
 
 
 @dataclass
@@ -50,6 +74,28 @@ class PrewarmResult:
         self.prompt_tokens += int(usage.get("prompt_tokens", 0))
         details = usage.get("prompt_tokens_details") or {}
         self.cached_tokens += int(details.get("cached_tokens", 0))
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    """A request body as the OpenAI Python SDK (httpx) sends it: compact JSON, UTF-8.
+
+    The router keys an id-less request by these bytes, so a prompt warmed with them
+    lands where that client's requests with the same messages land.
+    """
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request to send: the endpoint's path, the body's exact bytes, its own headers."""
+
+    path: str
+    body: bytes
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def key(self, max_bytes: int, max_messages: int) -> str:
+        """The router's key of this request (it carries no session id)."""
+        return prompt_key(self.body, max_bytes=max_bytes, max_messages=max_messages)
 
 
 @dataclass(frozen=True)
@@ -74,6 +120,42 @@ class PrewarmOptions:
         if self.model:
             body["model"] = self.model
         return body
+
+    def chat(self, messages: list[dict[str, Any]]) -> Prompt:
+        """One chat as a request (serialized once: the bytes keyed are the bytes sent)."""
+        return Prompt(CHAT_PATH, encode(self.body(messages)))
+
+    def tokens(self, ids: Sequence[int], tenant: str | None, gateway_token: str) -> Prompt:
+        """Token ids as a one-token completion, sent as ``tenant`` (None: the anonymous one)."""
+        body: dict[str, Any] = {"prompt": list(ids), "max_tokens": 1, "temperature": 0}
+        if self.model:
+            body["model"] = self.model
+        # The anonymous tenant is whoever sends no credentials: nothing to prove.
+        headers = (
+            ()
+            if tenant is None
+            else ((TENANT_HEADER, tenant), (GATEWAY_TOKEN_HEADER, gateway_token))
+        )
+        return Prompt(COMPLETIONS_PATH, encode(body), headers)
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    """Which targets each prompt goes to (see the module docstring).
+
+    Attributes:
+        placement: ``all`` or ``ring``.
+        copies: ring: the pods of each prompt's walk to warm.
+        skip_copies: ring: the first pods of the walk, warmed before.
+        max_bytes: the router's ``promptKey.maxBytes``.
+        max_messages: the router's ``promptKey.maxMessages``.
+    """
+
+    placement: Placement = "all"
+    copies: int = 1
+    skip_copies: int = 0
+    max_bytes: int = 4096
+    max_messages: int = 2
 
 
 def read_prompts(path: Path) -> list[list[dict[str, Any]]]:
@@ -114,6 +196,38 @@ def parse_targets(values: list[str]) -> list[str]:
     return out
 
 
+def address(url: str) -> str:
+    """``host:port`` of a target URL, as the router's upstreams name the pod."""
+    rest = url.split("://", 1)[1].split("/", 1)[0]
+    if rest.rpartition(":")[2].isdigit() and not rest.endswith("]"):
+        return rest
+    return rest + (":443" if url.startswith("https://") else ":80")
+
+
+def place(
+    prompts: Sequence[Prompt], targets: Sequence[str], options: PlacementOptions
+) -> dict[str, list[Prompt]]:
+    """The prompts each target gets, in the prompts' order.
+
+    Raises:
+        ValueError: ring placement with copies below 1 or skip_copies below 0.
+    """
+    out: dict[str, list[Prompt]] = {t: [] for t in targets}
+    if options.placement == "all":
+        for t in targets:
+            out[t] = list(prompts)
+        return out
+    if options.copies < 1 or options.skip_copies < 0:
+        raise ValueError("ring placement needs copies >= 1 and skip_copies >= 0")
+    by_address = {address(t): t for t in targets}
+    ring = Ring(by_address)
+    for p in prompts:
+        walk = ring.walk(p.key(options.max_bytes, options.max_messages))
+        for pod in walk[options.skip_copies : options.copies]:
+            out[by_address[pod]].append(p)
+    return out
+
+
 def prewarm(
     target: str,
     chats: list[list[dict[str, Any]]],
@@ -132,20 +246,33 @@ def prewarm(
         on_sent: called once per chat answered or failed, instead of an own progress bar.
     """
     opts = options or PrewarmOptions()
+    return send(target, [opts.chat(m) for m in chats], opts, progress=progress, on_sent=on_sent)
+
+
+def send(
+    target: str,
+    prompts: Sequence[Prompt],
+    options: PrewarmOptions,
+    *,
+    progress: bool = True,
+    on_sent: Callable[[], None] | None = None,
+) -> PrewarmResult:
+    """Sends each prompt once to ``target`` (``options.concurrency`` at a time); totals."""
     result = PrewarmResult()
-    url = target.rstrip("/") + "/v1/chat/completions"
     bar = None
     tick: Callable[[], object]
     if on_sent is None:
-        bar = tqdm(total=len(chats), desc="prewarm", unit="prompt", disable=not progress)
+        bar = tqdm(total=len(prompts), desc="prewarm", unit="prompt", disable=not progress)
         tick = bar.update
     else:
         tick = on_sent
+    base = target.rstrip("/")
+    headers = {"Content-Type": "application/json", **options.headers}
     with (
-        httpx.Client(timeout=opts.timeout_s, headers=opts.headers) as client,
-        ThreadPoolExecutor(max_workers=max(opts.concurrency, 1)) as pool,
+        httpx.Client(timeout=options.timeout_s, headers=headers) as client,
+        ThreadPoolExecutor(max_workers=max(options.concurrency, 1)) as pool,
     ):
-        for usage in pool.map(lambda messages: _send(client, url, opts.body(messages)), chats):
+        for usage in pool.map(lambda p: _send(client, base, p), prompts):
             tick()
             result.add(usage)
     if bar is not None:
@@ -153,10 +280,11 @@ def prewarm(
     return result
 
 
-def _send(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any] | None:
+def _send(client: httpx.Client, base: str, prompt: Prompt) -> dict[str, Any] | None:
     """The answer's ``usage`` (``{}`` if it has none), or None when the request failed."""
+    url = base + prompt.path
     try:
-        resp = client.post(url, json=body)
+        resp = client.post(url, content=prompt.body, headers=dict(prompt.headers))
     except httpx.HTTPError as exc:
         log.warning("prewarm request to %s failed: %s", url, exc)
         return None
@@ -174,11 +302,21 @@ def prewarm_targets(
     *,
     progress: bool = True,
 ) -> dict[str, PrewarmResult]:
-    """Sends every chat to every target, all targets at once; returns totals per target.
+    """Sends every chat to every target, all targets at once; returns totals per target."""
+    opts = options or PrewarmOptions()
+    prompts = [opts.chat(m) for m in chats]
+    return send_placed({t: prompts for t in targets}, opts, progress=progress)
+
+
+def send_placed(
+    placed: dict[str, list[Prompt]], options: PrewarmOptions, *, progress: bool = True
+) -> dict[str, PrewarmResult]:
+    """Sends each target its prompts, all targets at once; returns totals per target.
 
     ``options.concurrency`` requests are in flight per target, as with one target.
     """
-    bar = tqdm(total=len(chats) * len(targets), desc="prewarm", unit="prompt", disable=not progress)
+    total = sum(len(p) for p in placed.values())
+    bar = tqdm(total=total, desc="prewarm", unit="prompt", disable=not progress)
     lock = threading.Lock()  # one bar, advanced from every target's thread
 
     def sent() -> None:
@@ -186,8 +324,8 @@ def prewarm_targets(
             bar.update(1)
 
     try:
-        with ThreadPoolExecutor(max_workers=max(len(targets), 1)) as pool:
-            futures = {t: pool.submit(prewarm, t, chats, options, on_sent=sent) for t in targets}
+        with ThreadPoolExecutor(max_workers=max(len(placed), 1)) as pool:
+            futures = {t: pool.submit(send, t, p, options, on_sent=sent) for t, p in placed.items()}
             return {t: f.result() for t, f in futures.items()}
     finally:
         bar.close()
@@ -203,14 +341,56 @@ def _options(args: argparse.Namespace) -> PrewarmOptions:
     headers: dict[str, str] = {}
     if args.tenant:
         # The server trusts a tenant header only with the gateway token.
-        headers["X-Dscache-Tenant"] = args.tenant
-        headers["X-Dscache-Gateway-Token"] = os.environ.get(GATEWAY_TOKEN_ENV, "")
+        headers[TENANT_HEADER] = args.tenant
+        headers[GATEWAY_TOKEN_HEADER] = os.environ.get(GATEWAY_TOKEN_ENV, "")
     api_key = args.api_key or os.environ.get(API_KEY_ENV)
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     return PrewarmOptions(
         headers=headers, concurrency=args.concurrency, timeout_s=args.timeout, model=args.model
     )
+
+
+def _mined(args: argparse.Namespace, options: PrewarmOptions) -> list[Prompt]:
+    """The live templates of ``--mined-from`` as prompts (none when every pod failed)."""
+    from dscache_server.templatelog import fetch_templates
+
+    token = os.environ.get(GATEWAY_TOKEN_ENV, "")
+    try:
+        urls = parse_targets(args.mined_from)
+        mined = fetch_templates(urls, token, args.mined_top, timeout_s=min(args.timeout, 30.0))
+    except ValueError as exc:
+        log.warning("no mined templates: %s", exc)
+        print(f"prewarm: no mined templates ({exc})")
+        return []
+    print(f"prewarm: {len(mined)} mined templates from {len(urls)} servers")
+    return [options.tokens(t.tokens, t.tenant_header, token) for t in mined]
+
+
+def _read_file(args: argparse.Namespace, options: PrewarmOptions) -> list[Prompt] | None:
+    if args.prompts is None:
+        return []
+    try:
+        chats = read_prompts(Path(args.prompts))
+    except (OSError, ValueError) as exc:
+        log.error("cannot read prompts: %s", exc)
+        return None
+    if args.top_n is not None:
+        chats = chats[: args.top_n]
+    return [options.chat(m) for m in chats]
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, or None."""
+    if args.prompts is None and not args.mined_from:
+        return "give --prompts and/or --mined-from"
+    if (args.tenant or args.mined_from) and not os.environ.get(GATEWAY_TOKEN_ENV):
+        return f"--tenant and --mined-from need the server's gateway secret in ${GATEWAY_TOKEN_ENV}"
+    if args.top_n is not None and args.top_n < 1:
+        return f"--top-n must be at least 1, got {args.top_n}"
+    if args.copies < 1 or args.skip_copies < 0:
+        return "--copies must be at least 1 and --skip-copies at least 0"
+    return None
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -220,27 +400,32 @@ def run_cli(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("bad --target: %s", exc)
         return 2
-    try:
-        chats = read_prompts(Path(args.prompts))
-    except (OSError, ValueError) as exc:
-        log.error("cannot read prompts: %s", exc)
+    problem = _check(args)
+    if problem:
+        log.error("%s", problem)
         return 2
-    if args.tenant and not os.environ.get(GATEWAY_TOKEN_ENV):
-        log.error("--tenant needs the server's gateway secret in $%s", GATEWAY_TOKEN_ENV)
+    options = _options(args)
+    prompts = _read_file(args, options)
+    if prompts is None:
         return 2
-    if args.top_n is not None:
-        if args.top_n < 1:
-            log.error("--top-n must be at least 1, got %d", args.top_n)
-            return 2
-        chats = chats[: args.top_n]
-    results = prewarm_targets(targets, chats, _options(args), progress=not args.quiet)
+    if args.mined_from:
+        prompts += _mined(args, options)
+    placement = PlacementOptions(
+        placement=args.placement,
+        copies=args.copies,
+        skip_copies=args.skip_copies,
+        max_bytes=args.prompt_key_max_bytes,
+        max_messages=args.prompt_key_max_messages,
+    )
+    placed = place(prompts, targets, placement)
+    results = send_placed(placed, options, progress=not args.quiet)
     dead = []
     for target, r in results.items():
         print(
             f"prewarm {target}: {r.sent} sent, {r.failed} failed, "
             f"{r.prompt_tokens} prompt tokens, {r.cached_tokens} already cached"
         )
-        if chats and not r.sent:
+        if placed[target] and not r.sent:
             dead.append(target)
     if dead:
         print(f"prewarm: no prompt reached {', '.join(dead)}")

@@ -11,12 +11,22 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
-from dscache_server.prewarm import parse_targets, prewarm
+from dscache_server.prewarm import PrewarmOptions, address, parse_targets, prewarm
 from dscache_server.tokenizer import DeepSeekTokenizer
-from srv_helpers import LiveServer, SidecarDaemon, free_port, make_runtime, read_chats
+from srv_helpers import (
+    BLOCK_TOKENS,
+    LiveServer,
+    SidecarDaemon,
+    free_port,
+    make_runtime,
+    random_text,
+    read_chats,
+)
 
 from dscache.cli import main
+from dscache.routing import Ring
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +102,87 @@ def test_a_target_that_takes_nothing_fails_the_run(
     assert f"no prompt reached {dead}" in out
 
 
+def _cached_once(srv: LiveServer, chat: list[dict[str, object]]) -> int:
+    """Cached tokens of one chat sent once more to ``srv`` (after its stores finished)."""
+    assert srv.runtime.cache.wait_stored(30)
+    r = prewarm(srv.url, [chat], progress=False)
+    assert r.failed == 0
+    return r.cached_tokens
+
+
+def test_ring_placement_warms_the_pods_the_router_tries_first_then_more_copies(
+    pods: list[LiveServer], prompts_file: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b = pods
+    prompts = prompts_file(seed=600, n=8)
+    chats = read_chats(prompts)
+    ring = Ring([address(a.url), address(b.url)])
+    first = {address(s.url): s for s in pods}
+    # The router keys each id-less request by the bytes sent; the prewarm sends those bytes.
+    walks = [ring.walk(PrewarmOptions().chat(c).key(4096, 2)) for c in chats]
+    assert {w[0] for w in walks} == set(first)  # eight prompts do land on both pods
+    args = ["prewarm", "--target", f"{a.url},{b.url}", "--prompts", str(prompts), "--quiet"]
+    assert main([*args, "--placement", "ring"]) == 0
+    out = capsys.readouterr().out
+    for srv in pods:
+        n = sum(1 for w in walks if w[0] == address(srv.url))
+        assert f"prewarm {srv.url}: {n} sent, 0 failed" in out, out
+    # Only the first pod of each prompt's walk holds it: one copy, not one per pod.
+    i = next(i for i, w in enumerate(walks) if first[w[0]] is a)
+    assert _cached_once(a, chats[i]) >= 64
+    j = next(j for j, w in enumerate(walks) if first[w[0]] is b and j != i)
+    assert _cached_once(a, chats[j]) == 0
+    # The next step adds the second copy and skips the first.
+    assert main([*args, "--placement", "ring", "--copies", "2", "--skip-copies", "1"]) == 0
+    out = capsys.readouterr().out
+    for srv in pods:
+        n = sum(1 for w in walks if w[1] == address(srv.url))
+        assert f"prewarm {srv.url}: {n} sent, 0 failed" in out, out
+    assert _cached_once(b, chats[i]) >= 64  # i's second pod is b
+
+
+def test_templates_mined_on_a_serving_pod_warm_a_new_pod(
+    pods: list[LiveServer],
+    live_server: Callable[..., LiveServer],
+    tokenizer: DeepSeekTokenizer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    secret = "gw-secret-for-prewarm"
+    serving = live_server(gateway_secret=secret)
+    system = random_text(tokenizer, 160, seed=77)
+
+    def ask(srv: LiveServer, question: str, session: str) -> int:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        r = httpx.post(
+            srv.url + "/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 1},
+            headers={"X-Session-ID": session},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    for i, q in enumerate(["Alpha: what changed?", "Beta: who signed?", "Gamma: when?"]):
+        ask(serving, q, f"live-{i}")
+    new_pod = pods[0]
+    args = ["prewarm", "--target", new_pod.url, "--mined-from", serving.url, "--quiet"]
+    assert main(args) == 2  # the templates are read with the gateway token only
+    monkeypatch.setenv("DSCACHE_PREWARM_GATEWAY_TOKEN", secret)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "1 mined templates from 1 servers" in out, out
+    assert f"prewarm {new_pod.url}: 1 sent, 0 failed" in out, out
+    # A new conversation on the new pod starts with the mined prefix already cached.
+    assert new_pod.runtime.cache.wait_stored(30)
+    assert ask(new_pod, "Delta: any risks?", "new-0") >= 2 * BLOCK_TOKENS
+    # A serving pod that cannot answer costs its templates, not the Job.
+    dead = f"http://127.0.0.1:{free_port()}"
+    rc = main(["prewarm", "--target", new_pod.url, "--mined-from", dead, "--quiet"])
+    assert rc == 0
+    assert "no mined templates" in capsys.readouterr().out
+
+
 def test_targets_are_checked() -> None:
     assert parse_targets(["http://a:1, http://b:2/", "http://a:1"]) == ["http://a:1", "http://b:2"]
     with pytest.raises(ValueError, match="not an http"):
@@ -99,3 +190,10 @@ def test_targets_are_checked() -> None:
     with pytest.raises(ValueError, match="no target"):
         parse_targets([" , "])
     assert main(["prewarm", "--target", "10.0.0.1:8000", "--prompts", "/nonexistent"]) == 2
+    assert main(["prewarm", "--target", "http://127.0.0.1:1"]) == 2  # no prompts at all
+    assert main(["prewarm", "--target", "http://127.0.0.1:1", "--mined-from", "http://x:1"]) == 2
+    bad = ["prewarm", "--target", "http://127.0.0.1:1", "--prompts", "/nonexistent"]
+    assert main([*bad, "--placement", "ring", "--copies", "0"]) == 2
+    assert address("http://10.0.0.1:8000/") == "10.0.0.1:8000"
+    assert address("http://[fd00::1]:8000") == "[fd00::1]:8000"
+    assert address("https://pod.example") == "pod.example:443"

@@ -119,7 +119,9 @@ def _body(cfg: LoadConfig, req: ChatRequest) -> bytes:
         body["stream_options"] = {"include_usage": True}
     if cfg.model:
         body["model"] = cfg.model
-    return json.dumps(body, ensure_ascii=False).encode()
+    # As the OpenAI Python SDK (httpx) sends it: the router keys an id-less request by
+    # these bytes, and `dscache prewarm` places prompts by the same serialization.
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def _usage(res: RequestResult, usage: dict[str, Any] | None) -> None:
