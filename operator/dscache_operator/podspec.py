@@ -367,6 +367,13 @@ class AuthSpec(SpecModel):
         "Mounted as a file into the model server, read by the pods only; a change of the "
         "Secret's content takes effect in the running pods without a rollout.",
     )
+    gateway_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Secret key holding the gateway token: a request carrying it as "
+        "X-Dscache-Gateway-Token may name its tenant in X-Dscache-Tenant (your gateway "
+        "authenticated the client), and it reads the templates the servers mine from live "
+        "traffic (the prewarm Job uses them). Reference server only.",
+    )
 
 
 LabelKey = Annotated[str, Field(pattern=r"^([a-z0-9.-]{1,253}/)?[A-Za-z0-9._-]{1,63}$")]

@@ -44,6 +44,8 @@ from dscache_operator.desired import (
     Owner,
     children,
     pod_address,
+    prewarm_active,
+    prewarm_copy_range,
     prewarm_job,
     prewarm_job_name,
     router_config_hash,
@@ -208,13 +210,14 @@ class Reconciler:
         )
         for child in objs:
             self._apply(child)
+        step = _prewarm_step(new)
         if (
-            new.phase == "Prewarming"
+            step is not None
             and observed.prewarm_enabled
-            and observed.prewarm == "absent"
             and new.canary_revision == status.canary_revision
+            and (observed.prewarm == "absent" or step != _prewarm_step(status))
         ):
-            job = prewarm_job(owner, spec, new, canary)
+            job = prewarm_job(owner, spec, new, canary, step=step, sources=stable)
             if job is not None:
                 self._create(job)
         configmap = next(o for o in objs if o["kind"] == "ConfigMap")
@@ -298,11 +301,14 @@ class Reconciler:
             if slot in status.slots
         }
         prewarm: PrewarmState = "absent"
-        if status.canary_revision is not None:
-            job = self.kube.get(
-                "Job", owner.namespace, prewarm_job_name(owner, status.canary_revision)
-            )
-            prewarm = observe_job(job)
+        step = _prewarm_step(status)
+        if status.canary_revision is not None and step is not None:
+            pods = len(self._addresses(owner, status, status.canary_slot))
+            if step > 0 and prewarm_copy_range(spec, pods, step) is None:
+                prewarm = "succeeded"  # the step needs no more copies
+            else:
+                name = prewarm_job_name(owner, status.canary_revision, step)
+                prewarm = observe_job(self.kube.get("Job", owner.namespace, name))
         return Observed(
             generation=int(meta.get("generation", 0)),
             revision=revision_of(source),
@@ -310,7 +316,7 @@ class Reconciler:
             steps=spec.steps,
             interval_s=spec.interval_s,
             rollback_window_s=spec.rollback_window_s,
-            prewarm_enabled=spec.prewarm.enabled and spec.prewarm.prompts is not None,
+            prewarm_enabled=prewarm_active(spec),
             tracks=tracks,
             prewarm=prewarm,
             annotations=Annotations.from_metadata(meta.get("annotations")),
@@ -390,3 +396,13 @@ class Reconciler:
             update={"conditions": conds, "phase": "Failed", "observed_generation": gen}
         )
         self.kube.patch_status(KIND, namespace, name, dump_status(new))
+
+
+def _prewarm_step(status: DeepSeekCacheDeploymentStatus) -> int | None:
+    """The rollout step whose prewarm Job matters now: step 0 while prewarming, the
+    next step during a step, None outside a rollout or during the last step."""
+    if status.canary_revision is None:
+        return None
+    if status.step_index is None:
+        return 0 if status.phase == "Prewarming" else None
+    return status.step_index + 1

@@ -8,7 +8,10 @@ turns: one is stable, the other receives the next revision. A rollout goes
 with ``weight`` = ``steps[i]`` percent of sessions on the canary during step i
 (blue-green: one step of 100). Each step lasts ``interval``; then the analysis
 verdict decides: Pass -> next step (after the last: promote), Fail -> abort,
-NoData -> hold (phase Paused) until data comes; never promote blind. The
+NoData -> hold (phase Paused) until data comes; never promote blind. A
+Pass waits (phase Paused, reason Prewarming) for the next step's prewarm Job
+when progressive prewarming runs one (``Observed.prewarm`` is then that Job's
+state; a failed one aborts, as before step 0). The
 verdict (with the canary's and the stable track's figures it compared) is
 recorded in ``status.lastAnalysis``. On
 promotion the canary becomes stable and the old track stays warm until
@@ -289,9 +292,29 @@ def _judge(w: _Work, verdict: Verdict) -> None:
         w.hold_reason = ("AnalysisNoData", f"holding at {s.weight}%: {verdict.message}")
         if s.phase != "Paused":
             w.event("Warning", "AnalysisNoData", w.hold_reason[1])
+    elif not _next_step_warm(w):
+        return
     else:
         w.event("Normal", "AnalysisPassed", f"at {s.weight}%: {verdict.message}")
         w.advance()
+
+
+def _next_step_warm(w: _Work) -> bool:
+    """Whether the next step's prewarm Job (progressive placement) is done; holds or aborts."""
+    s, o = w.s, w.o
+    index = s.step_index
+    if index is None or index + 1 >= len(o.steps) or not o.prewarm_enabled:
+        return True
+    if o.prewarm == "succeeded":
+        return True
+    if o.prewarm == "failed":
+        w.abort("PrewarmFailed", f"the prewarm Job of step {index + 2} failed")
+        return False
+    w.hold_reason = (
+        "Prewarming",
+        f"holding at {s.weight}%: warming the canary pods of the next step ({o.steps[index + 1]}%)",
+    )
+    return False
 
 
 def _between_rollouts(w: _Work) -> None:

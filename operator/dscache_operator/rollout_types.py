@@ -82,6 +82,8 @@ class Observed:
     rollback_window_s: float = 1800.0
     prewarm_enabled: bool = True
     tracks: Mapping[str, TrackObservation] = field(default_factory=dict)
+    #: The prewarm Job of the step about to be entered: step 0 while Prewarming,
+    #: the next step during a step ("succeeded" when that step needs no Job).
     prewarm: PrewarmState = "absent"
     annotations: Annotations = field(default_factory=Annotations)
     verdict: Verdict | None = None

@@ -175,6 +175,18 @@ class ConfigMapKeyRef(SpecModel):
     )
 
 
+class MinedSpec(SpecModel):
+    """The live-mined templates a prewarm sends besides its prompt list."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Send the stable pods' mined templates (GET /dscache/templates) too; "
+        "needs spec.auth.gatewaySecretRef (the endpoint shows other users' prompt "
+        "prefixes and asks for the gateway token); without it, off.",
+    )
+    top: int = Field(default=100, ge=1, le=1000, description="Mined templates sent.")
+
+
 class PrewarmSpec(SpecModel):
     """Prewarming a new revision's cache before it takes traffic."""
 
@@ -185,7 +197,8 @@ class PrewarmSpec(SpecModel):
     )
     prompts: ConfigMapKeyRef | None = Field(
         default=None,
-        description="Prompts to replay (JSONL of chats, hottest first); no prompts, no Job.",
+        description="Prompts to replay (JSONL of chats, hottest first); no prompts and no "
+        "mined templates, no Job.",
     )
     top_n: int = Field(default=100, ge=1, le=100000, description="Replay the first N prompts.")
     concurrency: int = Field(default=2, ge=1, le=256, description="Prewarm requests in flight.")
@@ -196,6 +209,19 @@ class PrewarmSpec(SpecModel):
     )
     timeout: Duration = Field(
         default="15m", description="Deadline of the prewarm Job; past it the rollout aborts."
+    )
+    mined: MinedSpec = Field(
+        default_factory=MinedSpec,
+        description="Templates the stable pods mined from live traffic, warmed too.",
+    )
+    placement: Literal["auto", "ring", "all"] = Field(
+        default="auto",
+        description="ring: each prompt goes to the canary pods the router's consistent hash "
+        "tries first for it, one copy before the first step and more as the canary's share "
+        "grows (ceil(pods x weight / 100) copies by each step, a Job per step that needs more); "
+        "all: every prompt to every canary pod, once, before the first step; auto: ring when "
+        "the router runs the picker (which sends a session to the pod holding its prefix), "
+        "all otherwise (a session id hashes to any pod).",
     )
 
 
@@ -392,17 +418,7 @@ def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
     if spec.tenant_salt.source == "secret" and spec.tenant_salt.secret_ref is None:
         raise InvalidSpecError("spec.tenantSalt.secretRef is required when source is secret")
     tenancy = spec.auth.api_keys_secret_ref is not None
-    if spec.engine == "vllm" and spec.model.path is None:
-        raise InvalidSpecError("engine vllm serves a checkpoint directory: set spec.model.path")
-    if spec.engine == "vllm" and tenancy:
-        raise InvalidSpecError(
-            "spec.auth.apiKeysSecretRef is checked by the reference server only; with engine "
-            "vllm check API keys at your gateway"
-        )
-    if spec.engine == "vllm" and spec.server.dtype != "float32":
-        raise InvalidSpecError(f"{_VLLM_DTYPE}, got {spec.server.dtype!r}")
-    if spec.engine == "vllm" and spec.cache.codec == "int8":
-        raise InvalidSpecError(_VLLM_INT8)
+    _vllm_checks(spec)
     if tenancy and spec.prewarm.prompts is not None and spec.prewarm.api_key_secret_ref is None:
         raise InvalidSpecError(
             "spec.prewarm.apiKeySecretRef is required when spec.auth.apiKeysSecretRef is set "
@@ -415,6 +431,27 @@ def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
         )
     if spec.interval_s < 1:
         raise InvalidSpecError("spec.rollout.interval must be at least 1s")
+
+
+def _vllm_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
+    """What engine vllm cannot do (the reference server's features)."""
+    tenancy = spec.auth.api_keys_secret_ref is not None
+    if spec.engine == "vllm" and spec.model.path is None:
+        raise InvalidSpecError("engine vllm serves a checkpoint directory: set spec.model.path")
+    if spec.engine == "vllm" and tenancy:
+        raise InvalidSpecError(
+            "spec.auth.apiKeysSecretRef is checked by the reference server only; with engine "
+            "vllm check API keys at your gateway"
+        )
+    if spec.engine == "vllm" and spec.auth.gateway_secret_ref is not None:
+        raise InvalidSpecError(
+            "spec.auth.gatewaySecretRef is checked by the reference server only; with engine "
+            "vllm check tenants at your gateway"
+        )
+    if spec.engine == "vllm" and spec.server.dtype != "float32":
+        raise InvalidSpecError(f"{_VLLM_DTYPE}, got {spec.server.dtype!r}")
+    if spec.engine == "vllm" and spec.cache.codec == "int8":
+        raise InvalidSpecError(_VLLM_INT8)
 
 
 def _shared_tier_checks(spec: DeepSeekCacheDeploymentSpec) -> None:

@@ -324,6 +324,14 @@ def test_good_figures_promote_through_every_step(rig: Rig) -> None:
     )
     ops = {(m["manager"], m["operation"]) for m in shown["metadata"]["managedFields"]}
     assert ("dscache-operator", "Apply") not in ops and ("dscache-operator", "Update") in ops
+    # Progressive: one copy of each prompt before 10% (two pods: still one at 25% and
+    # 50%), the second copy by a Job of its own during 50%, before 100%.
+    assert "--placement" in container["args"]
+    assert container["args"][container["args"].index("--copies") + 1] == "1"
+    last = c.kubectl_json("get", "job", f"{name}-prewarm-{canary}-s3", "-n", ns)
+    assert last["status"].get("succeeded") == 1
+    args = last["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--skip-copies") + 1 :][:3] == ["1", "--copies", "2"]
     # The live router pods carry the current config's hash (the kubelet resyncs them).
     cm = c.kubectl_json("get", "configmap", f"{name}-router", "-n", ns)
     digest = hashlib.sha256(cm["data"]["nginx.conf"].encode()).hexdigest()[:16]

@@ -14,6 +14,7 @@ from dscache_operator.desired import (
     TEMPLATE_HASH,
     children,
     model_deployment,
+    prewarm_copy_range,
     prewarm_job,
     router_config,
     router_configmap,
@@ -337,6 +338,95 @@ def test_prewarm_job_warms_every_ready_canary_pod(spec: DeepSeekCacheDeploymentS
     assert pod["automountServiceAccountToken"] is False
     # The Job is not among the children re-applied on every reconcile.
     assert not any(o["kind"] == "Job" for o in children(OWNER, spec2, s2, (), (), monitoring=False))
+
+
+def _args(job: dict[str, Any] | None) -> list[str]:
+    assert job is not None
+    args: list[str] = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_ring_prewarm_is_progressive_one_copy_first_then_as_the_share_grows(
+    spec: DeepSeekCacheDeploymentSpec,
+) -> None:
+    spec2, s2 = _rollout(spec)
+    pods = tuple(f"10.0.2.{i}:8000" for i in range(1, 11))  # ten canary pods
+    # Steps 10/25/50/100: 1, 3, 5, 10 copies of each prompt on its ring walk.
+    assert [prewarm_copy_range(spec2, 10, i) for i in range(4)] == [
+        (0, 1),
+        (1, 3),
+        (3, 5),
+        (5, 10),
+    ]
+    first = _args(prewarm_job(OWNER, spec2, s2, pods))
+    assert _flag(first, "--placement") == "ring"
+    assert (_flag(first, "--skip-copies"), _flag(first, "--copies")) == ("0", "1")
+    assert _flag(first, "--prompt-key-max-bytes") == "4096"  # the router's prompt key
+    third = prewarm_job(OWNER, spec2, s2, pods, step=2)
+    assert third is not None
+    assert third["metadata"]["name"] == f"chat-prewarm-{s2.canary_revision}-s2"
+    assert (_flag(_args(third), "--skip-copies"), _flag(_args(third), "--copies")) == ("3", "5")
+    # Two pods: 10% and 25% and 50% all mean one copy; only 100% needs a second Job.
+    two = CANARY_PODS[:2]
+    assert [prewarm_copy_range(spec2, 2, i) for i in range(4)] == [(0, 1), None, None, (1, 2)]
+    assert prewarm_job(OWNER, spec2, s2, two, step=1) is None
+    assert prewarm_job(OWNER, spec2, s2, two, step=4) is None  # past the last step
+    # placement: all is the one-shot warm of every pod before the first step.
+    every = parse_spec(
+        {
+            **spec2.model_dump(by_alias=True),
+            "prewarm": {**spec2.prewarm.model_dump(by_alias=True), "placement": "all"},
+        }
+    )
+    assert "--placement" not in _args(prewarm_job(OWNER, every, s2, pods))
+    assert prewarm_copy_range(every, 10, 1) is None
+    # auto (the default) is ring only where the picker sends sessions to their prefix.
+    hashed = parse_spec(
+        {**spec2.model_dump(by_alias=True), "routing": {"picker": {"enabled": False}}}
+    )
+    assert "--placement" not in _args(prewarm_job(OWNER, hashed, s2, pods))
+
+
+def test_mined_templates_need_the_gateway_secret_and_come_from_the_stable_pods(
+    spec: DeepSeekCacheDeploymentSpec,
+) -> None:
+    spec2, s2 = _rollout(spec)
+    stable = ("10.0.3.1:8000", "10.0.3.2:8000")
+    # No gateway secret: the prompt list only.
+    assert "--mined-from" not in _args(prewarm_job(OWNER, spec2, s2, CANARY_PODS, sources=stable))
+    data = spec2.model_dump(by_alias=True)
+    data["auth"] = {"gatewaySecretRef": {"name": "gw", "key": "token"}}
+    data["prewarm"] = {"mined": {"top": 20}}  # no prompt list at all
+    gated = parse_spec(data)
+    job = prewarm_job(OWNER, gated, s2, CANARY_PODS, sources=stable)
+    args = _args(job)
+    assert _flag(args, "--mined-from") == "$(DSCACHE_PREWARM_SOURCES)"
+    assert _flag(args, "--mined-top") == "20" and "--prompts" not in args
+    assert job is not None
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
+    assert env["DSCACHE_PREWARM_SOURCES"] == "http://10.0.3.1:8000,http://10.0.3.2:8000"
+    token = {"secretKeyRef": {"name": "gw", "key": "token"}}
+    assert env["DSCACHE_PREWARM_GATEWAY_TOKEN"] == token
+    assert [m["name"] for m in c["volumeMounts"]] == ["tmp"]  # no prompts ConfigMap
+    # The model servers check the same token.
+    objs = children(OWNER, gated, status_for(gated), (), (), monitoring=False)
+    server = next(
+        ct
+        for o in objs
+        if o["kind"] == "Deployment" and o["metadata"]["name"] == "chat-blue"
+        for ct in o["spec"]["template"]["spec"]["containers"]
+        if ct["name"] == "server"
+    )
+    server_env = {e["name"]: e.get("valueFrom") for e in server["env"]}
+    assert server_env["DSCACHE_SERVER_GATEWAY_SECRET"] == token
+    # Mined off: no prompts, no Job.
+    data["prewarm"] = {"mined": {"enabled": False}}
+    assert prewarm_job(OWNER, parse_spec(data), s2, CANARY_PODS, sources=stable) is None
 
 
 def test_no_prewarm_job_without_a_ready_canary_pod(spec: DeepSeekCacheDeploymentSpec) -> None:

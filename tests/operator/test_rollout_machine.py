@@ -62,6 +62,9 @@ def obs(revision: str = REV_A, **kw: Any) -> Observed:
         "interval_s": 60.0,
         "rollback_window_s": 600.0,
         "prewarm_enabled": True,
+        # The prewarm Job the next step needs, done (or none needed); tests of the
+        # prewarm wait say otherwise.
+        "prewarm": "succeeded",
         "tracks": {"blue": READY, "green": READY},
     }
     base.update(kw)
@@ -204,6 +207,33 @@ def test_prewarming(
     assert s.phase == "Prewarming"
     d = run(s, obs(REV_B, prewarm=job))
     assert (d.status.phase, d.status.weight, reasons(d)) == (phase, weight, events)
+
+
+@pytest.mark.parametrize(
+    ("job", "phase", "weight", "events", "reason"),
+    [
+        ("absent", "Paused", 10, [], "Prewarming"),
+        ("running", "Paused", 10, [], "Prewarming"),
+        ("succeeded", "Progressing", 25, ["AnalysisPassed", "StepStarted"], None),
+        ("failed", "RolledBack", 0, ["PrewarmFailed"], None),
+    ],
+)
+def test_a_passed_step_waits_for_the_next_steps_prewarm(
+    available: DeepSeekCacheDeploymentStatus,
+    job: str,
+    phase: str,
+    weight: int,
+    events: list[str],
+    reason: str | None,
+) -> None:
+    s, t = rollout_at(available, 0)
+    d = run(s, obs(REV_B, verdict=PASS, prewarm=job), t + timedelta(seconds=61))
+    assert (d.status.phase, d.status.weight, reasons(d)) == (phase, weight, events)
+    if reason is not None:
+        assert cond(d, "Progressing")[1] == reason
+        # The Job done, the next analysis moves on.
+        later = run(d.status, obs(REV_B, verdict=PASS), t + timedelta(seconds=70))
+        assert (later.status.phase, later.status.weight) == ("Progressing", 25)
 
 
 def test_a_step_waits_for_its_interval(available: DeepSeekCacheDeploymentStatus) -> None:

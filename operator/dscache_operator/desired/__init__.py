@@ -41,7 +41,13 @@ from dscache_operator.desired.common import (
 )
 from dscache_operator.desired.model import model_deployment, model_service
 from dscache_operator.desired.monitoring import prometheus_rule, service_monitor
-from dscache_operator.desired.prewarm import PREWARM_TARGETS_ENV, prewarm_job, prewarm_job_name
+from dscache_operator.desired.prewarm import (
+    PREWARM_TARGETS_ENV,
+    prewarm_active,
+    prewarm_copy_range,
+    prewarm_job,
+    prewarm_job_name,
+)
 from dscache_operator.desired.router import (
     ROUTER_CONF,
     ROUTER_CONFIG_HASH,
@@ -66,6 +72,8 @@ __all__ = [
     "children",
     "model_deployment",
     "pod_address",
+    "prewarm_active",
+    "prewarm_copy_range",
     "prewarm_job",
     "prewarm_job_name",
     "prometheus_rule",

@@ -118,9 +118,14 @@ def _tenant_env(src: RevisionSource) -> list[Obj]:
 
 
 def _auth_env(src: RevisionSource) -> list[Obj]:
-    if src.auth.api_keys_secret_ref is None:
-        return []
-    return [{"name": "DSCACHE_SERVER_API_KEYS_FILE", "value": API_KEYS_FILE}]
+    env: list[Obj] = []
+    if src.auth.api_keys_secret_ref is not None:
+        env.append({"name": "DSCACHE_SERVER_API_KEYS_FILE", "value": API_KEYS_FILE})
+    gateway = src.auth.gateway_secret_ref
+    if gateway is not None:
+        ref = {"name": gateway.name, "key": gateway.key}
+        env.append({"name": "DSCACHE_SERVER_GATEWAY_SECRET", "valueFrom": {"secretKeyRef": ref}})
+    return env
 
 
 def _auth_volumes(src: RevisionSource) -> tuple[list[Obj], list[Obj]]:
