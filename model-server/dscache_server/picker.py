@@ -10,7 +10,8 @@ fails or is slow. The picker decides, in this order:
 2. ``prefix``: the pod holding the longest prefix of the request's block keys,
    among the pods under the router's load bound (ties: the hash order). What a
    pod holds is its sidecar's published filter
-   (:mod:`dscache_sidecar.holdings`, fetched every ``refresh_s``) joined with
+   (:mod:`dscache_sidecar.holdings`, fetched every ``refresh_s``; a filter
+   unchanged since the last fetch is a 304 without a body) joined with
    the blocks the picker itself sent there in the last ``memory_s`` seconds
    (a turn's follow-up often arrives before the next filter does).
 3. ``similar``: no pod holds a block of it (a prompt shorter than a block, a
@@ -180,6 +181,7 @@ class _Pod:
     keyinfo_at: float = 0.0
     holdings: HoldingsFilter | None = None
     holdings_at: float = 0.0
+    holdings_etag: str | None = None
     recent: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
 
 
@@ -301,10 +303,11 @@ class Picker:
             pod = self._pods.setdefault(address, _Pod(address))
             pod.root, pod.block_tokens, pod.keyinfo_at = root, block_tokens, self.clock()
 
-    def set_holdings(self, address: str, holdings: HoldingsFilter) -> None:
+    def set_holdings(self, address: str, holdings: HoldingsFilter, etag: str | None = None) -> None:
         with self._lock:
             pod = self._pods.setdefault(address, _Pod(address))
             pod.holdings, pod.holdings_at = holdings, self.clock()
+            pod.holdings_etag = etag
 
     def holdings_url(self, address: str) -> str | None:
         explicit = self.settings.holdings.get(address)
@@ -483,15 +486,22 @@ class Picker:
             log.debug("picker: no keyinfo from %s: %s", address, exc)
 
     def _fetch_holdings(self, client: httpx.Client, address: str, url: str) -> None:
+        with self._lock:
+            pod = self._pods[address]
+            etag = pod.holdings_etag if pod.holdings is not None else None
         try:
-            r = client.get(url)
+            r = client.get(url, headers={"If-None-Match": etag} if etag else None)
+            if r.status_code == 304:  # the filter held is the pod's current one
+                with self._lock:
+                    pod.holdings_at = self.clock()
+                return
             r.raise_for_status()
             holdings = HoldingsFilter.from_bytes(r.content)
         except (httpx.HTTPError, HoldingsFormatError) as exc:
             self.metrics.fetch_errors.labels("holdings").inc()
             log.debug("picker: no holdings from %s: %s", url, exc)
             return
-        self.set_holdings(address, holdings)
+        self.set_holdings(address, holdings, r.headers.get("ETag"))
 
 
 class Refresher:

@@ -13,7 +13,9 @@ Contract:
     * A build is encoded once and replaces the previous one in a single reference
       assignment: a reader gets the old build or the new one, whole. Builds are
       numbered from 1, one up per build; a refresh that finds the index unchanged
-      keeps the build and its number.
+      keeps the build and its number. A build's ``etag`` (the publisher's random
+      boot id and the number) names it across restarts, so a reader that has it
+      can ask for the body only when it changed (``If-None-Match``: 304).
     * At most :data:`MAX_KEYS` keys go into a filter; the keys past it (in key
       order, so an arbitrary sample) are missing from it, which costs a router
       only a less-than-ideal choice. A warning says so when it starts happening.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -59,6 +62,8 @@ class Holdings:
     """Keys in the filter."""
     body: bytes
     """The filter's bytes (:meth:`HoldingsFilter.to_bytes`), the response body."""
+    etag: str = ""
+    """The build's HTTP entity tag (quoted): the publisher's boot id and ``generation``."""
 
 
 class HoldingsPublisher:
@@ -81,6 +86,7 @@ class HoldingsPublisher:
         self._current: Holdings | None = None
         self._built_from: int | None = None
         self._capped = False
+        self._boot = secrets.token_hex(6)  # a restarted sidecar's builds never match old tags
         self._last_failure_log = -_LOG_EVERY_S
         # refresh() runs on the thread, and in tests on the caller's: one at a time.
         self._build_lock = threading.Lock()
@@ -116,7 +122,7 @@ class HoldingsPublisher:
             body = bloom.to_bytes()
             previous = self._current
             generation = 1 if previous is None else previous.generation + 1
-            self._current = Holdings(generation, count, body)
+            self._current = Holdings(generation, count, body, f'"{self._boot}-{generation}"')
             self._built_from = change
             self._metrics.holdings_build.observe(time.perf_counter() - start)
             self._metrics.holdings_keys.set(count)

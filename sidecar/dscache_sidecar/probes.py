@@ -167,8 +167,9 @@ def fault_app(faults: FaultInjector | None) -> WsgiApp:
 
 
 def holdings_app(holdings: Callable[[], Holdings | None] | None) -> WsgiApp:
-    """``/dscache/holdings``: GET serves the latest build of ``holdings()``; 404 when
-    ``holdings`` is None (the publisher is off), 503 while it has built nothing."""
+    """``/dscache/holdings``: GET serves the latest build of ``holdings()`` (304 with no
+    body when ``If-None-Match`` names it); 404 when ``holdings`` is None (the
+    publisher is off), 503 while it has built nothing."""
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         if environ.get("REQUEST_METHOD", "GET") != "GET":
@@ -180,7 +181,13 @@ def holdings_app(holdings: Callable[[], Holdings | None] | None) -> WsgiApp:
         if built is None:
             not_yet = b"no holdings filter built yet\n"
             return _respond(start_response, "503 Service Unavailable", not_yet)
-        extra = ((KEYS_HEADER, str(built.keys)), (GENERATION_HEADER, str(built.generation)))
+        extra = (
+            (KEYS_HEADER, str(built.keys)),
+            (GENERATION_HEADER, str(built.generation)),
+            ("ETag", built.etag),
+        )
+        if built.etag and environ.get("HTTP_IF_NONE_MATCH") == built.etag:
+            return _respond(start_response, "304 Not Modified", b"", extra=extra)
         return _respond(start_response, "200 OK", built.body, "application/octet-stream", extra)
 
     return app

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import httpx
 import pytest
@@ -11,6 +13,8 @@ from dscache_server.picker import Picker, PickError, PickerSettings, PickQuery, 
 from dscache_server.pickerserve import create_app
 from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer
 from dscache_sidecar.holdings import HoldingsFilter
+from dscache_sidecar.holdings_publisher import Holdings
+from dscache_sidecar.probes import holdings_app
 
 from dscache.keys import block_keys
 
@@ -183,3 +187,46 @@ async def test_the_http_app_answers_a_pod_or_400(picker: Picker) -> None:
         assert junk.status_code == 200 and junk.text == A
         metrics = await client.get("/metrics")
         assert 'dscache_picker_decisions_total{reason="hash"} 2.0' in metrics.text
+
+
+def test_an_unchanged_holdings_filter_is_not_downloaded_again(
+    tokenizer: DeepSeekTokenizer, clock: Clock
+) -> None:
+    """The sidecar's own endpoint (real WSGI app, real HTTP) answers 304 to the tag it gave."""
+    first = HoldingsFilter.of(keys_of(tokenizer, chat(DOC)), capacity=1024)
+    builds = [Holdings(1, 1, first.to_bytes(), '"boot-1"')]
+    statuses: list[str] = []
+    app = holdings_app(lambda: builds[-1])
+
+    def counted(environ: dict[str, object], start_response: object) -> object:
+        def start(status: str, headers: list[tuple[str, str]], *rest: object) -> object:
+            statuses.append(status.split(maxsplit=1)[0])
+            return start_response(status, headers, *rest)  # type: ignore[operator]
+
+        return app(environ, start)
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = make_server("127.0.0.1", 0, counted, handler_class=Quiet)  # type: ignore[arg-type]
+    url = f"http://127.0.0.1:{server.server_port}/dscache/holdings"
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        p = Picker(PickerSettings(holdings={A: url}), tokenizer, clock=clock)
+        p.set_keyinfo(A, ROOT, BT)
+        with httpx.Client(timeout=5) as client:
+            p.refresh(client)
+            clock.now += 1
+            p.refresh(client)  # same build: 304, the filter kept and fresh
+            assert statuses == ["200", "304"]
+            assert p.pick(query(chat(DOC), pods=f"{A}/0")).reason == "prefix"
+            other = DOC.replace("Revenue", "Cost")
+            second = HoldingsFilter.of(keys_of(tokenizer, chat(other)), capacity=1024)
+            builds.append(Holdings(2, 1, second.to_bytes(), '"boot-2"'))
+            p.refresh(client)  # a new build: downloaded whole
+            assert statuses == ["200", "304", "200"]
+            assert p.pick(query(chat(other), pods=f"{A}/0")).reason == "prefix"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -130,8 +130,12 @@ def test_the_false_positive_rate_stays_near_its_target_at_capacity() -> None:
 # ---------------------------------------------------------------------- the endpoint
 
 
-def _fetch(port: int, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{HOLDINGS_PATH}", method=method)
+def _fetch(
+    port: int, method: str = "GET", headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{HOLDINGS_PATH}", method=method, headers=headers or {}
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, dict(r.headers), r.read()
@@ -185,6 +189,25 @@ def test_the_sidecar_publishes_what_it_holds_and_drops_what_it_deleted(
     assert s.metric("dscache_sidecar_holdings_keys") == 4
     assert s.metric("dscache_sidecar_holdings_bytes") == len(body)
     assert s.metric("dscache_sidecar_holdings_build_seconds_count") >= later
+
+
+def test_a_reader_holding_the_current_build_gets_304_without_a_body(
+    make_sidecar: Callable[..., Sidecar],
+) -> None:
+    s = make_sidecar(holdings_refresh_s=3600)  # builds at start, then on refresh()
+    assert s.running is not None and s.running.holdings is not None
+    port = _port(s)
+    _published_when(port, lambda f: True)
+    status, headers, body = _fetch(port)
+    etag = headers["ETag"]
+    assert status == 200 and body and etag.startswith('"') and etag.endswith('"')
+    status, again, body = _fetch(port, headers={"If-None-Match": etag})
+    assert (status, body, again["ETag"]) == (304, b"", etag)
+    store_chain(s.c, 2, seed=9)
+    assert s.running.holdings.refresh()
+    status, headers, body = _fetch(port, headers={"If-None-Match": etag})
+    assert status == 200 and headers["ETag"] != etag
+    assert HoldingsFilter.from_bytes(body)  # the new build, whole
 
 
 def test_every_tenant_is_published(make_sidecar: Callable[..., Sidecar]) -> None:
