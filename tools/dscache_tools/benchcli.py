@@ -1,5 +1,5 @@
 """``dscache replay`` and the component benchmarks (``bench store``, ``ttft``, ``balance``,
-``vllm``, ``shared-tier``, ``codec``, ``admission``, ``coldstart``).
+``vllm``, ``shared-tier``, ``codec``, ``admission``, ``coldstart``, ``prewarm``).
 
 Light module: argument parsing only; each handler imports its implementation,
 so ``dscache --help`` never loads torch or matplotlib.
@@ -164,6 +164,30 @@ def _add_shared_tier(bench: Commands) -> None:
     bk.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
     bk.set_defaults(handler=_run_bench_coldstart)
 
+    bp = bench.add_parser(
+        "prewarm",
+        help="a canary's first requests after no prewarm, every prompt on every pod, or each "
+        "prompt on the pod the router's hash picks (with and without the picker)",
+    )
+    bp.add_argument("--quick", action="store_true", help="the short profile (2 pods, 12 requests)")
+    bp.add_argument("--model", default="mini-gqa", help="preset of the servers (mini-gqa)")
+    bp.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    bp.add_argument(
+        "--drop-id-share",
+        type=float,
+        default=0.4,
+        help="share of requests the gateway sends without a session id (0.4)",
+    )
+    bp.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="sessions in flight (1: a first canary step's trickle)",
+    )
+    bp.add_argument("--work-dir", default=None, help="where stores and logs go (a temp dir)")
+    bp.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    bp.set_defaults(handler=_run_bench_prewarm)
+
     bq = bench.add_parser(
         "router",
         help="the latency the picker's KV-aware choice adds per request, against the plain "
@@ -181,6 +205,12 @@ def _add_shared_tier(bench: Commands) -> None:
 
 def _run_bench_coldstart(args: argparse.Namespace) -> int:
     from dscache_tools.bench.coldstart import run_cli
+
+    return run_cli(args)
+
+
+def _run_bench_prewarm(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.prewarmbench import run_cli
 
     return run_cli(args)
 
