@@ -214,14 +214,15 @@ class PrewarmSpec(SpecModel):
         default_factory=MinedSpec,
         description="Templates the stable pods mined from live traffic, warmed too.",
     )
-    placement: Literal["auto", "ring", "all"] = Field(
-        default="auto",
-        description="ring: each prompt goes to the canary pods the router's consistent hash "
-        "tries first for it, one copy before the first step and more as the canary's share "
-        "grows (ceil(pods x weight / 100) copies by each step, a Job per step that needs more); "
-        "all: every prompt to every canary pod, once, before the first step; auto: ring when "
-        "the router runs the picker (which sends a session to the pod holding its prefix), "
-        "all otherwise (a session id hashes to any pod).",
+    placement: Literal["all", "ring"] = Field(
+        default="all",
+        description="all: every prompt to every canary pod, once, before the first step (the "
+        "warmest canary); ring: progressive, through the router's own hashing: each prompt "
+        "goes to the canary pods the router's consistent hash tries first for it, one copy "
+        "before the first step and ceil(pods x weight / 100) by each later step (a Job per "
+        "step that needs more). ring costs a fraction of the prewarm requests; with "
+        "concurrent sessions the picker's load bound sends some past a prompt's only holder, "
+        "so its first steps hit less (see the README).",
     )
 
 

@@ -282,7 +282,8 @@ def test_good_figures_promote_through_every_step(rig: Rig) -> None:
             }
         ],
     )
-    stable = rig.deploy(name, extra={"prewarm": {"prompts": {"name": "prompts"}}})
+    prewarm = {"prompts": {"name": "prompts"}, "placement": "ring"}
+    stable = rig.deploy(name, extra={"prewarm": prewarm})
     _, canary = rig.rollout(name, "2")
     confs: dict[int, str] = {}
 
@@ -324,8 +325,8 @@ def test_good_figures_promote_through_every_step(rig: Rig) -> None:
     )
     ops = {(m["manager"], m["operation"]) for m in shown["metadata"]["managedFields"]}
     assert ("dscache-operator", "Apply") not in ops and ("dscache-operator", "Update") in ops
-    # Progressive: one copy of each prompt before 10% (two pods: still one at 25% and
-    # 50%), the second copy by a Job of its own during 50%, before 100%.
+    # Progressive (placement ring): one copy of each prompt before 10% (two pods: still
+    # one at 25% and 50%), the second copy by a Job of its own during 50%, before 100%.
     assert "--placement" in container["args"]
     assert container["args"][container["args"].index("--copies") + 1] == "1"
     last = c.kubectl_json("get", "job", f"{name}-prewarm-{canary}-s3", "-n", ns)

@@ -354,6 +354,9 @@ def test_ring_prewarm_is_progressive_one_copy_first_then_as_the_share_grows(
     spec: DeepSeekCacheDeploymentSpec,
 ) -> None:
     spec2, s2 = _rollout(spec)
+    every = spec2
+    prewarm = {**spec2.prewarm.model_dump(by_alias=True), "placement": "ring"}
+    spec2 = parse_spec({**spec2.model_dump(by_alias=True), "prewarm": prewarm})
     pods = tuple(f"10.0.2.{i}:8000" for i in range(1, 11))  # ten canary pods
     # Steps 10/25/50/100: 1, 3, 5, 10 copies of each prompt on its ring walk.
     assert [prewarm_copy_range(spec2, 10, i) for i in range(4)] == [
@@ -375,20 +378,9 @@ def test_ring_prewarm_is_progressive_one_copy_first_then_as_the_share_grows(
     assert [prewarm_copy_range(spec2, 2, i) for i in range(4)] == [(0, 1), None, None, (1, 2)]
     assert prewarm_job(OWNER, spec2, s2, two, step=1) is None
     assert prewarm_job(OWNER, spec2, s2, two, step=4) is None  # past the last step
-    # placement: all is the one-shot warm of every pod before the first step.
-    every = parse_spec(
-        {
-            **spec2.model_dump(by_alias=True),
-            "prewarm": {**spec2.prewarm.model_dump(by_alias=True), "placement": "all"},
-        }
-    )
+    # placement: all (the default) is the one-shot warm of every pod before the first step.
     assert "--placement" not in _args(prewarm_job(OWNER, every, s2, pods))
     assert prewarm_copy_range(every, 10, 1) is None
-    # auto (the default) is ring only where the picker sends sessions to their prefix.
-    hashed = parse_spec(
-        {**spec2.model_dump(by_alias=True), "routing": {"picker": {"enabled": False}}}
-    )
-    assert "--placement" not in _args(prewarm_job(OWNER, hashed, s2, pods))
 
 
 def test_mined_templates_need_the_gateway_secret_and_come_from_the_stable_pods(

@@ -1,14 +1,14 @@
 """The prewarm Jobs of a new revision (pure).
 
 Job ``<name>-prewarm-<revision>`` replays the prewarm prompts against the
-ready canary pods before the canary takes traffic. With ``placement: ring``
-(the default) each prompt goes only to the pods the router's consistent hash
-tries first for it, and the warming is progressive: by step ``i`` (weight
-``w``) each prompt is on the first ``ceil(pods * w / 100)`` pods of its walk
-(at least one), so Job ``<name>-prewarm-<revision>-s<i>`` runs during step
-``i - 1`` for each step that needs more copies than the one before, adding
-only the new ones. With ``placement: all`` one Job sends every prompt to every
-canary pod before step 0. A Job's pod template is immutable: the reconciler
+ready canary pods before the canary takes traffic. With ``placement: all``
+(the default) one Job sends every prompt to every canary pod before step 0.
+With ``placement: ring`` each prompt goes only to the pods the router's
+consistent hash tries first for it, and the warming is progressive: by step
+``i`` (weight ``w``) each prompt is on the first ``ceil(pods * w / 100)`` pods
+of its walk (at least one), so Job ``<name>-prewarm-<revision>-s<i>`` runs
+during step ``i - 1`` for each step that needs more copies than the one before,
+adding only the new ones. A Job's pod template is immutable: the reconciler
 creates each once, with the addresses of that moment, and never re-applies it.
 """
 
@@ -18,7 +18,6 @@ import math
 
 from dscache_operator.desired import common
 from dscache_operator.desired.common import REVISION, SLOT, TMP, Obj, Owner
-from dscache_operator.desired.router import picker_active
 from dscache_operator.schema import parse_duration
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
@@ -42,14 +41,6 @@ def prewarm_copies(pods: int, weight: int) -> int:
     return max(1, min(pods, math.ceil(pods * weight / 100)))
 
 
-def placement(spec: DeepSeekCacheDeploymentSpec) -> str:
-    """``ring`` or ``all``: ``auto`` is ring when the router runs the picker."""
-    chosen = spec.prewarm.placement
-    if chosen == "auto":
-        return "ring" if picker_active(spec) else "all"
-    return chosen
-
-
 def prewarm_copy_range(
     spec: DeepSeekCacheDeploymentSpec, pods: int, step: int
 ) -> tuple[int, int] | None:
@@ -59,7 +50,7 @@ def prewarm_copy_range(
     with ``placement: ring`` and more copies than the step before.
     """
     steps = spec.steps
-    if placement(spec) == "all":
+    if spec.prewarm.placement == "all":
         return (0, pods) if step == 0 else None
     if step >= len(steps) or pods < 1:
         return None
@@ -144,7 +135,7 @@ def prewarm_job(
         env.append({"name": PREWARM_SOURCES_ENV, "value": ",".join(f"http://{a}" for a in sources)})
         args += ["--mined-from", f"$({PREWARM_SOURCES_ENV})", "--mined-top", str(p.mined.top)]
     args += ["--concurrency", str(p.concurrency), "--quiet"]
-    if placement(spec) == "ring":
+    if spec.prewarm.placement == "ring":
         r = spec.routing
         args += ["--placement", "ring", "--skip-copies", str(copies[0])]
         args += ["--copies", str(copies[1]), "--prompt-key-max-bytes", str(r.prompt_key_bytes)]
