@@ -2,7 +2,8 @@
 measured in the same run (``dscache bench store``, ``ttft``, ``balance``, ``vllm``).
 
 :func:`report` is the ending the document-producing benches share: run, print the
-table, write the JSON, and turn an expected failure into exit code 1.
+table, write the JSON, and turn an expected failure into exit code 1; :func:`ratio`
+is how each of them divides a figure by its baseline.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 Doc = dict[str, Any]
+
+
+def ratio(new: float | None, base: float | None) -> float | None:
+    """``new / base``, None where either is missing or the base is 0."""
+    if new is None or base is None or base == 0:
+        return None
+    return new / base
 
 
 def report(

@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from dscache_tools.bench import Doc, report
+from dscache_tools.bench import Doc, ratio, report
 from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.demo.stack import LocalStack, StackOptions
 from dscache_tools.loadgen.replay import LoadConfig, run_load
@@ -118,10 +118,6 @@ def _server_figures(url: str) -> tuple[dict[str, float], dict[str, float]]:
     return decisions, gauges
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def run_bench(args: argparse.Namespace) -> Doc:
     """The three runs and their ratios."""
     prof = QUICK if args.quick else FULL
@@ -164,11 +160,11 @@ def run_bench(args: argparse.Namespace) -> Doc:
     if failed:
         raise RuntimeError(f"{failed} requests failed; see the servers' logs")
     doc["ratios"] = {
-        "reused_cost_vs_fixed": _ratio(m["cost"]["reused_tokens"], m["fixed"]["reused_tokens"]),
-        "ttft_p50_cost_vs_fixed": _ratio(m["cost"]["ttft_p50_s"], m["fixed"]["ttft_p50_s"]),
-        "ttft_p99_cost_vs_fixed": _ratio(m["cost"]["ttft_p99_s"], m["fixed"]["ttft_p99_s"]),
-        "ttft_p50_cost_vs_off": _ratio(m["cost"]["ttft_p50_s"], m["off"]["ttft_p50_s"]),
-        "ttft_p99_cost_vs_off": _ratio(m["cost"]["ttft_p99_s"], m["off"]["ttft_p99_s"]),
+        "reused_cost_vs_fixed": ratio(m["cost"]["reused_tokens"], m["fixed"]["reused_tokens"]),
+        "ttft_p50_cost_vs_fixed": ratio(m["cost"]["ttft_p50_s"], m["fixed"]["ttft_p50_s"]),
+        "ttft_p99_cost_vs_fixed": ratio(m["cost"]["ttft_p99_s"], m["fixed"]["ttft_p99_s"]),
+        "ttft_p50_cost_vs_off": ratio(m["cost"]["ttft_p50_s"], m["off"]["ttft_p50_s"]),
+        "ttft_p99_cost_vs_off": ratio(m["cost"]["ttft_p99_s"], m["off"]["ttft_p99_s"]),
     }
     return doc
 

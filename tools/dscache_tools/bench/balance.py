@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from dscache import metricnames as names
+from dscache_tools.bench import ratio
 from dscache_tools.chaos import counters
 from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.demo.stack import LocalStack, StackOptions
@@ -66,13 +67,6 @@ def busiest_share(upstreams: Sequence[str | None]) -> float:
     counts = Counter(u for u in upstreams if u)
     total = sum(counts.values())
     return max(counts.values()) / total if total else 0.0
-
-
-def ratio(new: float | None, base: float | None) -> float | None:
-    """``new / base``, None where either is missing or the base is 0."""
-    if new is None or base is None or base == 0:
-        return None
-    return new / base
 
 
 def ratios(plain: BalanceRun, balanced: BalanceRun) -> dict[str, float | None]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dscache_tools.bench import Doc, report
+from dscache_tools.bench import Doc, ratio, report
 from dscache_tools.bench.sharedtier import settle
 from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.demo.stack import LocalStack, StackOptions
@@ -159,10 +159,6 @@ def _run_mode(
     }
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def run_bench(args: argparse.Namespace) -> Doc:
     """The three runs and their ratios."""
     prof = QUICK if args.quick else FULL
@@ -210,11 +206,11 @@ def run_bench(args: argparse.Namespace) -> Doc:
     hit = {k: v["token_hit_ratio"] for k, v in m.items()}
     ttft = {k: v["ttft_p50_s"] for k, v in m.items()}
     doc["ratios"] = {
-        "token_hit_mined_vs_none": _ratio(hit["mined"], hit["none"]),
-        "token_hit_user_list_vs_none": _ratio(hit["user_list"], hit["none"]),
-        "token_hit_mined_vs_user_list": _ratio(hit["mined"], hit["user_list"]),
-        "ttft_p50_mined_vs_none": _ratio(ttft["mined"], ttft["none"]),
-        "ttft_p50_user_list_vs_none": _ratio(ttft["user_list"], ttft["none"]),
+        "token_hit_mined_vs_none": ratio(hit["mined"], hit["none"]),
+        "token_hit_user_list_vs_none": ratio(hit["user_list"], hit["none"]),
+        "token_hit_mined_vs_user_list": ratio(hit["mined"], hit["user_list"]),
+        "ttft_p50_mined_vs_none": ratio(ttft["mined"], ttft["none"]),
+        "ttft_p50_user_list_vs_none": ratio(ttft["user_list"], ttft["none"]),
     }
     return doc
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dscache_tools.bench import Doc, report
+from dscache_tools.bench import Doc, ratio, report
 from dscache_tools.bench.sharedtier import settle
 from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.demo.stack import LocalStack, StackOptions
@@ -147,10 +147,6 @@ def _run_mode(
     }
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def run_bench(args: argparse.Namespace) -> Doc:
     """Every mode on the same traffic, and the ratios."""
     prof = QUICK if args.quick else FULL
@@ -184,13 +180,13 @@ def run_bench(args: argparse.Namespace) -> Doc:
         raise RuntimeError(f"{failed} requests failed; see the servers' logs")
     hit = {k: v["token_hit_ratio"] for k, v in m.items()}
     doc["ratios"] = {
-        "prewarm_requests_ring_vs_all": _ratio(
+        "prewarm_requests_ring_vs_all": ratio(
             m["ring"]["prewarm_requests"], m["all"]["prewarm_requests"]
         ),
-        "prewarm_s_ring_vs_all": _ratio(m["ring"]["prewarm_s"], m["all"]["prewarm_s"]),
-        "token_hit_ring_vs_all": _ratio(hit["ring"], hit["all"]),
-        "token_hit_ring_kv_vs_all": _ratio(hit["ring_kv"], hit["all"]),
-        "token_hit_all_vs_none": _ratio(hit["all"], hit["none"]),
+        "prewarm_s_ring_vs_all": ratio(m["ring"]["prewarm_s"], m["all"]["prewarm_s"]),
+        "token_hit_ring_vs_all": ratio(hit["ring"], hit["all"]),
+        "token_hit_ring_kv_vs_all": ratio(hit["ring_kv"], hit["all"]),
+        "token_hit_all_vs_none": ratio(hit["all"], hit["none"]),
     }
     return doc
 

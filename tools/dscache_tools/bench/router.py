@@ -70,7 +70,7 @@ from starlette.routing import Route
 
 from dscache import metricnames as names
 from dscache.keys import block_keys
-from dscache_tools.bench import Doc
+from dscache_tools.bench import Doc, ratio
 from dscache_tools.demo.output import pyplot
 from dscache_tools.demo.parts import child_env, find_nginx
 from dscache_tools.demo.procs import (
@@ -443,10 +443,6 @@ async def run_rounds(
     return passes
 
 
-def _ratio(new: float | None, base: float | None) -> float | None:
-    return new / base if new is not None and base else None
-
-
 def _diff(new: float | None, base: float | None) -> float | None:
     return new - base if new is not None and base is not None else None
 
@@ -471,8 +467,8 @@ def rows(passes: Sequence[Pass]) -> list[dict[str, Any]]:
                 **pct,
                 "added_p50_ms": _diff(pct["kv_p50_ms"], pct["hash_p50_ms"]),
                 "added_p99_ms": _diff(pct["kv_p99_ms"], pct["hash_p99_ms"]),
-                "p50_ratio": _ratio(pct["kv_p50_ms"], pct["hash_p50_ms"]),
-                "p99_ratio": _ratio(pct["kv_p99_ms"], pct["hash_p99_ms"]),
+                "p50_ratio": ratio(pct["kv_p50_ms"], pct["hash_p50_ms"]),
+                "p99_ratio": ratio(pct["kv_p99_ms"], pct["hash_p99_ms"]),
             }
         )
     return out

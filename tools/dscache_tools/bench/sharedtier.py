@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from dscache_tools.bench import Doc, report
+from dscache_tools.bench import Doc, ratio, report
 from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.demo.stack import LocalStack, Server, StackOptions
 from dscache_tools.rediscluster import LocalRedisCluster, RedisClusterStartError
@@ -249,10 +249,6 @@ def run_faults(
     return out
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else a / b
-
-
 def run_bench(args: argparse.Namespace) -> Doc:
     """Both runs; returns the JSON document."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
@@ -292,8 +288,8 @@ def run_bench(args: argparse.Namespace) -> Doc:
                             "remote_hit_p50_s": rem,
                             "local_hit_p50_s": loc,
                             "recompute_p50_s": rec,
-                            "remote_over_local": _ratio(rem, loc),
-                            "remote_over_recompute": _ratio(rem, rec),
+                            "remote_over_local": ratio(rem, loc),
+                            "remote_over_recompute": ratio(rem, rec),
                         }
                     doc.setdefault("scale_out", {})[arm] = run_scale_out(
                         st, client, scaled, pods
@@ -307,9 +303,9 @@ def run_bench(args: argparse.Namespace) -> Doc:
             tmp.cleanup()
     w, wo = doc["with_shared"], doc["without_shared"]
     doc["ratios"] = {
-        "token_hit_ratio": _ratio(w["token_hit_ratio"], wo["token_hit_ratio"]),
-        "ttft_p50_s": _ratio(w["ttft_p50_s"], wo["ttft_p50_s"]),
-        "scale_out_token_hit_ratio": _ratio(
+        "token_hit_ratio": ratio(w["token_hit_ratio"], wo["token_hit_ratio"]),
+        "ttft_p50_s": ratio(w["ttft_p50_s"], wo["ttft_p50_s"]),
+        "scale_out_token_hit_ratio": ratio(
             doc["scale_out"]["with_shared"]["token_hit_ratio"],
             doc["scale_out"]["without_shared"]["token_hit_ratio"],
         ),
