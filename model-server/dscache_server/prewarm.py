@@ -45,13 +45,14 @@ import httpx
 from tqdm import tqdm
 
 from dscache.routing import Ring, prompt_key
+from dscache_server.auth import GATEWAY_TOKEN_HEADER
 
 log = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+#: The server's default tenant header (``ServerSettings.tenant_header``).
 TENANT_HEADER = "X-Dscache-Tenant"
-GATEWAY_TOKEN_HEADER = "X-Dscache-Gateway-Token"  # noqa: S105 - a header name
 
 Placement = Literal["all", "ring"]
 
@@ -212,11 +213,9 @@ def place(
     Raises:
         ValueError: ring placement with copies below 1 or skip_copies below 0.
     """
-    out: dict[str, list[Prompt]] = {t: [] for t in targets}
     if options.placement == "all":
-        for t in targets:
-            out[t] = list(prompts)
-        return out
+        return {t: list(prompts) for t in targets}
+    out: dict[str, list[Prompt]] = {t: [] for t in targets}
     if options.copies < 1 or options.skip_copies < 0:
         raise ValueError("ring placement needs copies >= 1 and skip_copies >= 0")
     by_address = {address(t): t for t in targets}
@@ -293,19 +292,6 @@ def _send(client: httpx.Client, base: str, prompt: Prompt) -> dict[str, Any] | N
         return None
     usage: dict[str, Any] = resp.json().get("usage") or {}
     return usage
-
-
-def prewarm_targets(
-    targets: list[str],
-    chats: list[list[dict[str, Any]]],
-    options: PrewarmOptions | None = None,
-    *,
-    progress: bool = True,
-) -> dict[str, PrewarmResult]:
-    """Sends every chat to every target, all targets at once; returns totals per target."""
-    opts = options or PrewarmOptions()
-    prompts = [opts.chat(m) for m in chats]
-    return send_placed({t: prompts for t in targets}, opts, progress=progress)
 
 
 def send_placed(

@@ -48,6 +48,7 @@ from dscache_operator.desired import (
     prewarm_copy_range,
     prewarm_job,
     prewarm_job_name,
+    progressive,
     router_config_hash,
     selector_labels,
     track_of,
@@ -303,8 +304,7 @@ class Reconciler:
         prewarm: PrewarmState = "absent"
         step = _prewarm_step(status)
         if status.canary_revision is not None and step is not None:
-            pods = len(self._addresses(owner, status, status.canary_slot))
-            if step > 0 and prewarm_copy_range(spec, pods, step) is None:
+            if step > 0 and not self._step_needs_prewarm(owner, spec, status, step):
                 prewarm = "succeeded"  # the step needs no more copies
             else:
                 name = prewarm_job_name(owner, status.canary_revision, step)
@@ -321,6 +321,19 @@ class Reconciler:
             prewarm=prewarm,
             annotations=Annotations.from_metadata(meta.get("annotations")),
         )
+
+    def _step_needs_prewarm(
+        self,
+        owner: Owner,
+        spec: DeepSeekCacheDeploymentSpec,
+        status: DeepSeekCacheDeploymentStatus,
+        step: int,
+    ) -> bool:
+        # The canary's pods are listed only where their count decides (placement ring).
+        if not progressive(spec):
+            return False
+        pods = len(self._addresses(owner, status, status.canary_slot))
+        return prewarm_copy_range(spec, pods, step) is not None
 
     def _analyse(
         self,

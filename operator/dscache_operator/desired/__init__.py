@@ -47,6 +47,7 @@ from dscache_operator.desired.prewarm import (
     prewarm_copy_range,
     prewarm_job,
     prewarm_job_name,
+    progressive,
 )
 from dscache_operator.desired.router import (
     ROUTER_CONF,
@@ -76,6 +77,7 @@ __all__ = [
     "prewarm_copy_range",
     "prewarm_job",
     "prewarm_job_name",
+    "progressive",
     "prometheus_rule",
     "router_config",
     "router_config_hash",

@@ -41,6 +41,11 @@ def prewarm_copies(pods: int, weight: int) -> int:
     return max(1, min(pods, math.ceil(pods * weight / 100)))
 
 
+def progressive(spec: DeepSeekCacheDeploymentSpec) -> bool:
+    """Whether steps after the first may need prewarm Jobs of their own (``placement: ring``)."""
+    return spec.prewarm.placement == "ring"
+
+
 def prewarm_copy_range(
     spec: DeepSeekCacheDeploymentSpec, pods: int, step: int
 ) -> tuple[int, int] | None:
@@ -50,7 +55,7 @@ def prewarm_copy_range(
     with ``placement: ring`` and more copies than the step before.
     """
     steps = spec.steps
-    if spec.prewarm.placement == "all":
+    if not progressive(spec):
         return (0, pods) if step == 0 else None
     if step >= len(steps) or pods < 1:
         return None
@@ -135,7 +140,7 @@ def prewarm_job(
         env.append({"name": PREWARM_SOURCES_ENV, "value": ",".join(f"http://{a}" for a in sources)})
         args += ["--mined-from", f"$({PREWARM_SOURCES_ENV})", "--mined-top", str(p.mined.top)]
     args += ["--concurrency", str(p.concurrency), "--quiet"]
-    if spec.prewarm.placement == "ring":
+    if progressive(spec):
         r = spec.routing
         args += ["--placement", "ring", "--skip-copies", str(copies[0])]
         args += ["--copies", str(copies[1]), "--prompt-key-max-bytes", str(r.prompt_key_bytes)]
