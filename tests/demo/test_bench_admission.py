@@ -12,12 +12,10 @@ depend on the machine's load.
 from __future__ import annotations
 
 import itertools
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import run_quick_bench
 from dscache_tools.workload import load_server_tokenizer, prompt_ids
 from dscache_tools.workload.chat import chat_workload
 
@@ -47,15 +45,7 @@ def test_the_quick_admission_bench_reuses_more_than_the_fixed_threshold(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "admission.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "dscache.cli", "bench", "admission", "--quick", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=1100,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc, _ = run_quick_bench("admission", out, 1100)
     modes = doc["modes"]
     assert set(modes) == {"off", "fixed", "cost"}
     for m in modes.values():

@@ -11,37 +11,16 @@ shared machine): the README reports the full run's figures.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import run_quick_bench
 
 
 @pytest.mark.timeout(1800)
 def test_the_quick_codec_bench_reports_every_codec(tmp_path: Path) -> None:
     out, png = tmp_path / "codec.json", tmp_path / "codec.png"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dscache.cli",
-            "bench",
-            "codec",
-            "--quick",
-            "--json",
-            str(out),
-            "--png",
-            str(png),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1700,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc, printed = run_quick_bench("codec", out, 1700, "--png", str(png))
     codecs = {c["name"]: c for c in doc["codecs"]}
     assert {"fp32", "bf16", "int8", "zstd"} <= codecs.keys()
     for c in codecs.values():
@@ -64,4 +43,4 @@ def test_the_quick_codec_bench_reports_every_codec(tmp_path: Path) -> None:
     assert ws["int8"]["blocks_fit"] > 3.5 * ws["fp32"]["blocks_fit"]
     assert ws["int8"]["token_hit_ratio"] >= ws["fp32"]["token_hit_ratio"]
     assert png.stat().st_size > 10_000
-    assert "int8" in done.stdout and "working set" in done.stdout
+    assert "int8" in printed and "working set" in printed

@@ -10,12 +10,10 @@ reported, not asserted: they depend on the machine's load.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import run_quick_bench
 from dscache_tools.bench.coldstart import QUICK, samples
 
 
@@ -31,15 +29,7 @@ def test_the_history_and_the_new_traffic_share_no_session() -> None:
 @pytest.mark.timeout(900)
 def test_the_quick_coldstart_bench_reuses_more_with_mined_templates(tmp_path: Path) -> None:
     out = tmp_path / "coldstart.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "dscache.cli", "bench", "coldstart", "--quick", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=850,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc, _ = run_quick_bench("coldstart", out, 850)
     modes = {m["name"]: m for m in doc["modes"]}
     assert list(modes) == ["none", "user_list", "mined"]
     for m in modes.values():

@@ -9,12 +9,10 @@ go to the pod holding their document). TTFT figures are reported, not asserted.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import run_quick_bench
 from dscache_tools.bench.prewarmbench import QUICK, traffic
 
 
@@ -30,15 +28,7 @@ def test_ring_placement_with_the_picker_warms_as_well_as_every_pod_for_less(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "prewarm.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "dscache.cli", "bench", "prewarm", "--quick", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=850,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc, _ = run_quick_bench("prewarm", out, 850)
     modes = {m["name"]: m for m in doc["modes"]}
     assert list(modes) == ["none", "all", "ring", "ring_kv"]
     prompts, pods = doc["workload"]["prewarm_prompts"], doc["workload"]["pods"]

@@ -10,12 +10,10 @@ machine): it catches a picker that stalls requests, not a slow millisecond.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import run_quick_bench
 from dscache_tools.bench.router import CONCURRENCIES, QUICK, Pass, rows, table
 from needs import need_nginx
 
@@ -65,16 +63,7 @@ def test_the_quick_router_bench_measures_a_picker_that_really_decides(tmp_path: 
     need_nginx()
     out, png = tmp_path / "router.json", tmp_path / "router.png"
     per_pass = 20
-    done = subprocess.run(
-        [sys.executable, "-m", "dscache.cli", "bench", "router", "--quick"]
-        + ["--requests", str(per_pass), "--json", str(out), "--png", str(png)],
-        capture_output=True,
-        text=True,
-        timeout=380,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc, _ = run_quick_bench("router", out, 380, "--requests", str(per_pass), "--png", str(png))
     assert set(doc) == {
         "rows",
         "picker_decision_mean_ms",

@@ -8,11 +8,9 @@ and the JSON carries the keys of the command contract.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
+from bench_helpers import run_quick_bench
 from dscache_tools.bench.sharedtier import Outcome, Tally, sessions
 from needs import need_binary
 
@@ -42,24 +40,7 @@ def test_sessions_have_at_least_three_turns_in_order() -> None:
 def test_the_quick_bench_moves_sessions_and_survives_a_dead_cluster(tmp_path: Path) -> None:
     need_binary("redis-server", "redis-server")
     out = tmp_path / "shared.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dscache.cli",
-            "bench",
-            "shared-tier",
-            "--quick",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc, printed = run_quick_bench("shared-tier", out, 1200)
     with_s, without = doc["with_shared"], doc["without_shared"]
     for arm in (with_s, without):
         assert {"token_hit_ratio", "ttft_p50_s"} <= arm.keys()
@@ -72,4 +53,4 @@ def test_the_quick_bench_moves_sessions_and_survives_a_dead_cluster(tmp_path: Pa
     for fault in ("frozen", "killed"):
         f = doc["faults"][fault]
         assert f["requests"] > 0 and f["failed"] == 0
-    assert "with / without shared tier" in done.stdout
+    assert "with / without shared tier" in printed
