@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from dscache_sidecar import client as client_module
 from dscache_sidecar.client import SidecarClient
+from dscache_sidecar.client import lookup as client_lookup
 from needs import missing, need_binary
 from sidecar_helpers import DaemonProcess, Sidecar, blocks_for, chain, prompt
 
@@ -55,7 +56,7 @@ def test_direct_lookup_answers_as_the_daemon_does(
 def test_lookup_is_direct_once_the_daemon_has_created_its_index(
     daemon_factory: Callable[..., DaemonProcess], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_module, "DIRECT_RETRY_S", 0.2)
+    monkeypatch.setattr(client_lookup, "DIRECT_RETRY_S", 0.2)
     d = daemon_factory()
     c = SidecarClient(d.socket, data_dir=str(d.data_dir), timeout_s=5)
     try:
@@ -74,7 +75,7 @@ def test_lookup_is_direct_once_the_daemon_has_created_its_index(
 def test_a_replaced_index_is_opened_anew(
     daemon_factory: Callable[..., DaemonProcess], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(client_module, "DIRECT_RETRY_S", 0.2)
+    monkeypatch.setattr(client_lookup, "DIRECT_RETRY_S", 0.2)
     d = daemon_factory()
     d.start()
     ch = chain()

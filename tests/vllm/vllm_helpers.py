@@ -92,4 +92,4 @@ def _rewrite(
         old = f.read(length)
         f.seek(loc.offset + at)
         f.write(change(old))
-    client._release(grant.lease_id)
+    client.release(grant.lease_id)
