@@ -56,15 +56,43 @@ _DOMAIN_BLOCK = b"dscache/block/v1\x00"
 _DOMAIN_TENANT = b"dscache/tenant/v1\x00"
 _MAX_TOKEN_ID = 2**32 - 1
 
-#: dtype names the contract knows, with their size in bytes.
-DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "int8": 1,
-    "uint8": 1,
+
+@dataclass(frozen=True)
+class KVDtype:
+    """One element type the contract knows.
+
+    Attributes:
+        name: the contract name (also torch's attribute name for it).
+        storage: the numpy dtype its bytes travel in: bfloat16 and fp8 have no numpy
+            dtype and travel as raw little-endian integers of their width.
+        engine: the reference engine computes and caches KV in it.
+    """
+
+    name: str
+    storage: np.dtype[np.generic]
+    engine: bool = False
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return int(self.storage.itemsize)
+
+
+#: Every element type the contract knows, by contract name: the one table the key
+#: contract, the sidecar's codec and the model server's KV share.
+KV_DTYPES: dict[str, KVDtype] = {
+    d.name: d
+    for d in (
+        KVDtype("float32", np.dtype("<f4"), engine=True),
+        KVDtype("float16", np.dtype("<f2"), engine=True),
+        KVDtype("bfloat16", np.dtype("<u2"), engine=True),
+        KVDtype("float8_e4m3fn", np.dtype("u1")),
+        KVDtype("int8", np.dtype("i1")),
+        KVDtype("uint8", np.dtype("u1")),
+    )
 }
+#: dtype names the contract knows, with their size in bytes.
+DTYPE_BYTES: dict[str, int] = {name: d.itemsize for name, d in KV_DTYPES.items()}
 
 
 class LayoutKind(StrEnum):

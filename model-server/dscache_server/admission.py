@@ -82,10 +82,6 @@ class CostModel:
         """``load_cost_s`` or ``recompute_cost_s``."""
         return self.load_cost_s(tokens) if path == "load" else self.recompute_cost_s(tokens)
 
-    def pays(self, tokens: int) -> bool:
-        """Whether loading ``tokens`` beats recomputing them."""
-        return tokens > 0 and self.load_cost_s(tokens) < self.recompute_cost_s(tokens)
-
     def crossover_tokens(self) -> int | None:
         """Smallest token count where loading pays; None if it never does."""
         per_token_gain = 1.0 / self.prefill_tokens_per_s - (

@@ -36,17 +36,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dscache.keys import KV_DTYPES as CORE_DTYPES
 from dscache.keys import KVLayout, LayoutKind
 
 # Above this many elements the partial outputs are merged one by one instead of
 # stacked, which bounds peak memory for long suffixes with many prefix chunks.
 _STACK_MERGE_LIMIT = 8 * 1024 * 1024
 
-#: KV dtypes of the reference engine: contract name -> torch dtype, numpy storage dtype.
+#: KV dtypes of the reference engine: contract name -> torch dtype, numpy storage dtype
+#: (derived from the core's one table, ``dscache.keys.KV_DTYPES``).
 KV_DTYPES: dict[str, tuple[torch.dtype, np.dtype[np.generic]]] = {
-    "float32": (torch.float32, np.dtype("<f4")),
-    "float16": (torch.float16, np.dtype("<f2")),
-    "bfloat16": (torch.bfloat16, np.dtype("<u2")),
+    name: (getattr(torch, name), d.storage) for name, d in CORE_DTYPES.items() if d.engine
 }
 
 

@@ -32,18 +32,11 @@ from typing import Any, Literal
 import numpy as np
 import zstandard
 
-from dscache.keys import DTYPE_BYTES
+from dscache.keys import KV_DTYPES
 
-#: numpy storage dtype per contract dtype name; bfloat16 and fp8 travel as raw integers.
-NUMPY_DTYPES: dict[str, np.dtype[np.generic]] = {
-    "float32": np.dtype("<f4"),
-    "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype("<u2"),
-    "float8_e4m3fn": np.dtype("u1"),
-    "int8": np.dtype("i1"),
-    "uint8": np.dtype("u1"),
-}
-DTYPE_CODES: dict[str, int] = {name: i for i, name in enumerate(sorted(DTYPE_BYTES))}
+#: numpy storage dtype per contract dtype name (the core's table).
+NUMPY_DTYPES: dict[str, np.dtype[np.generic]] = {n: d.storage for n, d in KV_DTYPES.items()}
+DTYPE_CODES: dict[str, int] = {name: i for i, name in enumerate(sorted(KV_DTYPES))}
 DTYPE_NAMES: dict[int, str] = {i: name for name, i in DTYPE_CODES.items()}
 
 

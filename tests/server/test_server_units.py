@@ -132,9 +132,12 @@ def test_cost_model_crossover() -> None:
     )
     crossover = cost.crossover_tokens()
     assert crossover is not None
-    assert not cost.pays(crossover - 2) and cost.pays(crossover + 1)
+    # Loading costs more than recomputing just below the crossover, less just above.
+    assert cost.load_cost_s(crossover - 2) >= cost.recompute_cost_s(crossover - 2)
+    assert cost.load_cost_s(crossover + 1) < cost.recompute_cost_s(crossover + 1)
     slow_disk = CostModel(1000.0, 1e6, 0.0, 10_000)
-    assert slow_disk.crossover_tokens() is None and not slow_disk.pays(10_000)
+    assert slow_disk.crossover_tokens() is None
+    assert slow_disk.load_cost_s(10_000) > slow_disk.recompute_cost_s(10_000)
 
 
 def test_scheduler_bounds_the_queue_and_keeps_session_order() -> None:

@@ -2,7 +2,8 @@
 
 :mod:`.realnodes` says what a real node is (paths, addresses, config texts) and
 :mod:`.host` what it changes on the machine; this module starts and drains
-the processes of a running :class:`.cluster.DevCluster`: one containerd and
+the processes of a running cluster (anything shaped as :class:`NodeHost`, which
+:class:`.cluster.DevCluster` is; this module never imports it): one containerd and
 one kubelet per real node, one kube-proxy, and Prometheus with its pod
 discovery loop (:mod:`.podsd`).
 
@@ -25,16 +26,16 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from dscache_tools.devcluster import host, kubeconfig, nodes, prometheus, realnodes
 from dscache_tools.devcluster.controlplane import admin_client, http_ok
-from dscache_tools.devcluster.supervisor import ClusterError
+from dscache_tools.devcluster.supervisor import ClusterError, ProcessRecord, Supervisor
 from dscache_tools.net import free_port
 from dscache_tools.polling import poll
 
 if TYPE_CHECKING:
-    from dscache_tools.devcluster.cluster import DevCluster
+    from dscache_tools.devcluster.build import Binaries
     from dscache_tools.devcluster.pki import Pki
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,21 @@ logger = logging.getLogger(__name__)
 ImageLoader = Callable[[Path], None]
 #: Sub-directories of a real node's directory, created before its agents start.
 _NODE_DIRS = ("containerd", "cni/net.d", "kubelet", "pod-logs", "volume-plugins")
+
+
+class NodeHost(Protocol):
+    """What the node agents need of the cluster they join (a ``DevCluster``)."""
+
+    state_dir: Path
+    server: str
+    binaries: Binaries
+    processes: list[ProcessRecord]
+    supervisor: Supervisor
+    prometheus_url: str | None
+
+    def running(self) -> list[str]: ...
+
+    def save(self) -> None: ...
 
 
 def prepare_host(state_dir: Path, plans: list[realnodes.NodePlan]) -> host.HostRecord | None:
@@ -64,7 +80,7 @@ def prepare_host(state_dir: Path, plans: list[realnodes.NodePlan]) -> host.HostR
 
 
 def start_real_nodes(
-    cluster: DevCluster,
+    cluster: NodeHost,
     plans: list[realnodes.NodePlan],
     *,
     record: host.HostRecord,
@@ -92,13 +108,13 @@ def start_real_nodes(
     return import_s
 
 
-def _record_owners(cluster: DevCluster, record: host.HostRecord) -> None:
+def _record_owners(cluster: NodeHost, record: host.HostRecord) -> None:
     """The host stays claimed while any of the cluster's processes lives."""
     record.owners = [(p.pid, p.exe) for p in cluster.processes]
     record.save()
 
 
-def _start_containerd(cluster: DevCluster, plan: realnodes.NodePlan) -> None:
+def _start_containerd(cluster: NodeHost, plan: realnodes.NodePlan) -> None:
     for sub in _NODE_DIRS:
         (plan.directory / sub).mkdir(parents=True, exist_ok=True)
     plan.image_store.mkdir(parents=True, exist_ok=True)
@@ -116,7 +132,7 @@ def _start_containerd(cluster: DevCluster, plan: realnodes.NodePlan) -> None:
         logger.info("removed %d stale containers from %s", purged, plan.image_store)
 
 
-def _start_kubelet(cluster: DevCluster, plan: realnodes.NodePlan, material: Pki) -> None:
+def _start_kubelet(cluster: NodeHost, plan: realnodes.NodePlan, material: Pki) -> None:
     from dscache_tools.devcluster import pki  # cryptography: the 'dev' extra
 
     creds = pki.node_credentials(material, plan.directory / "pki", plan.name, plan.ip)
@@ -154,7 +170,7 @@ def _start_kubelet(cluster: DevCluster, plan: realnodes.NodePlan, material: Pki)
     )
 
 
-def _start_kube_proxy(cluster: DevCluster, plan: realnodes.NodePlan, material: Pki) -> None:
+def _start_kube_proxy(cluster: NodeHost, plan: realnodes.NodePlan, material: Pki) -> None:
     from dscache_tools.devcluster import pki  # cryptography: the 'dev' extra
 
     state = cluster.state_dir
@@ -176,7 +192,7 @@ def _start_kube_proxy(cluster: DevCluster, plan: realnodes.NodePlan, material: P
     )
 
 
-def start_prometheus(cluster: DevCluster, binary: str, address: str) -> None:
+def start_prometheus(cluster: NodeHost, binary: str, address: str) -> None:
     """Starts :mod:`.podsd` and Prometheus on ``address``; sets ``cluster.prometheus_url``."""
     targets = cluster.state_dir / "prometheus-targets.json"
     cluster.supervisor.launch(
@@ -200,7 +216,7 @@ def start_prometheus(cluster: DevCluster, binary: str, address: str) -> None:
     cluster.supervisor.wait("prometheus", functools.partial(http_ok, url), time.monotonic() + 60)
 
 
-def drain_real_nodes(cluster: DevCluster, plans: list[realnodes.NodePlan]) -> None:
+def drain_real_nodes(cluster: NodeHost, plans: list[realnodes.NodePlan]) -> None:
     """Deletes the pods bound to real nodes and waits for the kubelets to tear them down."""
     api = admin_client(cluster.server, cluster.state_dir / "pki")
     if api is not None and "kube-apiserver" in cluster.running():
