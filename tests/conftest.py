@@ -34,6 +34,11 @@ from dscache_tools.devcluster.images import image_loader
 logger = logging.getLogger(__name__)
 _namespaces = itertools.count()
 
+# Every sidecar a test starts (in-process or as a child) makes sparse segment files
+# unless it asks otherwise: the stores take disk only as blocks are written, so the
+# suite stays small on disk. Tests about preallocation ask for "zero" themselves.
+os.environ.setdefault("DSCACHE_SIDECAR_SEGMENT_INIT", "sparse")
+
 
 def _terminal_progress(config: pytest.Config) -> Callable[[str], None]:
     """Shows build progress on the terminal even while output is captured."""

@@ -71,9 +71,11 @@ class SidecarSettings(BaseSettings):
     restart_quarantine_s: float | None = None
     """Seconds after a restart during which space that readers of the previous
     process may still map is not reused; default = max_lease_ttl_s."""
-    segment_init: Literal["zero", "fallocate"] = "zero"
+    segment_init: Literal["zero", "fallocate", "sparse"] = "zero"
     """How new segment files are preallocated: zero-filled (block writes are then
-    overwrites, about 10x faster on ext4) or posix_fallocate (instant start)."""
+    overwrites, about 10x faster on ext4), posix_fallocate (instant start), or not at
+    all: ``sparse`` files take disk only as blocks are written (tests, laptops; a
+    full disk then refuses writes instead of being ruled out at start)."""
     verify_commits: bool = False
     """Re-read and hash each committed block even when the writer sent its
     checksum (readers verify every block anyway)."""
@@ -177,6 +179,11 @@ def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="segment files + LMDB index directory")
     p.add_argument("--capacity", help="segment space, e.g. 2GiB (default 4GiB)")
     p.add_argument("--segment-size", help="bytes per segment file, e.g. 256MiB")
+    p.add_argument(
+        "--segment-init",
+        choices=["zero", "fallocate", "sparse"],
+        help="how segment files are preallocated (default zero)",
+    )
     p.add_argument("--socket", help="unix socket path (default <data-dir>/sidecar.sock)")
     p.add_argument("--tcp", help="also listen on this loopback address, e.g. 127.0.0.1:50051")
     p.add_argument("--metrics-port", type=int, help="port of /metrics (0 = any free port)")
@@ -225,6 +232,7 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
         "data_dir": "data_dir",
         "capacity": "capacity_bytes",
         "segment_size": "segment_bytes",
+        "segment_init": "segment_init",
         "socket": "socket",
         "tcp": "tcp",
         "metrics_port": "metrics_port",

@@ -183,7 +183,8 @@ class SegmentFiles:
                 size = os.fstat(fd).st_size
                 if size < self.segment_bytes:
                     vfs = os.statvfs(self.directory)
-                    if vfs.f_bavail * vfs.f_frsize < self.segment_bytes - size + reserve_bytes:
+                    room = vfs.f_bavail * vfs.f_frsize - reserve_bytes
+                    if self.init_mode != "sparse" and room < self.segment_bytes - size:
                         raise OSError(errno.ENOSPC, "no room for the segment and the index")
                     self._fill(fd, size)
             except OSError as exc:
@@ -213,6 +214,9 @@ class SegmentFiles:
         """
         if self.init_mode == "fallocate":
             os.posix_fallocate(fd, 0, self.segment_bytes)
+            return
+        if self.init_mode == "sparse":
+            os.ftruncate(fd, self.segment_bytes)
             return
         zeros = bytes(min(8 * 1024**2, self.segment_bytes))
         pos = start - start % PAGE

@@ -40,6 +40,7 @@ def test_the_chat_workload_is_short_turns_that_extend_each_other() -> None:
     assert sum(n < 512 for n in lengths) > len(lengths) / 4  # much of it under 512
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_the_quick_admission_bench_reuses_more_than_the_fixed_threshold(
     tmp_path: Path,

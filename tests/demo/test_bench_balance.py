@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 from dscache_tools.bench.balance import BalanceRun, busiest_share, ratios, table, workload
 from dscache_tools.demo.parts import Router, render_router
 from needs import need_nginx
@@ -38,6 +39,7 @@ def test_the_workload_routes_half_its_requests_by_prompt() -> None:
     assert workload(quick=True, seed=0, max_tokens=4) == reqs  # same requests every run
 
 
+@pytest.mark.slow
 def test_the_local_router_renders_the_factor_it_is_given(tmp_path: Path) -> None:
     nginx = need_nginx()
     for factor, marker in ((0.0, "hash $dscache_key consistent;"), (2.0, "balancer_by_lua")):

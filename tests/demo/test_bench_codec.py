@@ -17,6 +17,7 @@ import pytest
 from bench_helpers import run_quick_bench
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_quick_codec_bench_reports_every_codec(tmp_path: Path) -> None:
     out, png = tmp_path / "codec.json", tmp_path / "codec.png"

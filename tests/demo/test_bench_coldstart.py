@@ -26,6 +26,7 @@ def test_the_history_and_the_new_traffic_share_no_session() -> None:
     assert {r.company for r in new} <= {r.company for r in history}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_quick_coldstart_bench_reuses_more_with_mined_templates(tmp_path: Path) -> None:
     out = tmp_path / "coldstart.json"

@@ -23,6 +23,7 @@ def test_the_traffic_opens_sessions_with_and_without_ids() -> None:
     assert any(r.turn == 0 for r in reqs)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ring_placement_with_the_picker_warms_as_well_as_every_pod_for_less(
     tmp_path: Path,

@@ -58,6 +58,7 @@ def test_rows_pool_the_rounds_and_compare_kv_with_hash() -> None:
     assert "1 failed" in text
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_quick_router_bench_measures_a_picker_that_really_decides(tmp_path: Path) -> None:
     need_nginx()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from bench_helpers import run_quick_bench
 from dscache_tools.bench.sharedtier import Outcome, Tally, sessions
 from needs import need_binary
@@ -37,6 +38,7 @@ def test_sessions_have_at_least_three_turns_in_order() -> None:
     assert sessions(quick=True, seed=0, count=6) == convs
 
 
+@pytest.mark.slow
 def test_the_quick_bench_moves_sessions_and_survives_a_dead_cluster(tmp_path: Path) -> None:
     need_binary("redis-server", "redis-server")
     out = tmp_path / "shared.json"

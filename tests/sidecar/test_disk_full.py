@@ -75,7 +75,10 @@ def daemon_on_tmpfs(
 ) -> OnTmpfs:
     def start(fs_bytes: int) -> tuple[Path, DaemonProcess]:
         fs = tmpfs(fs_bytes)
-        d = daemon_factory(fs, "--capacity", "2MiB", "--segment-size", "256KiB")
+        # Zero-filled segments: these tests are about space reserved at start.
+        d = daemon_factory(
+            fs, "--capacity", "2MiB", "--segment-size", "256KiB", "--segment-init", "zero"
+        )
         d.start()
         return fs, d
 
@@ -182,3 +185,26 @@ def test_everything_leased_refuses_allocate_keeps_reads_and_recovers_on_release(
     fresh = ch.keys(prompt(4, 999))
     assert sc.c.store(ch.tenant, blocks_for(fresh)) == 4
     assert_reads_back(sc.c, ch.tenant, fresh, 4)
+
+
+def _allocated(data_dir: Path) -> int:
+    """Bytes of disk the segment files really take (not their apparent size)."""
+    return sum(p.stat().st_blocks * 512 for p in (data_dir / "segments").glob("*.dat"))
+
+
+@pytest.mark.parametrize("mode", ["zero", "sparse"])
+def test_zero_filled_segments_reserve_their_space_sparse_ones_take_it_as_written(
+    make_sidecar: Callable[..., Sidecar], mode: str
+) -> None:
+    sc = make_sidecar(capacity_bytes=4 * MiB, segment_bytes=1 * MiB, segment_init=mode)
+    before = _allocated(sc.data_dir)
+    if mode == "zero":
+        assert before >= 4 * MiB
+    else:
+        assert before < 64 * KiB
+    ch = chain()
+    keys = ch.keys(prompt(8, 3))
+    assert sc.client.store(ch.tenant, blocks_for(keys)) == 8
+    assert_reads_back(sc.client, ch.tenant, keys, 8)
+    if mode == "sparse":
+        assert 8 * 4 * KiB <= _allocated(sc.data_dir) < 1 * MiB
