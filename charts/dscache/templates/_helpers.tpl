@@ -67,6 +67,14 @@ app.kubernetes.io/component: operator
   resources: ["services", "configmaps"]
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
+  resources: ["secrets"]
+  # create only: a generated tenant salt, created once and never read back (the
+  # kubelet hands it to the model pods). No get, list, watch or patch.
+  verbs: ["create"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
   resources: ["pods"]
   # patch: an annotation on live router pods after a router config change, so the
   # kubelet refreshes the ConfigMap volume at once (never a spec field).
