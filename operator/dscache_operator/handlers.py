@@ -36,8 +36,9 @@ def _run(reconciler: Reconciler, body: kopf.Body, *, permanent: bool) -> None:
         result = reconciler.reconcile(ns, name)
     except InvalidSpecError as exc:
         reconciler.metrics.reconciles.labels(result="invalid_spec").inc()
-        reconciler.record_invalid(ns, name, str(exc))
-        kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        reason = getattr(exc, "reason", "InvalidSpec")
+        reconciler.record_invalid(ns, name, str(exc), reason)
+        kopf.warn(body, reason=reason, message=str(exc))
         if permanent:
             raise kopf.PermanentError(f"invalid spec: {exc}") from exc
         return

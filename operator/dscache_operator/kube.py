@@ -5,9 +5,12 @@ in-cluster), with objects as plain dicts, so the desired objects of
 :mod:`.desired` go to the API server unchanged. Every write of a child is a
 server-side apply with field manager ``dscache-operator`` and ``force``: the
 operator owns the fields it renders and nothing else, and re-applying the
-same object is a no-op on the server (no new resourceVersion). The one
-exception is the prewarm Job (:meth:`Kube.create`): created once, never
-re-applied, since a Job's pod template is immutable.
+same object is a no-op on the server (no new resourceVersion). The caller
+(:class:`~dscache_operator.reconcile.Reconciler`) applies only objects that are
+absent or carry the resource's ownerReference, so ``force`` never adopts
+another's object. The exceptions are the prewarm Job and the generated tenant
+salt Secret (:meth:`Kube.create`): created once, never re-applied (a Job's pod
+template is immutable; a salt must never change), and the Secret is never read.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ RESOURCES: dict[str, Resource] = {
     "Deployment": Resource("apps/v1", "deployments"),
     "Service": Resource("v1", "services"),
     "ConfigMap": Resource("v1", "configmaps"),
+    "Secret": Resource("v1", "secrets"),
+    "NetworkPolicy": Resource("networking.k8s.io/v1", "networkpolicies"),
     "Pod": Resource("v1", "pods"),
     "Event": Resource("v1", "events"),
     "PodDisruptionBudget": Resource("policy/v1", "poddisruptionbudgets"),

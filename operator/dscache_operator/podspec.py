@@ -148,6 +148,30 @@ class SidecarSpec(SpecModel):
     )
 
 
+AccessMode = Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"]
+
+
+class ClaimTemplateSpec(SpecModel):
+    """The PersistentVolumeClaim each model pod gets (a generic ephemeral volume)."""
+
+    storage_class_name: Annotated[str, Field(pattern=NAME_PATTERN, max_length=253)] | None = Field(
+        default=None, description="StorageClass of the claims; unset: the default class."
+    )
+    access_modes: Annotated[list[AccessMode], Field(min_length=1, max_length=3)] = Field(
+        default_factory=lambda: list[AccessMode](["ReadWriteOnce"]),
+        description="Access modes of each pod's claim.",
+        json_schema_extra={"default": ["ReadWriteOnce"]},
+    )
+
+
+#: Why one named claim cannot be every pod's cache (the CEL rule's and the operator's message).
+CLAIM_NAME_REFUSED = (
+    "cache.volume.claimName names one claim for every pod, but each pod's sidecar locks its "
+    "data directory (the second pod, a rolling update's surge pod and the canary track would "
+    "never start): use cache.volume.claimTemplate, which gives each pod a claim of its own"
+)
+
+
 class CacheVolumeSpec(SpecModel):
     """Where the sidecar keeps its segment files."""
 
@@ -157,21 +181,30 @@ class CacheVolumeSpec(SpecModel):
             "cache.volume.hostPath is required when type is hostPath",
         ),
         (
-            "self.type != 'persistentVolumeClaim' || has(self.claimName)",
-            "cache.volume.claimName is required when type is persistentVolumeClaim",
+            "self.type != 'persistentVolumeClaim' || has(self.claimTemplate)",
+            "cache.volume.claimTemplate is required when type is persistentVolumeClaim",
         ),
+        ("!has(self.claimName)", CLAIM_NAME_REFUSED),
     )
 
     type: Literal["emptyDir", "hostPath", "persistentVolumeClaim"] = Field(
         default="emptyDir",
         description="emptyDir (per pod, lost on reschedule), hostPath (node-local SSD, survives "
-        "pod restarts) or persistentVolumeClaim.",
+        "pod restarts; only below the roots the admin allows) or persistentVolumeClaim (a claim "
+        "per pod from claimTemplate).",
     )
     host_path: Annotated[str, Field(max_length=1024, pattern=r"^/")] | None = Field(
         default=None, description="Node directory for type hostPath."
     )
     claim_name: Annotated[str, Field(max_length=253)] | None = Field(
-        default=None, description="PersistentVolumeClaim name for type persistentVolumeClaim."
+        default=None,
+        description="Refused: one claim cannot serve several pods (each sidecar locks its "
+        "directory); use claimTemplate.",
+    )
+    claim_template: ClaimTemplateSpec | None = Field(
+        default=None,
+        description="For type persistentVolumeClaim: each model pod gets a claim of its own of "
+        "cache.size (a generic ephemeral volume: created with the pod, deleted with it).",
     )
 
 
@@ -350,9 +383,12 @@ class TenantSaltSpec(SpecModel):
         ),
     )
 
-    source: Literal["namespace", "secret", "none"] = Field(
-        default="namespace",
-        description="namespace: the namespace name; secret: secretRef; none: one shared cache.",
+    source: Literal["generated", "namespace", "secret", "none"] = Field(
+        default="generated",
+        description="generated: a random salt in the Secret <name>-tenant-salt, which the "
+        "operator creates (the default); secret: secretRef; namespace: the namespace's name "
+        "(public: anyone who guesses a prompt can compute its keys; kept for resources "
+        "created before generated existed); none: one shared cache.",
     )
     secret_ref: SecretKeyRef | None = Field(default=None, description="Secret key of the salt.")
 
@@ -456,9 +492,13 @@ class RevisionSource(SpecModel):
 
 #: RevisionSource fields added after release (their defaults change no revision).
 _ADDED_LATER = ("auth", "engine", "vllm")
-#: Fields of sections added after release: (section, field); left out of the hash
-#: while they hold the spec's default, as :data:`_ADDED_LATER`.
-_NESTED_ADDED_LATER = (("cache", "direct_lookup"), ("server", "dtype"))
+#: Fields of sections added after release: (section path, field); left out of the
+#: hash while they hold the spec's default, as :data:`_ADDED_LATER`.
+_NESTED_ADDED_LATER: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("cache",), "direct_lookup"),
+    (("server",), "dtype"),
+    (("cache", "volume"), "claim_template"),
+)
 
 
 def revision_of(source: RevisionSource) -> str:
@@ -473,12 +513,15 @@ def revision_of(source: RevisionSource) -> str:
         field = RevisionSource.model_fields[name]
         if getattr(source, name) == field.get_default(call_default_factory=True):
             dumped.pop(field.alias or name, None)
-    for section_name, name in _NESTED_ADDED_LATER:
-        section = getattr(source, section_name)
+    for path, name in _NESTED_ADDED_LATER:
+        section: Any = source
+        node = dumped
+        for part in path:
+            alias = type(section).model_fields[part].alias or part
+            section, node = getattr(section, part), node[alias]
         field = type(section).model_fields[name]
         if getattr(section, name) == field.get_default(call_default_factory=True):
-            sfield = RevisionSource.model_fields[section_name]
-            dumped[sfield.alias or section_name].pop(field.alias or name, None)
+            node.pop(field.alias or name, None)
     if not source.cache.shared.enabled:
         # A disabled shared tier shapes no pod: tuning it while off starts no rollout.
         dumped[RevisionSource.model_fields["cache"].alias or "cache"].pop("shared", None)

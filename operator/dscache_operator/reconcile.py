@@ -11,6 +11,14 @@ config change (an annotation patch, so the kubelet refreshes the ConfigMap
 volume now rather than on its next periodic sync), then writes the status
 (guarded by the resource's resourceVersion) and clears one-shot annotations.
 
+Before anything is rendered the spec is held against the admin's policy
+(:func:`dscache_operator.policy.check_spec`; a refusal is ``Ready=False,
+reason=NotAllowed``), and a generated tenant salt's Secret is created once.
+No adoption: a child is applied only when it is absent or carries this
+resource's ownerReference; one that exists without it (a Service of the same
+name, someone's Deployment or Job) is left alone, never read as ours, and the
+condition ``OwnershipConflict`` plus a ``ChildConflict`` event say which.
+
 Invariants: calls for one resource never overlap (a lock per uid); the status
 is written after the children, so a crash in between repeats the same
 (idempotent) applies on the next tick rather than skipping them. Two operator
@@ -35,7 +43,7 @@ from cachetools import LRUCache, TTLCache
 
 from dscache_operator import KIND
 from dscache_operator.analysis import Step, analyse
-from dscache_operator.conditions import set_condition
+from dscache_operator.conditions import get_condition, set_condition
 from dscache_operator.desired import (
     ROUTER_CONFIG_HASH,
     SLOT,
@@ -43,6 +51,7 @@ from dscache_operator.desired import (
     TRACK,
     Owner,
     children,
+    new_salt,
     pod_address,
     prewarm_active,
     prewarm_copy_range,
@@ -51,16 +60,19 @@ from dscache_operator.desired import (
     progressive,
     router_config_hash,
     selector_labels,
+    tenant_salt_secret,
     track_of,
 )
 from dscache_operator.kube import ApiError, Kube
 from dscache_operator.metrics import OperatorMetrics
 from dscache_operator.podspec import RevisionSource, revision_of
+from dscache_operator.policy import check_spec
 from dscache_operator.prometheus import PrometheusClient
 from dscache_operator.rollout import analysis_due, next_step
 from dscache_operator.rollout_types import (
     Annotations,
     Decision,
+    Event,
     Observed,
     PrewarmState,
     TrackObservation,
@@ -78,6 +90,8 @@ from dscache_operator.status import (
 log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 _MONITORING_TTL_S = 10.0
+#: The condition saying a child exists without this resource's ownership.
+OWNERSHIP_CONFLICT = "OwnershipConflict"
 
 
 def observe_track(deployment: Obj | None) -> TrackObservation:
@@ -101,6 +115,12 @@ def observe_track(deployment: Obj | None) -> TrackObservation:
     running = ((spec.get("template") or {}).get("metadata") or {}).get("annotations") or {}
     undone = applied is not None and running.get(TEMPLATE_HASH) != applied
     return TrackObservation(exists=True, ready=bool(ready), undone=undone)
+
+
+def owned_by(obj: Obj, uid: str) -> bool:
+    """Whether ``obj`` carries an ownerReference to the resource with ``uid``."""
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(ref.get("uid") == uid for ref in refs)
 
 
 def observe_job(job: Obj | None) -> PrewarmState:
@@ -147,8 +167,14 @@ class Reconciler:
     ) -> None:
         self.kube = kube
         self.settings = settings
+        self.policy = settings.policy()
         self.metrics = metrics
         self.clock = clock
+        # Per resource uid: children of its current reconcile that exist without its
+        # ownerReference (left alone). Reconciles of one uid never overlap.
+        self._conflicts: dict[str, list[str]] = {}
+        # Resources whose generated tenant salt Secret exists (uid -> True).
+        self._salted: LRUCache[str, bool] = LRUCache(maxsize=10000)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
         # One discovery GET per period, not per resource.
@@ -190,8 +216,11 @@ class Reconciler:
         meta = body["metadata"]
         owner = Owner(meta["name"], meta["namespace"], meta["uid"])
         spec = parse_spec(body.get("spec"))
+        check_spec(spec, self.policy)
         status = parse_status(body.get("status"))
         now = self.clock()
+        self._conflicts[owner.uid] = []
+        self._ensure_tenant_salt(owner, spec, status)
         observed = self._observe(owner, spec, status, meta)
         if analysis_due(status, observed, now):
             observed = replace(observed, verdict=self._analyse(owner, spec, status, now))
@@ -208,9 +237,10 @@ class Reconciler:
             canary,
             previous_addresses=previous,
             monitoring=self._monitoring_available(),
+            policy=self.policy,
         )
         for child in objs:
-            self._apply(child)
+            self._apply(owner, child)
         step = _prewarm_step(new)
         if (
             step is not None
@@ -226,6 +256,8 @@ class Reconciler:
         for slot, ss in new.slots.items():
             if ss.frozen:  # template left alone; its track label still tells the truth
                 self._label_frozen(owner, slot, track_of(new, slot))
+        decision = self._record_conflicts(owner, decision, observed.generation, now)
+        new = decision.status
         if new != status:
             self._write_status(owner, meta, new)
         if decision.clear_annotations:
@@ -233,16 +265,85 @@ class Reconciler:
             self.kube.merge_patch(KIND, owner.namespace, owner.name, patch)
         return decision
 
-    def _apply(self, obj: Obj) -> None:
+    def _apply(self, owner: Owner, obj: Obj) -> None:
         # Server-side apply of an unchanged object is a no-op on the server, but
         # still a request; skip it for a while, and repair drift on the next one.
         meta = obj["metadata"]
-        key = (meta["ownerReferences"][0]["uid"], obj["kind"], meta["name"])
+        key = (owner.uid, obj["kind"], meta["name"])
         digest = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
         if self._applied.get(key) == digest:
             return
+        # Never adopt: a forced apply would take over an object of that name that
+        # someone else made (and its deletion would follow ours). Only objects that
+        # carry our ownerReference, or none yet, are applied.
+        existing = self.kube.get(obj["kind"], owner.namespace, meta["name"])
+        if existing is not None and not owned_by(existing, owner.uid):
+            self._conflict(owner, obj["kind"], meta["name"])
+            return
         self.kube.apply(obj)
         self._applied[key] = digest
+
+    def _conflict(self, owner: Owner, kind: str, name: str) -> None:
+        what = f"{kind} {name}"
+        found = self._conflicts.setdefault(owner.uid, [])
+        if what not in found:
+            log.warning(
+                "%s/%s: %s exists without its ownership: left alone",
+                owner.namespace,
+                owner.name,
+                what,
+            )
+            found.append(what)
+
+    def _record_conflicts(
+        self, owner: Owner, decision: Decision, generation: int, now: datetime
+    ) -> Decision:
+        """The ``OwnershipConflict`` condition (and an Event when it changes)."""
+        conflicts = self._conflicts.pop(owner.uid, [])
+        st = decision.status
+        old = get_condition(st.conditions, OWNERSHIP_CONFLICT)
+        if conflicts:
+            message = (
+                f"{', '.join(sorted(conflicts))} already exist(s) and not owned by this "
+                "DeepSeekCacheDeployment: left alone (never adopted); delete or rename "
+                "them, or give this resource another name"
+            )
+            reason = "ChildExists"
+        elif old is not None and old.status == "True":
+            message, reason = "every child is owned by this resource", "NoConflict"
+        else:
+            return decision
+        if old is not None and old.message == message and old.reason == reason:
+            return decision
+        conds = set_condition(
+            st.conditions,
+            OWNERSHIP_CONFLICT,
+            bool(conflicts),
+            reason,
+            message,
+            now=now,
+            generation=generation,
+        )
+        events = decision.events
+        if conflicts:
+            events = (*events, Event("Warning", "ChildConflict", message))
+        return replace(decision, status=st.model_copy(update={"conditions": conds}), events=events)
+
+    def _ensure_tenant_salt(
+        self, owner: Owner, spec: DeepSeekCacheDeploymentSpec, status: DeepSeekCacheDeploymentStatus
+    ) -> None:
+        # The Secret must exist before a pod that reads it starts. Created once with a
+        # fresh random salt, never updated (a new salt would make every block a miss),
+        # never read: the operator may create Secrets but not get them.
+        sources = [spec.revision_source().tenant_salt.source]
+        sources += [
+            RevisionSource.model_validate(ss.source).tenant_salt.source
+            for ss in status.slots.values()
+        ]
+        if "generated" not in sources or self._salted.get(owner.uid):
+            return
+        self._create(tenant_salt_secret(owner, new_salt()))
+        self._salted[owner.uid] = True
 
     def _create(self, obj: Obj) -> None:
         meta = obj["metadata"]
@@ -295,9 +396,7 @@ class Reconciler:
     ) -> Observed:
         source = spec.revision_source()
         tracks: dict[str, TrackObservation] = {
-            slot: observe_track(
-                self.kube.get("Deployment", owner.namespace, f"{owner.name}-{slot}")
-            )
+            slot: observe_track(self._owned("Deployment", owner, f"{owner.name}-{slot}"))
             for slot in SLOTS
             if slot in status.slots
         }
@@ -308,7 +407,13 @@ class Reconciler:
                 prewarm = "succeeded"  # the step needs no more copies
             else:
                 name = prewarm_job_name(owner, status.canary_revision, step)
-                prewarm = observe_job(self.kube.get("Job", owner.namespace, name))
+                job = self.kube.get("Job", owner.namespace, name)
+                if job is not None and not owned_by(job, owner.uid):
+                    # Someone else's Job of that name cannot tell how our prewarm went.
+                    self._conflict(owner, "Job", name)
+                    prewarm = "failed"
+                else:
+                    prewarm = observe_job(job)
         return Observed(
             generation=int(meta.get("generation", 0)),
             revision=revision_of(source),
@@ -321,6 +426,14 @@ class Reconciler:
             prewarm=prewarm,
             annotations=Annotations.from_metadata(meta.get("annotations")),
         )
+
+    def _owned(self, kind: str, owner: Owner, name: str) -> Obj | None:
+        """The child ``name``, or None when it is absent or not ours (a conflict then)."""
+        obj = self.kube.get(kind, owner.namespace, name)
+        if obj is not None and not owned_by(obj, owner.uid):
+            self._conflict(owner, kind, name)
+            return None
+        return obj
 
     def _step_needs_prewarm(
         self,
@@ -343,7 +456,25 @@ class Reconciler:
         now: datetime,
     ) -> Verdict:
         url = spec.rollout.analysis.prometheus_url or self.settings.prometheus_url
-        client = PrometheusClient(url, self.settings.prometheus_timeout_seconds) if url else None
+        if url and not self.policy.prometheus_allowed(url):
+            verdict = Verdict(
+                "NoData",
+                f"spec.rollout.analysis.prometheusUrl {url!r} is not a Prometheus the admin "
+                "allows (the operator's own URL or DSCACHE_OPERATOR_PROMETHEUS_URLS): not "
+                "fetched; remove it to use the operator's",
+            )
+            self.metrics.analyses.labels(result=verdict.result).inc()
+            return verdict
+        client = (
+            PrometheusClient(
+                url,
+                timeout_s=self.settings.prometheus_timeout_seconds,
+                max_body_bytes=self.settings.prometheus_max_body_bytes,
+                budget_s=self.settings.prometheus_timeout_seconds,
+            )
+            if url
+            else None
+        )
         started = status.step_started_at or now
         step = Step(
             namespace=owner.namespace,
@@ -389,8 +520,10 @@ class Reconciler:
             KIND, owner.namespace, owner.name, dump_status(status), meta["resourceVersion"]
         )
 
-    def record_invalid(self, namespace: str, name: str, message: str) -> None:
-        """Ready=False, reason InvalidSpec, phase Failed, with ``message``."""
+    def record_invalid(
+        self, namespace: str, name: str, message: str, reason: str = "InvalidSpec"
+    ) -> None:
+        """Ready=False with ``reason`` (InvalidSpec, NotAllowed), phase Failed, ``message``."""
         body = self.kube.get(KIND, namespace, name)
         if body is None:
             return
@@ -400,7 +533,7 @@ class Reconciler:
             status.conditions,
             "Ready",
             False,
-            "InvalidSpec",
+            reason,
             message,
             now=self.clock(),
             generation=gen,

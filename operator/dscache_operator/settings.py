@@ -16,6 +16,10 @@ from typing import Annotated
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from dscache_operator.podspec import DEFAULT_CORE_IMAGE, ImageSpec
+from dscache_operator.policy import DEFAULT_HOST_PATH_ROOT, DEFAULT_MAX_CACHE_SIZE, AdminPolicy
+from dscache_operator.schema import QUANTITY_PATTERN
+
 
 class OperatorSettings(BaseSettings):
     """Every knob of ``dscache operator``; units are in the names."""
@@ -37,7 +41,11 @@ class OperatorSettings(BaseSettings):
         default=None, description="default Prometheus base URL for rollout analysis"
     )
     prometheus_timeout_seconds: float = Field(
-        default=10.0, gt=0, description="seconds per PromQL query"
+        default=10.0,
+        gt=0,
+        le=300,
+        description="seconds one rollout analysis may spend on Prometheus in all (each of its "
+        "queries, connection and body included, and all of them together)",
     )
     api_timeout_seconds: float = Field(
         default=30.0, gt=0, description="seconds per Kubernetes API request"
@@ -70,12 +78,78 @@ class OperatorSettings(BaseSettings):
         "how long a standby waits before taking over from a replica that died without saying so",
     )
 
-    @field_validator("namespaces", mode="before")
+    # -- what resources may make the operator do (the admin's policy, dscache_operator.policy)
+    host_path_roots: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [DEFAULT_HOST_PATH_ROOT],
+        description="node directories a hostPath cache may be in or below (comma-separated in "
+        "the env var; normalised); empty = no hostPath caches",
+    )
+    max_cache_size: str = Field(
+        default=DEFAULT_MAX_CACHE_SIZE,
+        pattern=QUANTITY_PATTERN,
+        description="largest spec.cache.size (bytes per pod, a Kubernetes quantity)",
+    )
+    toleration_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["*"],
+        description="taint keys a resource's pods may tolerate (fnmatch patterns, "
+        "comma-separated); empty = no tolerations",
+    )
+    allow_keyless_tolerations: bool = Field(
+        default=False,
+        description="allow a toleration without a key (it tolerates every taint)",
+    )
+    shared_tier_images: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(AdminPolicy().shared_tier_images),
+        description="sidecar images (fnmatch patterns over repository:tag or repository@digest, "
+        "comma-separated) that may receive the shared tier's credential",
+    )
+    prometheus_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Prometheus base URLs a resource's rollout.analysis.prometheusUrl may name "
+        "besides prometheus_url (comma-separated); any other is never fetched",
+    )
+    prometheus_max_body_bytes: int = Field(
+        default=1 << 20, ge=1024, le=64 << 20, description="largest Prometheus answer read"
+    )
+    cache_owner_image: str = Field(
+        default=DEFAULT_CORE_IMAGE.reference,
+        min_length=1,
+        max_length=512,
+        description="image of the root init container that hands a hostPath cache directory to "
+        "the pods' user (repository:tag or repository@sha256:...); never the resource's",
+    )
+
+    @field_validator(
+        "namespaces",
+        "host_path_roots",
+        "toleration_keys",
+        "shared_tier_images",
+        "prometheus_urls",
+        mode="before",
+    )
     @classmethod
     def _split(cls, value: object) -> object:
         if isinstance(value, str):
             return [n.strip() for n in value.split(",") if n.strip()]
         return value
+
+    def policy(self) -> AdminPolicy:
+        """The admin's rules for resources, from these settings."""
+        repo, sep, tag = self.cache_owner_image.rpartition(
+            "@" if "@" in self.cache_owner_image else ":"
+        )
+        if not sep or not repo or "/" in tag:
+            repo, tag = self.cache_owner_image, "latest"
+        return AdminPolicy(
+            host_path_roots=tuple(self.host_path_roots),
+            max_cache_size=self.max_cache_size,
+            toleration_keys=tuple(self.toleration_keys),
+            allow_keyless_tolerations=self.allow_keyless_tolerations,
+            shared_tier_images=tuple(self.shared_tier_images),
+            prometheus_url=self.prometheus_url,
+            prometheus_urls=tuple(self.prometheus_urls),
+            cache_owner_image=ImageSpec(repository=repo, tag=tag),
+        )
 
     @model_validator(mode="after")
     def _scope(self) -> OperatorSettings:

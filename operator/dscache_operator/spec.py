@@ -24,6 +24,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from dscache_operator.nginx import DEBIAN_LUA_MODULES
 from dscache_operator.podspec import (
+    CLAIM_NAME_REFUSED,
     DEFAULT_CORE_IMAGE,
     AuthSpec,
     CacheSpec,
@@ -413,8 +414,12 @@ def _semantic_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
     vol = spec.cache.volume
     if vol.type == "hostPath" and not vol.host_path:
         raise InvalidSpecError("spec.cache.volume.hostPath is required for type hostPath")
-    if vol.type == "persistentVolumeClaim" and not vol.claim_name:
-        raise InvalidSpecError("spec.cache.volume.claimName is required for a PVC")
+    if vol.claim_name is not None:
+        raise InvalidSpecError(f"spec.{CLAIM_NAME_REFUSED}")
+    if vol.type == "persistentVolumeClaim" and vol.claim_template is None:
+        raise InvalidSpecError(
+            "spec.cache.volume.claimTemplate is required when type is persistentVolumeClaim"
+        )
     _shared_tier_checks(spec)
     if spec.tenant_salt.source == "secret" and spec.tenant_salt.secret_ref is None:
         raise InvalidSpecError("spec.tenantSalt.secretRef is required when source is secret")

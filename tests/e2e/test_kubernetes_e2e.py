@@ -40,6 +40,8 @@ ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_NS = "dscache-system"
 #: A weight change must reach the router "within a few seconds"; slack for a loaded CI machine.
 ROUTER_LATENCY_BOUND_S = 15.0
+#: The hostPath test's node directory, one of the roots the chart's operator allows.
+E2E_HOST_DIR = f"/var/lib/dscache-e2e-{os.getpid()}"
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,8 @@ def release(dev_cluster: DevCluster) -> Iterator[str]:
         "operator.prometheusUrl": dev_cluster.prometheus_url,
         "operator.tickSeconds": 2,
         "operator.peeringLifetimeSeconds": 10,
+        # The hostPath test's directory, beside the default root (the admin's allow-list).
+        "operator.policy.hostPathRoots": f"{{/var/lib/dscache,{E2E_HOST_DIR}}}",
     }
     dev_cluster.install_chart(
         "dscache", ROOT / "charts" / "dscache", OPERATOR_NS, values, timeout="300s"
@@ -349,7 +353,7 @@ def test_a_host_path_cache_survives_its_pod_and_keeps_the_tracks_apart(
 ) -> None:
     c, ns = dev_cluster, namespace
     name = "disk"
-    host_dir = Path(f"/var/lib/dscache-e2e-{os.getpid()}")
+    host_dir = Path(E2E_HOST_DIR)
     try:
         volume = {"type": "hostPath", "hostPath": str(host_dir)}
         doc = _resource(name, cache={"volume": volume}, rollout={"interval": "1h"})

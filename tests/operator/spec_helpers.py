@@ -34,6 +34,7 @@ ADDED_SINCE_RELEASE: tuple[tuple[str, ...], ...] = (
     ("vllm",),
     ("cache", "directLookup"),
     ("cache", "shared"),
+    ("cache", "volume", "claimTemplate"),
     ("server", "dtype"),
 )
 

@@ -29,7 +29,11 @@ from spec_helpers import released_revision, status_for, validated_deployment
 #: A minimal resource as the API server stored it until now: the CRD's defaults are
 #: persisted on create, the old ``cache.minTokens`` default (512) among them, so the
 #: new default (0, cost-based admission) changes no stored resource's revision.
-MINIMAL: dict[str, Any] = {"model": {"preset": "tiny-gqa"}, "cache": {"minTokens": 512}}
+MINIMAL: dict[str, Any] = {
+    "model": {"preset": "tiny-gqa"},
+    "cache": {"minTokens": 512},
+    "tenantSalt": {"source": "namespace"},  # the old default, persisted likewise
+}
 #: The revision every operator so far computed for MINIMAL: a change is a rollout of
 #: every such resource on upgrade.
 REVISION_OF_MINIMAL = "3da970e14f"

@@ -9,7 +9,9 @@ Children (``<name>`` is the resource's name):
 * during a prewarm: Job ``<name>-prewarm-<revision>`` (created once per
   revision with the ready canary pods' addresses; a Job's template is
   immutable, so it is never re-applied);
-* optionally ServiceMonitor and PrometheusRule ``<name>``.
+* optionally ServiceMonitor and PrometheusRule ``<name>``;
+* with a generated tenant salt: Secret ``<name>-tenant-salt`` (:mod:`.tenancy`),
+  created once by the reconciler, never re-applied.
 
 Where each is built: :mod:`.common` (names, labels, owner, pod and container
 security), :mod:`.model` (the tracks), :mod:`.router`, :mod:`.prewarm`,
@@ -58,6 +60,8 @@ from dscache_operator.desired.router import (
     router_deployment,
     router_service,
 )
+from dscache_operator.desired.tenancy import new_salt, tenant_salt_secret
+from dscache_operator.policy import DEFAULT_POLICY, AdminPolicy
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
 
@@ -72,6 +76,7 @@ __all__ = [
     "Owner",
     "children",
     "model_deployment",
+    "new_salt",
     "pod_address",
     "prewarm_active",
     "prewarm_copy_range",
@@ -84,6 +89,7 @@ __all__ = [
     "router_configmap",
     "router_deployment",
     "selector_labels",
+    "tenant_salt_secret",
     "track_of",
 ]
 
@@ -97,6 +103,7 @@ def children(
     *,
     previous_addresses: tuple[str, ...] = (),
     monitoring: bool,
+    policy: AdminPolicy = DEFAULT_POLICY,
 ) -> list[Obj]:
     """Every child to (re-)apply now, in a safe order (tracks before the router).
 
@@ -107,7 +114,7 @@ def children(
     out: list[Obj] = []
     for slot, ss in sorted(status.slots.items()):
         if not ss.frozen:
-            out.append(model_deployment(owner, spec, status, slot))
+            out.append(model_deployment(owner, spec, status, slot, policy))
         out.append(model_service(owner, status, slot))
         out.append(
             pdb(owner, f"{owner.name}-{slot}", "model", track_of(status, slot), {SLOT: slot})

@@ -6,7 +6,13 @@ Each model pod runs the model server (server image, torch) and the KV sidecar
 the dscache KV connector) from ``spec.vllm.image`` instead. A
 hostPath cache lives in ``<hostPath>/<namespace>/<name>-<slot>``: one
 directory per track, the same after a pod restart, handed to the pods' user by
-the ``cache-owner`` init container. With ``spec.auth.apiKeysSecretRef`` the
+the ``cache-owner`` init container (root with ``CHOWN`` only, running the
+admin's image from the policy, never one the resource names). A
+``persistentVolumeClaim`` cache is a generic ephemeral volume: a claim of
+``cache.size`` per pod, never one claim shared by every pod. The tenant salt
+comes from the generated Secret ``<name>-tenant-salt`` by default. With the
+shared tier on, the pod does not share its PID namespace (the server could
+otherwise read the sidecar's Redis credential in ``/proc``). With ``spec.auth.apiKeysSecretRef`` the
 Secret's key is mounted read-only as a file into the model server (a whole
 volume, not a subPath, so the kubelet's updates of a rotated Secret reach it)
 and ``DSCACHE_SERVER_API_KEYS_FILE`` names it. With ``spec.cache.shared``
@@ -46,6 +52,7 @@ from dscache_operator.desired.common import (
     track_of,
 )
 from dscache_operator.podspec import RevisionSource
+from dscache_operator.policy import DEFAULT_POLICY, AdminPolicy
 from dscache_operator.quantity import quantity_bytes
 from dscache_operator.rollout import slot_replicas
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
@@ -66,8 +73,19 @@ def _cache_volume(owner: Owner, slot: str, src: RevisionSource, size_bytes: int)
     if vol.type == "hostPath" and vol.host_path:
         path = cache_host_path(owner, slot, vol.host_path)
         return {"name": "cache", "hostPath": {"path": path, "type": "DirectoryOrCreate"}}
-    if vol.type == "persistentVolumeClaim":
-        return {"name": "cache", "persistentVolumeClaim": {"claimName": vol.claim_name}}
+    if vol.type == "persistentVolumeClaim" and vol.claim_template is not None:
+        # A generic ephemeral volume: one claim per pod, created and deleted with it, so
+        # no two sidecars ever open one directory.
+        tmpl = vol.claim_template
+        claim: Obj = {
+            "accessModes": list(tmpl.access_modes),
+            "resources": {"requests": {"storage": str(size_bytes)}},
+        }
+        if tmpl.storage_class_name is not None:
+            claim["storageClassName"] = tmpl.storage_class_name
+        labels_ = {**selector_labels(owner, "model"), SLOT: slot}
+        template = {"metadata": {"labels": labels_}, "spec": claim}
+        return {"name": "cache", "ephemeral": {"volumeClaimTemplate": template}}
     return {"name": "cache", "emptyDir": {"sizeLimit": str(size_bytes)}}
 
 
@@ -81,10 +99,11 @@ def cache_host_path(owner: Owner, slot: str, host_path: str) -> str:
     return f"{host_path.rstrip('/')}/{owner.namespace}/{owner.name}-{slot}"
 
 
-def _cache_owner_init(src: RevisionSource) -> Obj:
+def _cache_owner_init(policy: AdminPolicy) -> Obj:
     # The kubelet creates a hostPath directory root-owned (0755) and fsGroup does
     # not apply to hostPath volumes: hand the track's directory to the pods' user.
-    image = src.sidecar.image
+    # It runs as root, so it runs the admin's image, never one the resource names.
+    image = policy.cache_owner_image
     return {
         "name": "cache-owner",
         "image": image.reference,
@@ -106,9 +125,21 @@ def _cache_owner_init(src: RevisionSource) -> Obj:
     }
 
 
-def _tenant_env(src: RevisionSource) -> list[Obj]:
+def tenant_salt_secret_name(owner: Owner) -> str:
+    """The Secret holding a generated tenant salt (``tenantSalt.source: generated``)."""
+    return f"{owner.name}-tenant-salt"
+
+
+#: The key of the generated salt in :func:`tenant_salt_secret_name`'s Secret.
+TENANT_SALT_KEY = "salt"
+
+
+def _tenant_env(owner: Owner, src: RevisionSource) -> list[Obj]:
     salt = src.tenant_salt
     name = "DSCACHE_SERVER_TENANT_SECRET"
+    if salt.source == "generated":
+        ref = {"name": tenant_salt_secret_name(owner), "key": TENANT_SALT_KEY}
+        return [{"name": name, "valueFrom": {"secretKeyRef": ref}}]
     if salt.source == "namespace":
         return [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
     if salt.source == "secret" and salt.secret_ref is not None:
@@ -205,7 +236,7 @@ def _shared_mounts(tmp_sub_path: str) -> list[Obj]:
     ]
 
 
-def _vllm_container(src: RevisionSource) -> Obj:
+def _vllm_container(owner: Owner, src: RevisionSource) -> Obj:
     """``dscache vllm serve``: vLLM with dscache as its KV connector, beside the sidecar."""
     port = src.server.port
     args = ["vllm", "serve", "--socket", SOCKET, "--data-dir", CACHE_DIR]
@@ -214,7 +245,7 @@ def _vllm_container(src: RevisionSource) -> Obj:
         args += ["--revision", src.model.revision]
     args += [src.model.name, "--host", "0.0.0.0", "--port", str(port)]
     args += ["--max-num-seqs", str(src.server.max_concurrency), *src.vllm.args]
-    env = [{**e, "name": "DSCACHE_VLLM_TENANT_SECRET"} for e in _tenant_env(src)] + [
+    env = [{**e, "name": "DSCACHE_VLLM_TENANT_SECRET"} for e in _tenant_env(owner, src)] + [
         {"name": "HF_HUB_OFFLINE", "value": "1"}
     ]
     probe = {"httpGet": {"path": "/health", "port": "http"}}
@@ -231,9 +262,9 @@ def _vllm_container(src: RevisionSource) -> Obj:
     }
 
 
-def _server_container(src: RevisionSource) -> Obj:
+def _server_container(owner: Owner, src: RevisionSource) -> Obj:
     if src.engine == "vllm":
-        return _vllm_container(src)
+        return _vllm_container(owner, src)
     port = src.server.port
     args = ["server", "--model", src.model.name, "--port", str(port)]
     args += ["--sidecar-socket", SOCKET, "--sidecar-data-dir", CACHE_DIR]
@@ -249,7 +280,7 @@ def _server_container(src: RevisionSource) -> Obj:
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
         **container("server", src.server.image, ["dscache"], args),
-        "env": _tenant_env(src) + _auth_env(src),
+        "env": _tenant_env(owner, src) + _auth_env(src),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
@@ -293,7 +324,13 @@ def _sidecar_container(src: RevisionSource, capacity: int) -> Obj:
     }
 
 
-def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) -> Obj:
+def pod_template(
+    owner: Owner,
+    slot: str,
+    revision: str,
+    src: RevisionSource,
+    policy: AdminPolicy = DEFAULT_POLICY,
+) -> Obj:
     """The model pod template of one track (without its hash annotation)."""
     size = quantity_bytes(src.cache.size)
     capacity = size * 9 // 10  # headroom for the index and partly written segments
@@ -301,7 +338,7 @@ def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) ->
     spec: Obj = {
         **pod_spec(src.scheduling, spread=sel),
         "terminationGracePeriodSeconds": 60,
-        "containers": [_server_container(src), _sidecar_container(src, capacity)],
+        "containers": [_server_container(owner, src), _sidecar_container(src, capacity)],
         "volumes": [
             _cache_volume(owner, slot, src, size),
             {"name": "socket", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
@@ -310,10 +347,12 @@ def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) ->
             *_shared_tier_volumes(src)[0],
         ],
     }
-    if src.cache.direct_lookup:
+    if src.cache.direct_lookup and not src.cache.shared.enabled:
         # LMDB registers each reader process by its pid: the server and the sidecar
         # (both pid 1 in their own namespaces) would collide, and lookups fall back to
         # gRPC. One namespace gives them distinct pids (and the pod a pause pid 1).
+        # Not with the shared tier: the server could read the sidecar's Redis
+        # credential from /proc/<pid>/environ; its lookups go over gRPC instead.
         spec["shareProcessNamespace"] = True
     if src.cache.volume.type == "hostPath":
         # Two pods of a track on one node would share one store directory.
@@ -321,7 +360,7 @@ def pod_template(owner: Owner, slot: str, revision: str, src: RevisionSource) ->
         spec["affinity"] = {
             "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}
         }
-        spec["initContainers"] = [_cache_owner_init(src)]
+        spec["initContainers"] = [_cache_owner_init(policy)]
     return {"metadata": {"labels": {**sel, REVISION: revision}}, "spec": spec}
 
 
@@ -335,11 +374,12 @@ def model_deployment(
     spec: DeepSeekCacheDeploymentSpec,
     status: DeepSeekCacheDeploymentStatus,
     slot: str,
+    policy: AdminPolicy = DEFAULT_POLICY,
 ) -> Obj:
     """Deployment ``<name>-<slot>`` for the revision stored for ``slot``."""
     ss = status.slots[slot]
     src = RevisionSource.model_validate(ss.source)
-    template = pod_template(owner, slot, ss.revision, src)
+    template = pod_template(owner, slot, ss.revision, src, policy)
     digest = template_hash(template)
     template["metadata"]["annotations"] = {TEMPLATE_HASH: digest}
     lbls = {**labels(owner, "model", track_of(status, slot)), SLOT: slot, TEMPLATE_HASH: digest}

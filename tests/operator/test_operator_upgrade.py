@@ -1,0 +1,52 @@
+"""An operator upgrade restarts no pod of a resource that was already safe.
+
+``data/safe_children_3c92707.json`` holds, for specs that pass today's admin
+policy by default (examples, a hostPath cache under the default root, a Secret
+salt with API keys, tolerations with keys, ...), the spec and status as the
+API server stored them and every child the operator rendered before issue 30
+(commit 3c92707). Today's operator, given the same stored spec and status,
+must render each of those objects byte for byte: the same pod templates (so
+no Deployment rolls), the same Services and PDBs. The router's ConfigMap is
+left out of the file on purpose: its nginx.conf changed (API paths only,
+connection bounds), which NGINX reloads without a restart. Objects that are
+new (NetworkPolicies) are not compared here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dscache_operator.desired import children
+from dscache_operator.policy import DEFAULT_POLICY, check_spec
+from dscache_operator.spec import parse_spec
+from dscache_operator.status import parse_status
+from spec_helpers import OWNER
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "safe_children_3c92707.json").read_text())
+#: Kinds the old operator rendered (the router ConfigMap aside, see the docstring).
+OLD_KINDS = {"Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor", "PrometheusRule"}
+
+
+def _render(case: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = parse_spec(case["spec"])
+    check_spec(spec, DEFAULT_POLICY)  # safe: allowed by the default policy
+    status = parse_status(case["status"])
+    objs = children(OWNER, spec, status, ("10.0.0.1:8000", "10.0.0.2:8000"), (), monitoring=True)
+    return [o for o in objs if o["kind"] in OLD_KINDS]
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN["cases"]))
+def test_safe_resources_render_the_same_children_as_before(name: str) -> None:
+    case = GOLDEN["cases"][name]
+    got = _render(case)
+    want = case["children"]
+    assert [(o["kind"], o["metadata"]["name"]) for o in got] == [
+        (o["kind"], o["metadata"]["name"]) for o in want
+    ]
+    for new, old in zip(got, want, strict=True):
+        assert json.dumps(new, sort_keys=True) == json.dumps(old, sort_keys=True), (
+            f"{new['kind']} {new['metadata']['name']} changed for {name}"
+        )
