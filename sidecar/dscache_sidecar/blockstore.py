@@ -130,6 +130,9 @@ class BlockSpec:
             raise ValueError(f"unknown codec {self.codec}")
         if not 1 <= len(self.shape) <= 6 or any(d <= 0 for d in self.shape):
             raise ValueError("shape needs 1 to 6 positive dimensions")
+        self._check_sizes(max_stored)
+
+    def _check_sizes(self, max_stored: int) -> None:
         if math.prod(self.shape) * NUMPY_DTYPES[self.dtype].itemsize != self.raw_bytes:
             raise ValueError("raw_bytes does not equal prod(shape) * itemsize")
         if self.codec == Codec.RAW and self.stored_bytes != self.raw_bytes:
@@ -141,6 +144,10 @@ class BlockSpec:
                 raise ValueError("an int8 block stores one byte per element + a scale per row")
         if not 0 < self.stored_bytes <= max_stored:
             raise ValueError(f"stored_bytes must be in (0, {max_stored}]")
+        if self.raw_bytes > max_stored:
+            # What a decoder allocates: a compressed block must decode to no more than
+            # the largest block stored as it is (no decompression bomb by shape).
+            raise ValueError(f"raw_bytes must be at most {max_stored} (the largest block)")
 
 
 @dataclass(frozen=True, slots=True)

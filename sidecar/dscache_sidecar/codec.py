@@ -14,6 +14,11 @@ Contract:
       server puts ``kv_codec`` in the fingerprint's ``extra``.
     * Raw blocks decode to a view of the given buffer (zero copy); compressed and
       int8 blocks decode to a new array.
+    * A zstd payload decodes to the bytes of the block's shape and never more: a
+      frame whose header names another content size is refused before any
+      allocation (no decompression bomb from a forged frame), and the shape itself
+      is bounded where the caller knows a limit (``max_bytes``; the store refuses
+      blocks whose decoded size is over its largest block, ``BlockSpec.validate``).
     * ``CodecPolicy.choose`` compresses a sample of the block and picks zstd only when
       it saves at least ``min_saving`` of the bytes; everything else stays raw.
 
@@ -174,18 +179,44 @@ def decode(
     codec: Codec,
     dtype: str,
     shape: tuple[int, ...],
+    max_bytes: int | None = None,
 ) -> np.ndarray:
-    """The block's array. Raw payloads become a read-only view without copying."""
+    """The block's array. Raw payloads become a read-only view without copying.
+
+    A compressed payload decodes to exactly the bytes ``shape`` holds, never more:
+    a zstd frame whose header names another size is refused before anything is
+    allocated, and ``max_bytes`` (the largest block the caller accepts; None: no
+    limit beyond the shape) bounds the shape itself.
+
+    Raises:
+        ValueError: the payload does not decode to a block of ``shape``.
+    """
     np_dtype = NUMPY_DTYPES[dtype]
     n = int(np.prod(shape)) if shape else 0
     if codec is Codec.RAW:
         arr = np.frombuffer(payload, dtype=np_dtype, count=n)
         return arr.reshape(shape)
     if codec is Codec.ZSTD_SHUFFLE:
-        planes = zstandard.ZstdDecompressor().decompress(
-            bytes(payload), max_output_size=n * np_dtype.itemsize
-        )
-        if len(planes) != n * np_dtype.itemsize:
+        want = n * np_dtype.itemsize
+        if max_bytes is not None and want > max_bytes:
+            raise ValueError(f"a block of shape {shape} is over the {max_bytes}-byte limit")
+        data = bytes(payload)
+        # A frame that names its content size is decompressed to that size whatever
+        # max_output_size says (python-zstandard): check it first, so a forged frame
+        # header cannot make the decoder allocate more than the block's shape.
+        try:
+            framed = zstandard.frame_content_size(data)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"not a zstd frame: {exc}") from exc
+        if framed not in (-1, want):
+            raise ValueError(
+                f"the zstd frame holds {framed} bytes, the block's shape {want}: refused"
+            )
+        try:
+            planes = zstandard.ZstdDecompressor().decompress(data, max_output_size=want)
+        except zstandard.ZstdError as exc:
+            raise ValueError(f"the zstd frame does not decode within {want} bytes") from exc
+        if len(planes) != want:
             raise ValueError("decompressed size does not match the block's shape")
         return unshuffle(planes, np_dtype.itemsize).view(np_dtype).reshape(shape)
     if codec is Codec.INT8_ROWS:

@@ -112,8 +112,20 @@ class SidecarSettings(BaseSettings):
     """ACL user name for the shared tier (empty = the default user)."""
     shared_password: SecretStr = SecretStr("")
     """Password for the shared tier (empty = no AUTH)."""
-    shared_tls: bool = False
-    """Speak TLS to the shared tier."""
+    shared_key_prefix: str = Field(default="dscache", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    """First part of every remote name (``<prefix>:v1|v2:<tenant>:<key>``): a namespace's
+    own prefix, which its Redis ACL user's key pattern (``~<prefix>:*``) confines it to."""
+    shared_signing_key: SecretStr = SecretStr("")
+    """The namespace's HMAC-SHA256 key: values written are signed with it, and a value
+    read must carry a signature made with it (or ``shared_signing_key_previous``), else it
+    is a miss, dropped and counted (``remote_blocks_total{result="forged"}``). Empty:
+    values are unsigned (anyone who can write to the cluster could forge one) and a
+    warning says so at start."""
+    shared_signing_key_previous: SecretStr = SecretStr("")
+    """A key being rotated out: its signatures are still accepted, never made."""
+    shared_tls: bool | None = None
+    """Speak TLS to the shared tier; unset: TLS when ``shared_tls_ca_file`` names a CA
+    (a cluster that offers TLS), else plain TCP."""
     shared_tls_ca_file: Path | None = None
     """CA bundle that signs the shared tier's certificates (default: the system's)."""
     shared_tls_verify_hostname: bool = True
@@ -166,6 +178,13 @@ class SidecarSettings(BaseSettings):
     def shared_node_list(self) -> list[str]:
         """The shared tier's startup nodes (``host:port``), empty without one."""
         return [n.strip() for n in self.shared_nodes.split(",") if n.strip()]
+
+    @property
+    def shared_tls_on(self) -> bool:
+        """Whether the shared tier is spoken to over TLS (``shared_tls``, else a CA given)."""
+        if self.shared_tls is not None:
+            return self.shared_tls
+        return self.shared_tls_ca_file is not None
 
     @property
     def quarantine_s(self) -> float:

@@ -311,7 +311,7 @@ def _shared_tier(
         timeout_s=settings.shared_timeout_s,
         username=settings.shared_username,
         password=settings.shared_password.get_secret_value(),
-        tls=settings.shared_tls,
+        tls=settings.shared_tls_on,
         ca_file=settings.shared_tls_ca_file,
         verify_hostname=settings.shared_tls_verify_hostname,
     )
@@ -319,10 +319,20 @@ def _shared_tier(
     store.set_events(shared)
     shared.start()
     log.info(
-        "shared tier: Redis Cluster at %s, write policy %s",
+        "shared tier: Redis Cluster at %s (%s), names %s:*, %s values, write policy %s",
         ",".join(nodes),
+        "TLS" if settings.shared_tls_on else "plain TCP",
+        settings.shared_key_prefix,
+        "signed" if shared.format.signed else "unsigned",
         settings.shared_write_policy,
     )
+    if not shared.format.signed:
+        log.warning(
+            "the shared tier's values are not signed (no DSCACHE_SIDECAR_SHARED_SIGNING_KEY): "
+            "anyone who can write to the cluster can forge a block this pod will load"
+        )
+    if not settings.shared_tls_on:
+        log.warning("the shared tier is spoken to in plain TCP: blocks cross the network readable")
     return shared
 
 

@@ -127,7 +127,7 @@ class SidecarMetrics:
         self.remote_blocks = counter(
             "dscache_sidecar_remote_blocks_total",
             "Blocks of the shared tier by op (lookup, fetch, push) and result (hit, miss, ok, "
-            "corrupt, not_stored)",
+            "corrupt, forged: a signature that does not verify, not_stored)",
             "op",
             "result",
         )

@@ -7,13 +7,16 @@ recomputing it. The engine is any :class:`~dscache_sidecar.remote.RemoteTier`
 
 Contract:
     * Same keys as the local store: a block lives under
-      ``dscache:v1:<tenant id hex>:<key hex>``, so a tenant reaches only its own
-      blocks (the key chain is salted per tenant as well). The value is the block's
+      ``<prefix>:v1|v2:<tenant id hex>:<key hex>``, so a tenant reaches only its own
+      blocks (the key chain is salted per tenant as well) and a namespace only its
+      own prefix (its Redis ACL user's key pattern). The value is the block's
       stored bytes (same codec) behind a header naming its tenant, key, parent,
-      layout and checksum (:func:`pack_block`).
-    * Reads verify before use: a value whose header or checksum does not match is
-      a miss, is deleted remotely and counted (``corrupt``). A verified block is
-      stored locally (promotion) and is leased from there.
+      layout and checksum, signed with the namespace's key when it has one
+      (:mod:`dscache_sidecar.sharedvalue`).
+    * Reads verify before use: a value whose signature does not verify is a miss,
+      deleted remotely and counted (``forged``); one whose header or checksum does
+      not match likewise (``corrupt``). A verified block is stored locally
+      (promotion) and is leased from there.
     * Writes never block a request: the store's events (:meth:`SharedTier.stored`,
       :meth:`SharedTier.hit`) only queue a key; one writer thread reads the bytes
       back from the local store and writes batches. A full queue drops (counted).
@@ -35,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -45,30 +47,21 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Protocol
 
-from google.protobuf.message import DecodeError
-
-from dscache.v1 import kvcache_pb2 as pb
 from dscache_sidecar.blockstore import BlockSpec, StoreFullError, tenant_bytes
-from dscache_sidecar.codec import DTYPE_NAMES
 from dscache_sidecar.config import SidecarSettings
 from dscache_sidecar.index import BlockRecord
 from dscache_sidecar.metrics import SidecarMetrics
 from dscache_sidecar.remote import RemoteTier, RemoteTierError
-from dscache_sidecar.segments import checksum
+from dscache_sidecar.sharedvalue import CorruptValueError, ForgedValueError, ValueFormat
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "BlockSource",
-    "CorruptValueError",
     "SharedTier",
-    "pack_block",
-    "remote_name",
-    "unpack_block",
+    "value_format",
 ]
 
-_MAGIC = b"DSKV\x01"
-_HEADER_LEN = struct.Struct("<I")
 #: Keys remembered as hit, fetched or queued (policy decisions, no double writes).
 _HOT_KEYS = 1 << 17
 #: Blocks per write batch.
@@ -77,73 +70,14 @@ _WRITE_BATCH = 32
 _WARN_EVERY_S = 30.0
 
 
-def remote_name(tenant_id: bytes, key: bytes) -> str:
-    """The remote name of a block: the tenant's id and the block key, in hex."""
-    return f"dscache:v1:{tenant_id.hex()}:{key.hex()}"
-
-
-class CorruptValueError(ValueError):
-    """A remote value that is not the block it should be."""
-
-
-def pack_block(rec: BlockRecord, data: bytes) -> bytes:
-    """The remote value of a stored block: magic, header length, header, bytes."""
-    header = pb.PutHeader(
-        tenant=rec.tenant.hex(),
-        block=pb.NewBlock(
-            key=rec.key,
-            parent=rec.parent,
-            info=pb.BlockInfo(
-                dtype=DTYPE_NAMES[rec.dtype_code],
-                shape=list(rec.shape),
-                codec=rec.codec,  # type: ignore[arg-type]
-                raw_bytes=rec.raw_bytes,
-                stored_bytes=rec.stored_bytes,
-                checksum=rec.checksum,
-            ),
-        ),
-    ).SerializeToString()
-    return b"".join((_MAGIC, _HEADER_LEN.pack(len(header)), header, data))
-
-
-def unpack_block(
-    tenant_id: bytes, key: bytes, value: bytes, max_stored: int
-) -> tuple[BlockSpec, int, bytes]:
-    """Verifies a remote value: (spec, checksum, stored bytes).
-
-    Raises:
-        CorruptValueError: wrong format, another tenant's or key's block, a layout
-            that does not validate, or bytes that do not match the checksum.
-    """
-    start = len(_MAGIC) + _HEADER_LEN.size
-    if len(value) < start or value[: len(_MAGIC)] != _MAGIC:
-        raise CorruptValueError("not a dscache block value")
-    (n,) = _HEADER_LEN.unpack_from(value, len(_MAGIC))
-    header = pb.PutHeader()
-    try:
-        header.ParseFromString(value[start : start + n])
-    except DecodeError as exc:
-        raise CorruptValueError(f"unreadable header: {exc}") from exc
-    block, info = header.block, header.block.info
-    if header.tenant != tenant_id.hex() or bytes(block.key) != key:
-        raise CorruptValueError("the value belongs to another tenant or key")
-    spec = BlockSpec(
-        key=key,
-        parent=bytes(block.parent),
-        codec=int(info.codec),
-        dtype=info.dtype,
-        shape=tuple(info.shape),
-        raw_bytes=info.raw_bytes,
-        stored_bytes=info.stored_bytes,
+def value_format(settings: SidecarSettings) -> ValueFormat:
+    """The names and value format the settings ask for (prefix, signing keys)."""
+    previous = settings.shared_signing_key_previous.get_secret_value()
+    return ValueFormat(
+        prefix=settings.shared_key_prefix,
+        signing_key=settings.shared_signing_key.get_secret_value().encode(),
+        verify_keys=(previous.encode(),) if previous else (),
     )
-    try:
-        spec.validate(max_stored)
-    except ValueError as exc:
-        raise CorruptValueError(str(exc)) from exc
-    data = value[start + n :]
-    if len(data) != spec.stored_bytes or checksum(data) != info.checksum:
-        raise CorruptValueError("the bytes do not match the block's checksum")
-    return spec, info.checksum, data
 
 
 class BlockSource(Protocol):
@@ -192,6 +126,7 @@ class SharedTier:
         self.settings = settings
         self.metrics = metrics
         self._now = monotonic
+        self.format = value_format(settings)
         self._lock = threading.Lock()
         self._hot: OrderedDict[bytes, None] = OrderedDict()
         self._queue: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue(
@@ -340,7 +275,7 @@ class SharedTier:
                 drops.labels(reason="gone").inc()
                 continue
             rec, data = found
-            items.append((remote_name(tid, key), pack_block(rec, data)))
+            items.append((self.format.name(tid, key), self.format.pack(rec, data)))
         if not items:
             return
         t0 = time.perf_counter()
@@ -362,7 +297,7 @@ class SharedTier:
             return 0
         tid = tenant_bytes(tenant)
         t0 = time.perf_counter()
-        call = self._calls.submit(self.tier.exists, [remote_name(tid, k) for k in keys])
+        call = self._calls.submit(self.tier.exists, [self.format.name(tid, k) for k in keys])
         try:
             present = call.result(timeout=self.settings.shared_timeout_s)
         except FutureTimeout:
@@ -419,7 +354,7 @@ class SharedTier:
         return promoted
 
     def _fetch(self, tid: bytes, batch: list[bytes]) -> Future[list[bytes | None]]:
-        names = [remote_name(tid, k) for k in batch]
+        names = [self.format.name(tid, k) for k in batch]
         return self._calls.submit(self.tier.get, names, self.settings.shared_ttl_s)
 
     def _wait(
@@ -444,7 +379,7 @@ class SharedTier:
                 blocks.labels(op="fetch", result="miss").inc()
                 return n
             try:
-                spec, csum, data = unpack_block(tid, key, value, self.source.max_stored_bytes)
+                spec, csum, data = self.format.unpack(tid, key, value, self.source.max_stored_bytes)
             except CorruptValueError as exc:
                 self._corrupt(tid, key, exc)
                 return n
@@ -461,10 +396,16 @@ class SharedTier:
         return len(batch)
 
     def _corrupt(self, tid: bytes, key: bytes, exc: CorruptValueError) -> None:
-        self.metrics.remote_blocks.labels(op="fetch", result="corrupt").inc()
-        self.metrics.checksum_failures.labels(where="remote").inc()
-        log.warning("dropped a corrupt block of the shared tier: %s", exc)
+        if isinstance(exc, ForgedValueError):
+            # Written by someone without this namespace's key: never loaded.
+            self.metrics.remote_blocks.labels(op="fetch", result="forged").inc()
+            what = "a forged (unsigned or wrongly signed)"
+        else:
+            self.metrics.remote_blocks.labels(op="fetch", result="corrupt").inc()
+            self.metrics.checksum_failures.labels(where="remote").inc()
+            what = "a corrupt"
+        log.warning("dropped %s block of the shared tier: %s", what, exc)
         try:
-            self.tier.delete([remote_name(tid, key)])
+            self.tier.delete([self.format.name(tid, key)])
         except RemoteTierError as err:
             self._failed("delete", err)

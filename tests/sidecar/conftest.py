@@ -8,7 +8,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
+from dscache_tools.rediscluster import LocalRedisCluster
 from factories import stopped_after
+from needs import need_binary
 from sidecar_helpers import DaemonProcess, Sidecar
 
 
@@ -33,3 +36,19 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
 
     with stopped_after(build) as make:
         yield make
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """One real Redis Cluster (3 masters on loopback) for every shared-tier test."""
+    need_binary("redis-server", "redis-server")
+    with LocalRedisCluster(tmp_path_factory.mktemp("redis")) as c:
+        yield c
+
+
+@pytest.fixture
+def shared(cluster: LocalRedisCluster) -> LocalRedisCluster:
+    """The session's cluster, emptied before the test."""
+    for port in cluster.ports:
+        redis.Redis(host="127.0.0.1", port=port).flushall()
+    return cluster

@@ -9,60 +9,20 @@ remote value is never served, and a dead or frozen cluster changes no answer.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import redis
 from dscache_sidecar.blockstore import tenant_bytes
-from dscache_sidecar.index import BlockRecord
-from dscache_sidecar.shared import CorruptValueError, pack_block, remote_name, unpack_block
-from dscache_tools.rediscluster import LocalRedisCluster, TlsFiles
+from dscache_sidecar.sharedvalue import CorruptValueError
+from dscache_tools.rediscluster import LocalRedisCluster
 from needs import need_binary
+from shared_helpers import UNSIGNED, pod, record, reuse, settle, tls_files
 from sidecar_helpers import Sidecar, block_array, blocks_for, chain, prompt
 
 from dscache.keys import tenant_salt
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
-    need_binary("redis-server", "redis-server")
-    with LocalRedisCluster(tmp_path_factory.mktemp("redis")) as c:
-        yield c
-
-
-@pytest.fixture
-def shared(cluster: LocalRedisCluster) -> LocalRedisCluster:
-    """The module's cluster, emptied before the test."""
-    for port in cluster.ports:
-        redis.Redis(host="127.0.0.1", port=port).flushall()
-    return cluster
-
-
-def pod(make_sidecar: Callable[..., Sidecar], c: LocalRedisCluster, **kw: Any) -> Sidecar:
-    """A daemon on its own (empty) data directory with ``c`` as its shared tier.
-
-    Timeouts are generous unless a test is about them: on a loaded machine a first
-    call (connection, slot map) can outlast the 0.25 s default, and these tests
-    check what is found, not how fast.
-    """
-    kw.setdefault("shared_timeout_s", 3.0)
-    kw.setdefault("shared_fetch_budget_s", 10.0)
-    return make_sidecar(shared_nodes=c.nodes, **kw)
-
-
-def settle(*pods: Sidecar) -> None:
-    for p in pods:
-        assert p.running is not None and p.running.shared is not None
-        assert p.running.shared.wait_idle(20.0), "shared-tier writes did not finish"
-
-
-def reuse(p: Sidecar, tenant: str, keys: list[bytes]) -> None:
-    """A returning request: leases (hits) the whole chain on ``p``."""
-    with p.c.load(tenant, keys) as loaded:
-        assert len(loaded.keys) == len(keys)
 
 
 def test_a_moved_session_finds_its_prefix_on_a_fresh_pod(
@@ -129,8 +89,8 @@ def test_tenants_are_isolated_in_the_shared_tier(
     assert b.store.stored_prefix(other, keys) == 0
     # ... and the remote names carry the tenant's id.
     rc = redis.RedisCluster(host="127.0.0.1", port=shared.ports[0])
-    assert rc.exists(remote_name(tenant_bytes(owner.tenant), keys[0])) == 1
-    assert rc.exists(remote_name(tenant_bytes(other), keys[0])) == 0
+    assert rc.exists(UNSIGNED.name(tenant_bytes(owner.tenant), keys[0])) == 1
+    assert rc.exists(UNSIGNED.name(tenant_bytes(other), keys[0])) == 0
     assert b.c.find(owner.tenant, keys).found == 4
 
 
@@ -143,7 +103,7 @@ def test_a_corrupt_remote_value_is_detected_dropped_and_never_served(
     a.c.store(ch.tenant, blocks_for(keys))
     settle(a)
     rc = redis.RedisCluster(host="127.0.0.1", port=shared.ports[0])
-    name = remote_name(tenant_bytes(ch.tenant), keys[3])
+    name = UNSIGNED.name(tenant_bytes(ch.tenant), keys[3])
     value = bytearray(rc.get(name) or b"")
     value[-100] ^= 0x40  # one flipped bit in the payload
     rc.set(name, bytes(value))
@@ -159,36 +119,15 @@ def test_a_corrupt_remote_value_is_detected_dropped_and_never_served(
     assert b.c.find(ch.tenant, keys).found == 3
 
 
-def _record(key: bytes, parent: bytes, tenant: str, data: bytes) -> BlockRecord:
-    from dscache_sidecar.codec import DTYPE_CODES
-    from dscache_sidecar.segments import checksum
-
-    return BlockRecord(
-        key=key,
-        segment=0,
-        offset=0,
-        extent_bytes=4096,
-        stored_bytes=len(data),
-        raw_bytes=len(data),
-        checksum=checksum(data),
-        codec=0,
-        dtype_code=DTYPE_CODES["float32"],
-        shape=(len(data) // 4,),
-        tenant=tenant_bytes(tenant),
-        parent=parent,
-        created_ms=0,
-    )
-
-
 def test_remote_values_verify_tenant_key_layout_and_bytes() -> None:
     tenant = tenant_salt("t").hex()[:32]
     key, parent = b"k" * 32, b"p" * 32
     data = np.arange(64, dtype=np.float32).tobytes()
-    value = pack_block(_record(key, parent, tenant, data), data)
+    value = UNSIGNED.pack(record(key, parent, tenant, data), data)
     tid = tenant_bytes(tenant)
-    spec, csum, got = unpack_block(tid, key, value, 1 << 20)
+    spec, csum, got = UNSIGNED.unpack(tid, key, value, 1 << 20)
     assert (spec.key, spec.parent, spec.shape, got) == (key, parent, (64,), data)
-    assert csum == _record(key, parent, tenant, data).checksum
+    assert csum == record(key, parent, tenant, data).checksum
     broken = {
         "another key": (tid, b"x" * 32, value),
         "another tenant": (tenant_bytes("someone-else"), key, value),
@@ -199,7 +138,7 @@ def test_remote_values_verify_tenant_key_layout_and_bytes() -> None:
     }
     for what, (t, k, v) in broken.items():
         with pytest.raises(CorruptValueError):
-            unpack_block(t, k, v, 1 << 20)
+            UNSIGNED.unpack(t, k, v, 1 << 20)
             pytest.fail(what)
 
 
@@ -307,73 +246,19 @@ def test_a_password_protected_cluster_needs_the_right_password(
         assert wrong.metric("dscache_sidecar_remote_up") == 0
 
 
-def _tls_files(where: Path, name: str) -> TlsFiles:
-    """A CA and a node certificate for 127.0.0.1 signed by it (PEM files)."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    where.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
-
-    def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-        return key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "redis")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    files = TlsFiles(where / "node.crt", where / "node.key", where / "ca.crt")
-    files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files.key.write_bytes(pem_key(key))
-    files.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    return files
-
-
 def test_a_tls_cluster_is_used_only_with_a_ca_that_signed_it(
     make_sidecar: Callable[..., Sidecar], tmp_path: Path
 ) -> None:
     need_binary("redis-server", "redis-server")
-    tls = _tls_files(tmp_path / "tls", "dscache test")
-    stranger = _tls_files(tmp_path / "other", "someone else")
+    tls = tls_files(tmp_path / "tls", "dscache test")
+    stranger = tls_files(tmp_path / "other", "someone else")
     with LocalRedisCluster(tmp_path / "redis-tls", tls=tls) as secure:
-        trusted = {"shared_tls": True, "shared_tls_ca_file": tls.ca}
+        # A CA is all it takes: TLS is on by default when the settings name one.
+        trusted = {"shared_tls_ca_file": tls.ca}
         a = pod(make_sidecar, secure, shared_write_policy="all", **trusted)
         b = pod(make_sidecar, secure, **trusted)
-        fooled = pod(make_sidecar, secure, shared_tls=True, shared_tls_ca_file=stranger.ca)
-        plain = pod(make_sidecar, secure)  # no TLS at all
+        fooled = pod(make_sidecar, secure, shared_tls_ca_file=stranger.ca)
+        plain = pod(make_sidecar, secure)  # no CA, no TLS: plain TCP
         ch = chain()
         keys = ch.keys(prompt(3, seed=12))
         a.c.store(ch.tenant, blocks_for(keys))
