@@ -97,6 +97,7 @@ def test_table_shows_the_kv_pass_and_the_routing_rows() -> None:
     assert "| kv | 0.880 | 98% |" in lines
 
 
+@pytest.mark.slow
 def test_png_draws_the_kv_pass(tmp_path: Path) -> None:
     png = tmp_path / "demo.png"
     write_png(_result(cache_on=0.8, cache_on_kv=0.88, cache_on_no_prompt_key=0.6), png)

@@ -59,6 +59,7 @@ def test_turns_in_order_sessions_in_parallel(fake: FakeChatServer) -> None:
     assert overlaps > 0
 
 
+@pytest.mark.slow
 def test_session_id_only_when_given_and_never_a_cookie(fake: FakeChatServer) -> None:
     workload = _workload(8)
     assert any(r.session_id is None for r in workload)
@@ -73,6 +74,7 @@ def test_session_id_only_when_given_and_never_a_cookie(fake: FakeChatServer) -> 
     assert all(s.cookie is None for s in sent)
 
 
+@pytest.mark.slow
 def test_ttft_is_the_first_content_chunk(fake: FakeChatServer) -> None:
     fake.first_token_delay_s = 0.2
     fake.rest_delay_s = 0.3
@@ -180,6 +182,7 @@ def test_think_times_are_seeded_bounded_and_start_with_none() -> None:
     assert think_times("s", 5, 0.0) == [0.0] * 5 and think_times("s", 1, 2.0) == [0.0]
 
 
+@pytest.mark.slow
 def test_a_session_thinks_between_turns_and_others_go_on(fake: FakeChatServer) -> None:
     workload = _workload(4)
     cfg = LoadConfig(target=fake.url, concurrency=4, progress=False, think_s=0.3)

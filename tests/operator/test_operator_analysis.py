@@ -127,6 +127,7 @@ def prom(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusProcess
     metrics.close()
 
 
+@pytest.mark.slow
 def test_real_prometheus_figures_and_verdicts(prom: PrometheusProcess) -> None:
     prom.metrics.set("ns1", "stable1", Served(hit_rate=0.9, ttft_s=0.2))
     prom.metrics.set("ns1", "good", Served(hit_rate=0.95, ttft_s=0.2))
@@ -150,6 +151,7 @@ def test_real_prometheus_figures_and_verdicts(prom: PrometheusProcess) -> None:
     assert verdict("good", namespace="other")[0] == "NoData"
 
 
+@pytest.mark.slow
 def test_real_prometheus_blue_green_compares_with_stable_before_the_step(
     prom: PrometheusProcess,
 ) -> None:

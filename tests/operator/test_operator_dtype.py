@@ -72,6 +72,7 @@ def test_without_a_dtype_the_pods_and_the_revision_are_what_they_were() -> None:
     assert revision_of(plain.revision_source()) == released_revision(plain.revision_source())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_reaches_the_server_and_is_a_new_revision(dtype: str) -> None:
     args = _server_args(validated_deployment(parse_spec(_with_dtype(MINIMAL, dtype))))

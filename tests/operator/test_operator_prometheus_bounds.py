@@ -147,6 +147,7 @@ def test_an_answer_over_the_cap_is_not_read(server: Callable[[Handler], TinyServ
     assert PrometheusClient(ok.url, timeout_s=5, max_body_bytes=65536).scalar("up") == 0.5
 
 
+@pytest.mark.slow
 def test_a_url_the_admin_did_not_allow_is_never_fetched(
     server: Callable[[Handler], TinyServer],
 ) -> None:

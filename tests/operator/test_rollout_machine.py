@@ -513,6 +513,7 @@ _annotations = st.sampled_from(
         max_size=25,
     )
 )
+@pytest.mark.slow
 def test_weight_rises_only_on_pass_or_promote(
     steps: list[tuple[Verdict | None, Annotations, bool, str]],
 ) -> None:

@@ -200,6 +200,7 @@ def router() -> Iterator[_Router]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_a_new_weight_is_served_within_seconds_without_a_restart(router: _Router) -> None:
     router.start(weight=0)
     assert router.tracks() == {"stable"}
@@ -232,6 +233,7 @@ def test_a_new_weight_is_served_within_seconds_without_a_restart(router: _Router
     assert router.proc.poll() is None
 
 
+@pytest.mark.slow
 def test_an_unchanged_file_causes_no_reload(router: _Router) -> None:
     router.start(weight=0)
     workers = router.workers()
@@ -270,6 +272,7 @@ def _only(router: _Router, pod: str, name: str) -> None:
     router.publish_and_wait(0, stable=(pod,), stable_name=name, canary=(), session_memory_s=MEMORY)
 
 
+@pytest.mark.slow
 def test_a_live_session_keeps_its_track_through_a_whole_rollout(router: _Router) -> None:
     """New sessions follow the weight; a session already running finishes where it started."""
     blue, green = router.stable, router.canary
@@ -305,6 +308,7 @@ def test_a_live_session_keeps_its_track_through_a_whole_rollout(router: _Router)
     assert _pods(router, old + new) == {green}
 
 
+@pytest.mark.slow
 def test_an_aborted_canary_hands_its_sessions_back(router: _Router) -> None:
     blue, green = router.stable, router.canary
     _remembering(router, 50)
@@ -317,6 +321,7 @@ def test_an_aborted_canary_hands_its_sessions_back(router: _Router) -> None:
     assert _pods(router, sessions) == {blue}
 
 
+@pytest.mark.slow
 def test_without_memory_a_session_follows_the_weight(router: _Router) -> None:
     blue, green = router.stable, router.canary
     router.start(weight=0)
@@ -326,6 +331,7 @@ def test_without_memory_a_session_follows_the_weight(router: _Router) -> None:
     assert _pods(router, sessions) == {green}
 
 
+@pytest.mark.slow
 def test_the_status_endpoint_says_what_is_served(router: _Router) -> None:
     router.start(weight=0)
     router.publish_and_wait(25, stable_name="blue", canary_name="green", session_memory_s=60)

@@ -325,6 +325,7 @@ def test_a_stream_the_client_abandons_gives_back_its_slot(
     assert srv.metric("dscache_server_generated_tokens_total") < 4000
 
 
+@pytest.mark.slow
 def test_not_ready_until_the_loader_has_run(tokenizer: DeepSeekTokenizer) -> None:
     loaded = threading.Event()
 

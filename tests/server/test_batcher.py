@@ -68,6 +68,7 @@ def batcher(tokenizer: DeepSeekTokenizer) -> Iterator[Callable[..., Batcher]]:
         b.close()
 
 
+@pytest.mark.slow
 def test_batched_and_chunked_runs_give_the_tokens_of_a_lone_run(
     batcher: Callable[..., Batcher], tokenizer: DeepSeekTokenizer
 ) -> None:
@@ -86,6 +87,7 @@ def test_batched_and_chunked_runs_give_the_tokens_of_a_lone_run(
     assert batched, "no decode step ran more than one request"
 
 
+@pytest.mark.slow
 def test_a_short_request_does_not_wait_for_a_long_one_to_finish(
     batcher: Callable[..., Batcher], tokenizer: DeepSeekTokenizer
 ) -> None:
@@ -102,6 +104,7 @@ def test_a_short_request_does_not_wait_for_a_long_one_to_finish(
     assert long.result(timeout=120).completion_tokens == 200
 
 
+@pytest.mark.slow
 def test_cancelled_request_stops_and_the_others_go_on(
     batcher: Callable[..., Batcher], tokenizer: DeepSeekTokenizer
 ) -> None:
@@ -142,6 +145,7 @@ def test_timings_cover_the_path_to_the_first_token(
     assert t["prefill"] > 0
 
 
+@pytest.mark.slow
 def test_close_lets_running_requests_finish_and_refuses_new_ones(
     tokenizer: DeepSeekTokenizer,
 ) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 from dscache_server.blockstore import NewBlock
 from dscache_server.calibrate import calibrate
 from dscache_server.storecodec import StoreCodec
@@ -69,6 +70,7 @@ class StallingMemoryStore:
         return None
 
 
+@pytest.mark.slow
 def test_a_stalled_first_call_is_not_taken_for_the_lookup_overhead() -> None:
     engine = engine_for("tiny-gqa")
     store = StallingMemoryStore()

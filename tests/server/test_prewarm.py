@@ -55,6 +55,7 @@ def _cached_tokens(srv: LiveServer, prompts: Path) -> int:
     return again.cached_tokens
 
 
+@pytest.mark.slow
 def test_every_prompt_reaches_every_target(
     pods: list[LiveServer], prompts_file: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -110,6 +111,7 @@ def _cached_once(srv: LiveServer, chat: list[dict[str, object]]) -> int:
     return r.cached_tokens
 
 
+@pytest.mark.slow
 def test_ring_placement_warms_the_pods_the_router_tries_first_then_more_copies(
     pods: list[LiveServer], prompts_file: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -183,6 +185,7 @@ def test_templates_mined_on_a_serving_pod_warm_a_new_pod(
     assert "no mined templates" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_targets_are_checked() -> None:
     assert parse_targets(["http://a:1, http://b:2/", "http://a:1"]) == ["http://a:1", "http://b:2"]
     with pytest.raises(ValueError, match="not an http"):

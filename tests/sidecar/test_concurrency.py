@@ -217,6 +217,7 @@ def test_late_write_of_an_expired_reservation_is_never_served(sc: Sidecar) -> No
     assert_no_leaked_space(sc)
 
 
+@pytest.mark.slow
 def test_many_threads_lookup_load_store_get_at_once(sc: Sidecar) -> None:
     ch = chain()
     chains = [ch.keys(prompt(4, seed)) for seed in range(24)]  # 96 blocks, 32 fit

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from dscache_sidecar.client import SidecarClient
 from dscache_sidecar.segments import HEADER_BYTES, SegmentFiles
 from sidecar_helpers import Sidecar, block_array, blocks_for, chain, prompt
@@ -177,6 +178,7 @@ def test_flipped_header_byte_is_dropped_and_counted_at_restart(sidecar: Sidecar)
     assert_one_dropped_at_start(sc, ch.tenant, keys, kept=1)
 
 
+@pytest.mark.slow
 def test_verify_on_start_full_catches_a_flipped_payload_byte(sidecar: Sidecar) -> None:
     sc, ch = sidecar, chain()
     keys = ch.keys(prompt(4, 1))

@@ -114,6 +114,7 @@ _CLIENT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_same_pid_in_another_pid_namespace_falls_back_to_grpc(tmp_path: Path) -> None:
     """What a pod without ``shareProcessNamespace`` looks like: the daemon and the
     server are both pid 1 in namespaces of their own. LMDB's reader lock of pid 1 is

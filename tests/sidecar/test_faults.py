@@ -89,6 +89,7 @@ def _assert_reads(c: SidecarClient, tenant: str, keys: list[bytes]) -> None:
             np.testing.assert_array_equal(arr, block_array(key))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared_volume", [True, False], ids=["allocate-commit", "put"])
 def test_enospc_fails_writes_as_a_full_disk_and_reads_go_on(
     make_sidecar: Callable[..., Sidecar], shared_volume: bool

@@ -185,6 +185,7 @@ def assert_still_serving(sc: Sidecar, seed: int) -> None:
             np.testing.assert_array_equal(arr, block_array(key))
 
 
+@pytest.mark.slow
 def test_fuzzed_requests_get_normal_answers_and_never_kill_the_daemon(
     sc: Sidecar, channel: grpc.Channel
 ) -> None:
@@ -306,6 +307,7 @@ def versioned(key: bytes, v: int) -> np.ndarray:
     return block_array(key) + np.float32(v)
 
 
+@pytest.mark.slow
 def test_random_operations_never_return_other_bytes_than_stored(sc: Sidecar) -> None:
     """Against a model: for each key, the versions it may hold (stores add one,
     delete/clear empty it; eviction may drop any). Reads must match one of them,

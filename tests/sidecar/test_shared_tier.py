@@ -25,6 +25,7 @@ from sidecar_helpers import Sidecar, block_array, blocks_for, chain, prompt
 from dscache.keys import tenant_salt
 
 
+@pytest.mark.slow
 def test_a_moved_session_finds_its_prefix_on_a_fresh_pod(
     make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
 ) -> None:
@@ -56,6 +57,7 @@ def test_a_moved_session_finds_its_prefix_on_a_fresh_pod(
     assert b.metric("dscache_sidecar_remote_blocks_total", op="fetch", result="ok") == 8
 
 
+@pytest.mark.slow
 def test_single_use_blocks_stay_on_their_node_unless_the_policy_is_all(
     make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
 ) -> None:
@@ -94,6 +96,7 @@ def test_tenants_are_isolated_in_the_shared_tier(
     assert b.c.find(owner.tenant, keys).found == 4
 
 
+@pytest.mark.slow
 def test_a_corrupt_remote_value_is_detected_dropped_and_never_served(
     make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
 ) -> None:
@@ -172,6 +175,7 @@ def test_a_frozen_cluster_is_a_miss_within_the_timeout(
     assert b.metric("dscache_sidecar_remote_errors_total", op="lookup", kind="timeout") >= 1
 
 
+@pytest.mark.slow
 def test_writes_never_wait_for_the_tier_and_overflow_is_counted(
     make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
 ) -> None:
@@ -195,6 +199,7 @@ def test_writes_never_wait_for_the_tier_and_overflow_is_counted(
     assert stored_s < 5.0
 
 
+@pytest.mark.slow
 def test_a_killed_cluster_changes_no_answer(
     make_sidecar: Callable[..., Sidecar], tmp_path: Path
 ) -> None:
@@ -222,6 +227,7 @@ def test_a_killed_cluster_changes_no_answer(
         assert b.c.find(ch.tenant, more).found == 3
 
 
+@pytest.mark.slow
 def test_a_password_protected_cluster_needs_the_right_password(
     make_sidecar: Callable[..., Sidecar], tmp_path: Path
 ) -> None:
@@ -246,6 +252,7 @@ def test_a_password_protected_cluster_needs_the_right_password(
         assert wrong.metric("dscache_sidecar_remote_up") == 0
 
 
+@pytest.mark.slow
 def test_a_tls_cluster_is_used_only_with_a_ca_that_signed_it(
     make_sidecar: Callable[..., Sidecar], tmp_path: Path
 ) -> None:

@@ -63,6 +63,7 @@ def load_spec(pages: tuple[int, ...]) -> LoadSpec:
     return LoadSpec("r2", CHAIN.tenant, tuple(KEYS), 0, 0, pages)
 
 
+@pytest.mark.slow
 def test_saved_blocks_load_into_other_pages_exactly(daemon: SidecarProcess) -> None:
     src = kv(fill=True)
     saver, reg = worker(daemon, src)
@@ -78,6 +79,7 @@ def test_saved_blocks_load_into_other_pages_exactly(daemon: SidecarProcess) -> N
     loader.close()
 
 
+@pytest.mark.slow
 def test_a_corrupt_block_stops_the_load_and_is_recomputed(daemon: SidecarProcess) -> None:
     saver, _ = worker(daemon, kv(fill=True))
     save_all(saver)
@@ -104,6 +106,7 @@ def test_a_dead_sidecar_fails_no_load_and_no_save(daemon: SidecarProcess) -> Non
     w.close()
 
 
+@pytest.mark.slow
 def test_a_full_write_queue_drops_blocks_instead_of_waiting(daemon: SidecarProcess) -> None:
     w, reg = worker(daemon, kv(fill=True), queue_blocks=2)
     w.save(SaveSpec("r", CHAIN.tenant, tuple(KEYS), (b"", KEYS[0], KEYS[1]), tuple(range(6))))
