@@ -85,6 +85,9 @@ class SidecarSettings(BaseSettings):
     """LMDB map size (index capacity), bytes."""
     stats_flush_s: float = 5.0
     """How often access statistics are written to the index, seconds."""
+    reader_check_s: float = Field(default=30.0, gt=0)
+    """How often the index's reader slots of processes that died (a model server
+    killed while it read the index) are freed, seconds; also done at start."""
     max_keys_per_request: int = 65536
     """Longest chain a request may carry, blocks."""
     grpc_workers: int = 8

@@ -197,6 +197,16 @@ class BlockIndex:
         unchanged index."""
         return int(self._env.info()["last_txnid"])
 
+    def clear_stale_readers(self) -> int:
+        """Frees reader slots whose process is gone (LMDB's ``mdb_reader_check``: a
+        slot's owner is alive while it holds its lock on the lock file, so this
+        works across PID namespaces too); returns how many were freed."""
+        return int(self._env.reader_check())
+
+    def reader_table(self) -> str:
+        """LMDB's table of reader slots (pid, thread, txnid per line), for diagnosis."""
+        return str(self._env.readers())
+
     def close(self) -> None:
         self._env.close()
 

@@ -104,6 +104,10 @@ class SidecarMetrics:
             "Blocks whose bytes did not match their checksum, by where it was found",
             "where",
         )
+        self.stale_readers = counter(
+            "dscache_sidecar_stale_readers_cleared_total",
+            "Reader slots of the LMDB index freed because their process was gone",
+        )
         self.write_rejections = counter(
             "dscache_sidecar_write_rejections_total",
             "Allocate/Put requests refused, by reason",

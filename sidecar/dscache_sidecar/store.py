@@ -175,6 +175,7 @@ class KVStore:
             data_dir / "index", self.settings.lmdb_map_bytes, self.settings.durable
         )
         self._index.check_geometry(self.settings.segment_bytes)
+        self.clear_stale_readers()
         usable = self._segments.open_all(reserve_bytes=_index_reserve(self.settings))
         self._catalog.alloc = ExtentAllocator(self.settings.segment_bytes, usable)
         self._reconcile()
@@ -182,9 +183,11 @@ class KVStore:
             self._catalog.quarantine_until = self._clock.monotonic() + self.settings.quarantine_s
         self.metrics.watch_store(self.gauges)
         if start_reaper:
-            self._reaper = Reaper(
-                self.expire, self.flush_stats, self.settings.stats_flush_s, self._clock
-            )
+            jobs = [
+                (self.settings.stats_flush_s, self.flush_stats),
+                (self.settings.reader_check_s, self.clear_stale_readers),
+            ]
+            self._reaper = Reaper(self.expire, jobs, self._clock)
         log.info(
             "store open: %d blocks, %d/%d segments of %d bytes, policy %s",
             len(self._catalog.blocks),
@@ -424,6 +427,20 @@ class KVStore:
         rows = [(k, blocks[k].last_access_ms, blocks[k].hits) for k in dirty if k in blocks]
         dirty.clear()
         self._index.write_stats(rows)
+
+    def clear_stale_readers(self) -> int:
+        """Frees the index's reader slots of reader processes that are gone (a model
+        server killed while it held one): each would otherwise keep a slot of the
+        lock file's table for good, and one killed inside a read transaction would
+        pin the pages it saw, so the index would only grow. Returns how many."""
+        index = self._index
+        if index is None:
+            return 0
+        cleared = index.clear_stale_readers()
+        if cleared:
+            self.metrics.stale_readers.inc(cleared)
+            log.info("cleared %d reader slots of processes that are gone", cleared)
+        return cleared
 
     def flush_stats(self) -> None:
         """Writes pending access statistics to the index."""

@@ -1,8 +1,10 @@
-"""The store's upkeep thread: ends expired leases and reservations, flushes stats.
+"""The store's upkeep thread: ends expired leases and reservations, runs periodic jobs.
 
 Contract:
-    * Every ``interval_s`` (0.5 s) it calls ``expire``; every ``flush_s`` of the
-      clock's monotonic time it calls ``flush``.
+    * Every ``interval_s`` (0.5 s) it calls ``expire``; each periodic job ``(period_s,
+      fn)`` runs when ``period_s`` of the clock's monotonic time passed since its last
+      run (the store's: flushing access statistics, clearing the reader slots of
+      reader processes that died).
     * It outlives any one failure (logged), and :meth:`Reaper.stop` ends it
       within one interval.
 """
@@ -11,11 +13,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dscache_sidecar.blockstore import Clock
 
 log = logging.getLogger(__name__)
+
+#: A periodic job: how often (monotonic seconds) and what.
+Job = tuple[float, Callable[[], object]]
 
 
 class Reaper:
@@ -24,14 +29,12 @@ class Reaper:
     def __init__(
         self,
         expire: Callable[[], object],
-        flush: Callable[[], None],
-        flush_s: float,
+        jobs: Sequence[Job],
         clock: Clock,
         interval_s: float = 0.5,
     ) -> None:
         self._expire = expire
-        self._flush = flush
-        self._flush_s = flush_s
+        self._jobs = list(jobs)
         self._clock = clock
         self._interval_s = interval_s
         self._stop = threading.Event()
@@ -44,12 +47,17 @@ class Reaper:
         self._thread.join(timeout=timeout_s)
 
     def _loop(self) -> None:
-        last_flush = self._clock.monotonic()
+        last = [self._clock.monotonic()] * len(self._jobs)
         while not self._stop.wait(self._interval_s):
             try:
                 self._expire()
-                if self._clock.monotonic() - last_flush >= self._flush_s:
-                    self._flush()
-                    last_flush = self._clock.monotonic()
             except Exception:  # the reaper must outlive any one failure
                 log.exception("store upkeep failed")
+            for i, (period_s, job) in enumerate(self._jobs):
+                if self._clock.monotonic() - last[i] < period_s:
+                    continue
+                try:
+                    job()
+                except Exception:
+                    log.exception("store upkeep failed")
+                last[i] = self._clock.monotonic()

@@ -22,7 +22,7 @@ from dscache_sidecar import client as client_module
 from dscache_sidecar.client import SidecarClient
 from dscache_sidecar.client import lookup as client_lookup
 from needs import missing, need_binary
-from sidecar_helpers import DaemonProcess, Sidecar, blocks_for, chain, prompt
+from sidecar_helpers import DaemonProcess, Sidecar, blocks_for, chain, prompt, store_chain
 
 
 def _rpc(d: DaemonProcess) -> SidecarClient:
@@ -154,3 +154,68 @@ def test_same_pid_in_another_pid_namespace_falls_back_to_grpc(tmp_path: Path) ->
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=20)
+
+
+_HOLD_A_READ = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from dscache_sidecar.index import IndexReader
+    reader = IndexReader(Path(sys.argv[1]))
+    txn = reader._env.begin()  # a lookup in flight
+    print("reading", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _reader(index: Path) -> subprocess.Popen[str]:
+    """A process that opened the index and is inside a read transaction."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_A_READ, str(index)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "reading"
+    return proc
+
+
+def _killed_reader(index: Path) -> int:
+    """A reader SIGKILLed inside its read transaction (a model server's OOM kill)."""
+    proc = _reader(index)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    return proc.pid
+
+
+def _slots(sidecar: Sidecar) -> str:
+    return str(sidecar.store._index.reader_table())
+
+
+@pytest.mark.slow
+def test_reader_slots_of_killed_model_servers_are_freed(
+    make_sidecar: Callable[..., Sidecar],
+) -> None:
+    # A reader killed while the daemon runs: freed by the periodic check.
+    s = make_sidecar(reader_check_s=0.5)
+    dead = _killed_reader(s.data_dir / "index")
+    assert f" {dead} " in _slots(s)  # LMDB kept the dead process's slot
+    deadline = time.monotonic() + 20
+    while f" {dead} " in _slots(s) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert f" {dead} " not in _slots(s)
+    assert s.metric("dscache_sidecar_stale_readers_cleared_total") == 1
+    # The daemon restarts while a model server keeps the index open (so LMDB does not
+    # reset its reader table) and another reader died meanwhile: freed at start.
+    s.stop()
+    live = _reader(s.data_dir / "index")
+    try:
+        dead = _killed_reader(s.data_dir / "index")
+        s.kw["reader_check_s"] = 3600.0
+        s.start()
+        assert f" {dead} " not in _slots(s)
+        assert f" {live.pid} " in _slots(s)  # a live reader keeps its slot
+        assert s.metric("dscache_sidecar_stale_readers_cleared_total") == 1
+    finally:
+        live.kill()
+        live.wait(timeout=10)
+    tenant, keys = store_chain(s.c, 2, seed=31)  # and the index works on
+    assert s.c.find(tenant, keys).found == 2
