@@ -9,6 +9,17 @@ cached. Block ``i``'s key chains from block ``i - 1``::
                       || u32le(n) || u32le(tok_0) || ... || u32le(tok_n-1))
     key(i)   = SHA256("dscache/block/v1\\0" || key(i-1) || u32le(n) || u32le(tokens...))
 
+A block whose KV depends on more than its tokens and its prefix (a LoRA adapter, an
+image behind placeholder tokens) carries *extras*: a non-empty list of items, each a
+list of strings and integers (``block_extra``). Such a block's key uses another
+domain tag and appends the extras' canonical JSON ``x``::
+
+    key(i)   = SHA256("dscache/block-extra/v1\\0" || key(i-1) || u32le(n) || u32le(tokens...)
+                      || u32le(len(x)) || x)
+
+A block without extras keys exactly as above (plain token blocks keep their keys), and
+the two domain tags keep the forms apart.
+
 ``fingerprint_digest`` is SHA256("dscache/fingerprint/v1\\0" || canonical JSON of the
 model fingerprint), where canonical JSON means ``json.dumps(obj, sort_keys=True,
 separators=(",", ":"), ensure_ascii=True)``. The fingerprint covers everything that
@@ -19,8 +30,11 @@ the bytes a reader gets, so it is part of the fingerprint: ``extra["kv_codec"]``
 (see ``with_kv_codec``); exact blocks carry no such entry.
 
 Invariants:
-    * Keys are 32 bytes and a pure function of (fingerprint, salt, token ids): they
-      match across processes, restarts and nodes. No ``hash()``, no random seed.
+    * Keys are 32 bytes and a pure function of (fingerprint, salt, token ids, each
+      block's extras): they match across processes, restarts and nodes. No
+      ``hash()``, no random seed.
+    * Two blocks with the same tokens and prefix but different extras never share a
+      key, and neither does any later block of their chains.
     * Two fingerprints that differ in any field never share a root, so two models
       never share a key.
     * Two tenants with different salts never share a key, so one tenant cannot see
@@ -53,6 +67,7 @@ CONTRACT_VERSION = 1
 _DOMAIN_FINGERPRINT = b"dscache/fingerprint/v1\x00"
 _DOMAIN_ROOT = b"dscache/root/v1\x00"
 _DOMAIN_BLOCK = b"dscache/block/v1\x00"
+_DOMAIN_BLOCK_EXTRA = b"dscache/block-extra/v1\x00"
 _DOMAIN_TENANT = b"dscache/tenant/v1\x00"
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -210,7 +225,7 @@ class ModelFingerprint:
             "tp_rank": self.tp_rank,
             "extra": dict(self.extra),
         }
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+        return _canonical(obj)
 
     def digest(self) -> bytes:
         """32-byte fingerprint digest."""
@@ -271,22 +286,61 @@ def encode_tokens(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return arr.astype("<u4", copy=False).tobytes()
 
 
-def chain_key(prev: bytes, block_token_ids: Sequence[int] | np.ndarray) -> bytes:
-    """The key of one block given its predecessor's key (or the root)."""
+#: One item of a block's extras (e.g. ``("lora", name, digest)``).
+ExtraItem = Sequence[str | int]
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def block_extra(items: Sequence[ExtraItem]) -> bytes:
+    """The canonical encoding of one block's extras (``b""`` when it has none).
+
+    Each item is a sequence of strings and integers whose first element names its
+    kind; order matters and is the caller's (keep it deterministic).
+    """
+    out: list[list[str | int]] = []
+    for item in items:
+        fields = list(item)
+        if not fields or not all(
+            isinstance(f, str) or (isinstance(f, int) and not isinstance(f, bool)) for f in fields
+        ):
+            raise ValueError(f"a block extra is a non-empty list of strings and ints: {item!r}")
+        out.append(fields)
+    return _canonical(out) if out else b""
+
+
+def chain_key(
+    prev: bytes, block_token_ids: Sequence[int] | np.ndarray, extra: bytes = b""
+) -> bytes:
+    """The key of one block given its predecessor's key (or the root) and its extras
+    (``block_extra``; ``b""`` for a plain token block)."""
     if len(prev) != KEY_BYTES:
         raise ValueError("previous key must be 32 bytes")
-    return _block_hash(prev, encode_tokens(block_token_ids))
+    return _block_hash(prev, encode_tokens(block_token_ids), extra)
 
 
-def _block_hash(prev: bytes, enc: bytes) -> bytes:
-    """A block's key from its predecessor's key and its encoded token ids."""
-    return hashlib.sha256(_DOMAIN_BLOCK + prev + struct.pack("<I", len(enc) // 4) + enc).digest()
+def _block_hash(prev: bytes, enc: bytes, extra: bytes = b"") -> bytes:
+    """A block's key from its predecessor's key, its encoded token ids and extras."""
+    head = struct.pack("<I", len(enc) // 4)
+    if not extra:
+        return hashlib.sha256(_DOMAIN_BLOCK + prev + head + enc).digest()
+    tail = struct.pack("<I", len(extra)) + extra
+    return hashlib.sha256(_DOMAIN_BLOCK_EXTRA + prev + head + enc + tail).digest()
 
 
 def block_keys(
-    root: bytes, token_ids: Sequence[int] | np.ndarray, block_tokens: int
+    root: bytes,
+    token_ids: Sequence[int] | np.ndarray,
+    block_tokens: int,
+    extras: Sequence[bytes] | None = None,
 ) -> list[bytes]:
-    """Keys of every full block of ``token_ids``; a trailing partial block has none."""
+    """Keys of every full block of ``token_ids``; a trailing partial block has none.
+
+    ``extras[i]`` is block ``i``'s ``block_extra`` (``b""``: none); blocks past the
+    end of ``extras`` have none.
+    """
     if block_tokens <= 0:
         raise ValueError("block_tokens must be positive")
     if len(root) != KEY_BYTES:
@@ -296,10 +350,13 @@ def block_keys(
     # chain_key's bytes, without its per-block conversions.
     enc = encode_tokens(np.asarray(token_ids)[: n_full * block_tokens])
     step = 4 * block_tokens
+    extras = extras or ()
     keys: list[bytes] = []
     prev = root
     for i in range(n_full):
-        prev = _block_hash(prev, enc[i * step : (i + 1) * step])
+        prev = _block_hash(
+            prev, enc[i * step : (i + 1) * step], extras[i] if i < len(extras) else b""
+        )
         keys.append(prev)
     return keys
 
@@ -326,9 +383,11 @@ class KeyChain:
     def block_tokens(self) -> int:
         return self.fingerprint.block_tokens
 
-    def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[bytes]:
-        """Keys of the full blocks of a prompt."""
-        return block_keys(self.root, token_ids, self.fingerprint.block_tokens)
+    def keys(
+        self, token_ids: Sequence[int] | np.ndarray, extras: Sequence[bytes] | None = None
+    ) -> list[bytes]:
+        """Keys of the full blocks of a prompt (``extras``: see ``block_keys``)."""
+        return block_keys(self.root, token_ids, self.fingerprint.block_tokens, extras)
 
 
 def checkpoint_revision(path: Path) -> str:

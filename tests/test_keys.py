@@ -17,7 +17,9 @@ from dscache.keys import (
     KVLayout,
     LayoutKind,
     ModelFingerprint,
+    block_extra,
     block_keys,
+    chain_key,
     root_key,
     tenant_label,
     tenant_salt,
@@ -32,8 +34,11 @@ def _fingerprint(d: dict) -> ModelFingerprint:
     return ModelFingerprint(layout=KVLayout(**lay), **{k: v for k, v in d.items() if k != "layout"})
 
 
-def _spec_keys(canonical: bytes, salt: bytes, tokens: list[int], bt: int) -> list[bytes]:
+def _spec_keys(
+    canonical: bytes, salt: bytes, tokens: list[int], bt: int, extras: list | None = None
+) -> list[bytes]:
     """The contract written out from its docstring with hashlib only."""
+    extras = extras or []
     fp = hashlib.sha256(b"dscache/fingerprint/v1\x00" + canonical).digest()
     prev = hashlib.sha256(
         b"dscache/root/v1\x00" + fp + struct.pack("<I", len(salt)) + salt
@@ -42,9 +47,17 @@ def _spec_keys(canonical: bytes, salt: bytes, tokens: list[int], bt: int) -> lis
     for i in range(len(tokens) // bt):
         blk = tokens[i * bt : (i + 1) * bt]
         enc = b"".join(struct.pack("<I", t) for t in blk)
-        prev = hashlib.sha256(
-            b"dscache/block/v1\x00" + prev + struct.pack("<I", len(blk)) + enc
-        ).digest()
+        items = extras[i] if i < len(extras) else []
+        if items:
+            x = json.dumps(items, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+            tail = struct.pack("<I", len(x)) + x.encode()
+            prev = hashlib.sha256(
+                b"dscache/block-extra/v1\x00" + prev + struct.pack("<I", len(blk)) + enc + tail
+            ).digest()
+        else:
+            prev = hashlib.sha256(
+                b"dscache/block/v1\x00" + prev + struct.pack("<I", len(blk)) + enc
+            ).digest()
         out.append(prev)
     return out
 
@@ -54,7 +67,8 @@ def test_committed_vectors_match_the_implementation_and_the_spec() -> None:
     # what "keys are stable across processes, hash seeds and hosts" means for a user.
     data = json.loads(VECTORS.read_text())
     assert data["contract"] == 1
-    assert len(data["cases"]) >= 3
+    assert len(data["cases"]) >= 6
+    assert sum(1 for c in data["cases"] if c.get("extras")) >= 3
     for case in data["cases"]:
         fp = _fingerprint(case["fingerprint"])
         exp = case["expected"]
@@ -76,9 +90,13 @@ def test_committed_vectors_match_the_implementation_and_the_spec() -> None:
         assert salt.hex() == exp["salt"]
         assert tenant_label(salt) == exp["tenant_label"]
         assert root_key(fp, salt).hex() == exp["root"]
-        keys = KeyChain(fp, salt).keys(case["tokens"])
-        assert [k.hex() for k in keys] == exp["block_keys"]
-        spec = _spec_keys(exp["canonical_json"].encode(), salt, case["tokens"], fp.block_tokens)
+        extras = case.get("extras")
+        encoded = [block_extra(items) for items in extras] if extras else None
+        keys = KeyChain(fp, salt).keys(case["tokens"], encoded)
+        assert [k.hex() for k in keys] == exp["block_keys"], case["name"]
+        spec = _spec_keys(
+            exp["canonical_json"].encode(), salt, case["tokens"], fp.block_tokens, extras
+        )
         assert [k.hex() for k in spec] == exp["block_keys"]
     assert base64.b64decode("c2VjcmV0") == b"secret"
 
@@ -138,6 +156,31 @@ def test_tenants_never_share_keys_and_labels_hide_the_name() -> None:
     assert not set(a) & set(b) and not set(a) & set(c)
     label = tenant_label(tenant_salt("bank-a"))
     assert len(label) == 32 and "bank" not in label
+
+
+def test_extras_separate_blocks_and_everything_after_them() -> None:
+    chain = KeyChain(ModelFingerprint("m", "r", LAYOUT, block_tokens=4))
+    toks = list(range(16))
+    plain = chain.keys(toks)
+    # No extras, or empty ones, is the plain chain: existing stores stay valid.
+    assert chain.keys(toks, [b"", b""]) == plain
+    image_a = block_extra([["mm", "hash-a", 2]])
+    image_b = block_extra([["mm", "hash-b", 2]])
+    a = chain.keys(toks, [b"", image_a])
+    b = chain.keys(toks, [b"", image_b])
+    # The block before the image is shared; the image's block and every later one differ.
+    assert a[0] == b[0] == plain[0]
+    assert not set(a[1:]) & set(b[1:]) and not set(a[1:]) & set(plain[1:])
+    # The same item at another place in the block is another key.
+    assert chain.keys(toks, [b"", block_extra([["mm", "hash-a", 3]])])[1] != a[1]
+    assert chain_key(plain[0], toks[4:8], image_a) == a[1]
+    lora = [block_extra([["lora", "x", "sha256:1"]])] * 4
+    other = [block_extra([["lora", "x", "sha256:2"]])] * 4
+    assert not set(chain.keys(toks, lora)) & set(chain.keys(toks, other))
+    with pytest.raises(ValueError, match="strings and ints"):
+        block_extra([["mm", 1.5]])
+    with pytest.raises(ValueError, match="strings and ints"):
+        block_extra([[]])
 
 
 def test_numpy_and_list_inputs_agree_and_bad_ids_are_rejected() -> None:

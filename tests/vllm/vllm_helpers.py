@@ -43,9 +43,24 @@ def need_vllm() -> None:
         missing(str(exc))
 
 
+#: ``probe_config`` arguments that configure the engine; the rest go to the connector.
+ENGINE_OPTIONS = frozenset(
+    {
+        "dtype",
+        "max_model_len",
+        "max_lora_rank",
+        "prompt_embeds",
+        "limit_images",
+        "tensor_parallel_size",
+        "kv_space_gib",
+    }
+)
+
+
 def probe_config(model: Path, sidecar: SidecarProcess | None, **extra: Any) -> dict[str, Any]:
     block_size = extra.pop("block_size", 128)
     cfg: dict[str, Any] = {"model": str(model), "block_size": block_size, "connector": None}
+    cfg.update({k: extra.pop(k) for k in ENGINE_OPTIONS & set(extra)})
     if sidecar is not None:
         cfg["connector"] = "dscache"
         cfg["extra"] = {"socket": sidecar.socket, "data_dir": str(sidecar.data_dir), **extra}

@@ -24,6 +24,15 @@ Contract:
       write in the background.
     * A request's tenant is its ``cache_salt`` (vLLM's own prefix cache isolates
       salts the same way).
+    * A block's key holds everything that changes its KV, as vLLM's own block hashes
+      do: the tokens and their prefix, the request's LoRA adapter (name and a digest
+      of its files) and the multimodal items over the block (vLLM's item hash and
+      placeholder offset; ``dscache_vllm.extras``). A request with inputs the
+      connector cannot key (prompt embeddings, an unknown kind of vLLM extra key) is
+      not cached, counted in ``uncached_requests_total{reason}``.
+    * Engines the connector cannot serve exactly are refused at start-up with the
+      reason: encoder-decoder models (cross-attention KV), models with more than one
+      KV cache group (sliding-window or hybrid layers), KV dtypes it cannot store.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from dscache.keys import KeyChain, ModelFingerprint, tenant_salt
+from dscache_vllm.extras import RequestInputs, request_inputs
 from dscache_vllm.metrics import ConnectorMetrics, export, merge
 from dscache_vllm.paged import DTYPES, LayoutError, PagedKV
 from dscache_vllm.plan import Planner, Scheduled, StepPlan
@@ -126,6 +136,54 @@ def _page_layout(vllm_config: Any, dtype: Any) -> dict[str, str]:
     return layout
 
 
+def _refuse_unsupported(vllm_config: Any, kv_cache_config: Any) -> None:
+    """Raises ``ValueError`` naming why this engine's KV cannot be cached exactly."""
+    model = vllm_config.model_config
+    if model is not None and getattr(model, "is_encoder_decoder", False):
+        raise ValueError(
+            f"dscache's vLLM connector does not cache encoder-decoder models ({model.model}): "
+            "their cross-attention KV depends on the encoder input, not on the prompt's tokens"
+        )
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        kinds = ", ".join(sorted({type(g.kv_cache_spec).__name__ for g in groups}))
+        raise ValueError(
+            f"dscache's vLLM connector needs one KV cache group; this model has {len(groups)} "
+            f"({kinds}: sliding-window, hybrid or cross-attention layers), whose pages vLLM "
+            "allocates and reuses separately"
+        )
+
+
+def _inputs(request: Any) -> RequestInputs:
+    """What besides the tokens decides ``request``'s KV (``dscache_vllm.extras``)."""
+    lora = request.lora_request
+    features = request.mm_features or ()
+    embeds = getattr(request, "prompt_embeds", None) is not None
+    if lora is None and not features and not embeds:
+        return _PLAIN_INPUTS
+    kinds: list[str] = []
+    if not embeds and all(f.identifier for f in features):
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+        # vLLM's own extra keys over the whole request: a kind this connector does
+        # not know is an input it would not key, so the request is not cached.
+        try:
+            keys, _ = generate_block_hash_extra_keys(request, 0, request.num_tokens, 0)
+        except Exception as exc:  # a shape of request this vLLM cannot hash
+            log.debug("vLLM's extra keys failed (%s): not cached", exc)
+            keys = (("unhashable",),)
+        kinds = [str(k[0]) if isinstance(k, tuple) and k else repr(k) for k in keys or ()]
+    return request_inputs(
+        lora=(str(lora.lora_name), str(lora.lora_path)) if lora is not None else None,
+        mm=[(f.identifier, int(f.mm_position.offset), int(f.mm_position.length)) for f in features],
+        extra_kinds=kinds,
+        prompt_embeds=embeds,
+    )
+
+
+_PLAIN_INPUTS = RequestInputs()
+
+
 def _layer_order(name: str) -> tuple[int, ...]:
     """Natural order of layer names (``layers.10`` after ``layers.9``)."""
     return tuple(int(n) for n in re.findall(r"\d+", name))
@@ -141,6 +199,7 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self.metrics = ConnectorMetrics.create()
         self.page_tokens = int(vllm_config.cache_config.block_size)
+        _refuse_unsupported(vllm_config, kv_cache_config)
         self.fingerprint = self._fingerprint(vllm_config, tp_rank=self._tp_rank(role))
         self._client = SidecarClient(
             self.settings.socket, data_dir=self.settings.data_dir, timeout_s=self.settings.timeout_s
@@ -154,6 +213,7 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pages: dict[str, list[int]] = {}
         self._worker: KVWorker | None = None
         self._load_errors: set[int] = set()
+        self._uncached: set[str] = set()
         log.info(
             "dscache connector (%s): socket %s, data dir %s, %d-token blocks over %d-token "
             "pages, fingerprint %s",
@@ -229,8 +289,18 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._requests[request.request_id] = request
         start = time.perf_counter()
         failures = self.planner.lookup_failures
+        inputs = _inputs(request)
+        if inputs.uncacheable is not None:
+            if request.request_id not in self._uncached:
+                self._uncached.add(request.request_id)
+                self.metrics.uncached(inputs.uncacheable)
+            return 0, False
         n = self.planner.matched(
-            request.request_id, request.all_token_ids, request.cache_salt, num_computed_tokens
+            request.request_id,
+            request.all_token_ids,
+            request.cache_salt,
+            num_computed_tokens,
+            inputs,
         )
         failed = self.planner.lookup_failures > failures
         self.metrics.lookup(
@@ -290,6 +360,7 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.planner.finished(request.request_id)
         self._requests.pop(request.request_id, None)
         self._pages.pop(request.request_id, None)
+        self._uncached.discard(request.request_id)
         return False, None
 
     # ------------------------------------------------------------------- worker side

@@ -14,7 +14,9 @@ Series (all counters): ``lookups_total{result=hit|miss|error}``,
 ``lookup_seconds_total`` (time of the scheduler-side lookups),
 ``loaded_tokens_total``, ``load_failures_total{reason=unavailable|missing|layout}``
 (pages), ``stored_blocks_total``, ``store_dropped_blocks_total``,
-``store_failures_total`` (blocks).
+``store_failures_total`` (blocks), ``uncached_requests_total{reason=prompt_embeds|
+mm_unhashed|lora_unreadable|unknown_input}`` (requests whose inputs cannot be keyed,
+neither loaded nor saved; see ``dscache_vllm.extras``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ FAMILIES: dict[str, tuple[str, str | None]] = {
     "stored_blocks": ("Blocks handed to the sidecar (newly stored or already present)", None),
     "store_dropped_blocks": ("Blocks not stored because the write queue was full", None),
     "store_failures": ("Blocks whose store failed (sidecar down, disk full)", None),
+    "uncached_requests": (
+        "Requests not cached because an input cannot be keyed (prompt embeddings, ...)",
+        "reason",
+    ),
 }
 
 _PROCESS_REGISTRY = CollectorRegistry()
@@ -105,6 +111,9 @@ class ConnectorMetrics:
 
     def store_failed(self, blocks: int) -> None:
         self._inc("store_failures", blocks)
+
+    def uncached(self, reason: str) -> None:
+        self._inc("uncached_requests", 1, reason)
 
     def take(self) -> dict[str, float]:
         """The increments since the last call (``family|label`` -> amount)."""

@@ -22,7 +22,12 @@ Contract:
       token; blocks the lookup found stored are never saved again. Tokens past
       ``len(token_ids)`` (speculative drafts) are never saved.
     * Keys come from the tenant's :class:`~dscache.keys.KeyChain`: a request's
-      ``cache_salt`` is its tenant, so two salts never share a block.
+      ``cache_salt`` is its tenant, so two salts never share a block. Each block's
+      key also holds what else decides its KV (the request's LoRA adapter, the
+      multimodal items over it: :class:`~dscache_vllm.extras.RequestInputs`), so
+      requests that differ in those never share a block either.
+    * A request whose inputs cannot be keyed (``RequestInputs.uncacheable``) is
+      neither looked up, loaded nor saved.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dscache.keys import KeyChain, block_keys
+from dscache_vllm.extras import PLAIN, RequestInputs
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +124,7 @@ class Scheduled:
 class _Request:
     tenant: str
     chain: KeyChain
+    inputs: RequestInputs = PLAIN
     keys: list[bytes] = field(default_factory=list)
     #: Blocks known stored (found by the lookup, or handed to the worker to save).
     stored: int = 0
@@ -159,11 +166,11 @@ class Planner:
         #: Lookups that failed (the store unreachable): counted by the connector.
         self.lookup_failures = 0
 
-    def _request(self, req_id: str, salt: str | None) -> _Request:
+    def _request(self, req_id: str, salt: str | None, inputs: RequestInputs) -> _Request:
         state = self._reqs.get(req_id)
         if state is None:
             chain = self._chain_for(salt or DEFAULT_TENANT)
-            state = _Request(tenant=chain.tenant, chain=chain)
+            state = _Request(tenant=chain.tenant, chain=chain, inputs=inputs)
             self._reqs[req_id] = state
         return state
 
@@ -173,14 +180,26 @@ class Planner:
         if blocks > have:
             prev = state.keys[-1] if state.keys else state.chain.root
             bt = self.block_tokens
-            state.keys.extend(block_keys(prev, token_ids[have * bt : blocks * bt], bt))
+            extras = None if state.inputs.plain else state.inputs.extras(have, blocks, bt)
+            state.keys.extend(block_keys(prev, token_ids[have * bt : blocks * bt], bt, extras))
         return state.keys[:blocks]
 
     def matched(
-        self, req_id: str, token_ids: Sequence[int], salt: str | None, num_computed: int
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        salt: str | None,
+        num_computed: int,
+        inputs: RequestInputs = PLAIN,
     ) -> int:
-        """Tokens beyond ``num_computed`` (vLLM's own prefix hit) loadable from the store."""
-        state = self._request(req_id, salt)
+        """Tokens beyond ``num_computed`` (vLLM's own prefix hit) loadable from the store.
+
+        ``inputs`` (what besides the tokens decides the KV) is read on a request's
+        first call; an uncacheable request is never tracked: 0, and nothing saved.
+        """
+        if inputs.uncacheable is not None and req_id not in self._reqs:
+            return 0
+        state = self._request(req_id, salt, inputs)
         usable = max(len(token_ids) - 1, 0) // self.block_tokens
         if usable == 0:
             return 0

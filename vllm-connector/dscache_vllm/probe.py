@@ -5,11 +5,15 @@ answers each with one stdout line ``@@probe <json>`` (vLLM logs on the same
 streams; readers take only the marked lines). The first command configures the
 engine; then:
 
-* ``{"op": "generate", "prompts": [{"prompt_token_ids": [...], "cache_salt": ...}],
+* ``{"op": "generate", "prompts": [{"prompt_token_ids": [...] | "prompt": TEXT,
+  "cache_salt": ..., "lora": {"name", "id", "path"}, "images": [{"seed": N}],
+  "embeds": {"seed": N, "tokens": L}}],
   "max_tokens": N, "logprobs": K}`` -> ``{"outputs": [{"token_ids", "logprobs",
   "cached_tokens"}], "seconds", "load_s"}`` (greedy; ``logprobs`` is, per generated
   position, the top-K ``[token_id, logprob]`` pairs; ``load_s`` the time spent in
-  the connector's ``start_load_kv``);
+  the connector's ``start_load_kv``; an image is random RGB noise from its seed,
+  ``image_size`` pixels square; ``embeds`` sends random prompt embeddings instead of
+  token ids);
 * ``{"op": "flush"}`` waits until the connector's queued saves are written;
 * ``{"op": "metrics"}`` -> the ``dscache_vllm_*`` counters of this process;
 * ``{"op": "keys", "token_ids": [...], "salt": null}`` -> ``{"tenant", "keys"}``:
@@ -18,7 +22,9 @@ engine; then:
 
 The configure command: ``{"model": DIR, "connector": "dscache" | "example" | null,
 "extra": {...}, "block_size": 128, "prefix_caching": false, "max_model_len": N,
-"max_num_batched_tokens": N or null, "kv_space_gib": 1}``. The engine runs in this
+"max_num_batched_tokens": N or null, "kv_space_gib": 1, "max_lora_rank": R (LoRA on),
+"limit_images": N (images per prompt), "prompt_embeds": false,
+"tensor_parallel_size": 1}``. The engine runs in this
 process (no engine or worker subprocesses): one process start per engine, and the
 connector is reachable.
 """
@@ -53,6 +59,18 @@ def _engine(cfg: dict[str, Any]) -> Any:
             kv_role="kv_both",
             kv_connector_extra_config=cfg.get("extra", {}),
         )
+    options: dict[str, Any] = {}
+    if cfg.get("max_lora_rank"):
+        options.update(enable_lora=True, max_lora_rank=int(cfg["max_lora_rank"]), max_loras=2)
+    if cfg.get("prompt_embeds"):
+        options["enable_prompt_embeds"] = True
+    if cfg.get("limit_images") is not None:
+        options["limit_mm_per_prompt"] = {"image": int(cfg["limit_images"])}
+    tp = int(cfg.get("tensor_parallel_size", 1))
+    if tp > 1:
+        options.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+    else:
+        options["distributed_executor_backend"] = "uni"
     return LLM(
         model=cfg["model"],
         dtype=cfg.get("dtype", "float32"),
@@ -62,9 +80,9 @@ def _engine(cfg: dict[str, Any]) -> Any:
         max_num_batched_tokens=cfg.get("max_num_batched_tokens"),
         enforce_eager=True,
         gpu_memory_utilization=0.1,
-        distributed_executor_backend="uni",
         kv_transfer_config=kv,
         seed=0,
+        **options,
     )
 
 
@@ -104,13 +122,14 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(
         temperature=0.0, max_tokens=int(cmd.get("max_tokens", 1)), logprobs=k or None
     )
-    prompts = [
-        {key: p[key] for key in ("prompt_token_ids", "cache_salt") if p.get(key) is not None}
-        for p in cmd["prompts"]
-    ]
+    hidden = int(llm.llm_engine.model_config.get_hidden_size())
+    prompts = [_prompt(p, int(cmd.get("image_size", 56)), hidden) for p in cmd["prompts"]]
+    loras = [_lora(p.get("lora")) for p in cmd["prompts"]]
     _CLOCK.take()
     start = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=False)
+    results = llm.generate(
+        prompts, params, use_tqdm=False, lora_request=loras if any(loras) else None
+    )
     seconds = time.perf_counter() - start
     load_s = _CLOCK.take()
     outputs = []
@@ -128,6 +147,38 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
             }
         )
     return {"outputs": outputs, "seconds": seconds, "load_s": load_s}
+
+
+def _prompt(p: dict[str, Any], image_size: int, hidden: int) -> dict[str, Any]:
+    out = {
+        key: p[key]
+        for key in ("prompt_token_ids", "prompt", "cache_salt")
+        if p.get(key) is not None
+    }
+    if p.get("embeds"):
+        import torch
+
+        g = torch.Generator().manual_seed(int(p["embeds"]["seed"]))
+        out["prompt_embeds"] = torch.randn(int(p["embeds"]["tokens"]), hidden, generator=g)
+    if p.get("images"):
+        import numpy as np
+        from PIL import Image
+
+        images = []
+        for spec in p["images"]:
+            rng = np.random.default_rng(int(spec["seed"]))
+            pixels = rng.integers(0, 256, (image_size, image_size, 3), dtype=np.uint8)
+            images.append(Image.fromarray(pixels, "RGB"))
+        out["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+    return out
+
+
+def _lora(spec: dict[str, Any] | None) -> Any:
+    if not spec:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(str(spec["name"]), int(spec["id"]), str(spec["path"]))
 
 
 def _connector() -> Any:
