@@ -4,7 +4,8 @@ The model server exports these series (``dscache_server.metrics``); the operator
 rollout analysis queries them through Prometheus (``dscache_operator.analysis``);
 the load generator scrapes them (``dscache_tools.loadgen``); the tests' fake server
 writes them (``tests/fakes``). A rename here renames it everywhere, so a gate can
-never read a series nobody writes.
+never read a series nobody writes. The ``VLLM_*`` names are vLLM's own (its
+engine writes them; a test on a real vLLM engine checks that they exist).
 
 Names are the Prometheus family names (no ``_total``/``_bucket`` suffix); the
 ``*_SERIES`` constants add the suffix a query or a text exposition uses.
@@ -33,6 +34,17 @@ TENANT_LABEL: Final = "tenant"
 #: Histogram: seconds from a request's arrival to its first generated token.
 TTFT_SECONDS: Final = SERVER_PREFIX + "ttft_seconds"
 TTFT_BUCKET_SERIES: Final = TTFT_SECONDS + "_bucket"
+
+#: vLLM's own series (its v1 engine's ``/metrics``), which the rollout gates read for
+#: ``spec.engine: vllm`` pods: every prompt token, the same by ``source``
+#: (:data:`VLLM_CACHED_SOURCES` and ``local_compute``), and the TTFT histogram.
+VLLM_PROMPT_TOKENS_SERIES: Final = "vllm:prompt_tokens_total"
+VLLM_PROMPT_TOKENS_BY_SOURCE_SERIES: Final = "vllm:prompt_tokens_by_source_total"
+#: The ``source`` values of prompt tokens vLLM did not compute: its own prefix cache
+#: (``local_cache_hit``) and a KV connector's load (``external_kv_transfer``: dscache).
+VLLM_CACHED_SOURCES: Final = ("local_cache_hit", "external_kv_transfer")
+VLLM_SOURCE_COMPUTED: Final = "local_compute"
+VLLM_TTFT_BUCKET_SERIES: Final = "vllm:time_to_first_token_seconds_bucket"
 
 #: Counters of cache hits and misses by ``level`` (:data:`HIT_LEVELS`).
 CACHE_HITS: Final = SERVER_PREFIX + "cache_hits"

@@ -7,13 +7,20 @@ I/O of its own.
 Queries (``{sel(rev)}`` = namespace and revision label matchers, ``{w}`` = the
 step interval as a range, ``{d}`` = the time since the step began):
 
-* token hit rate of a revision: ``sum(rate(dscache_server_prompt_tokens_total
-  {source="reused",sel(rev)}[w])) / sum(rate(dscache_server_prompt_tokens_total
-  {sel(rev)}[w]))``, the share of prompt tokens served from the cache (prompts
-  the cache never looked up count as recomputed), for the canary and, over the
-  same window, for the stable revision;
-* P99 TTFT: ``histogram_quantile(0.99, sum by (le)
-  (rate(dscache_server_ttft_seconds_bucket{sel(rev)}[w])))``, for both revisions;
+* token hit rate of a revision: ``sum(rate({CACHED}[w])) / sum(rate({PROMPT}[w]))``,
+  the share of prompt tokens served from a cache (prompts the cache never
+  looked up count as computed), for the canary and, over the same window, for
+  the stable revision. Each selector names both engines' series, so one query
+  reads a revision of either engine (and a rollout from one engine to the
+  other compares like with like): ``{CACHED}`` is
+  ``dscache_server_prompt_tokens_total{source="reused"}`` (the reference server)
+  and ``vllm:prompt_tokens_by_source_total{source=~"local_cache_hit|
+  external_kv_transfer"}`` (vLLM's own figures: its prefix cache and the KV
+  connector, dscache); ``{PROMPT}`` is every prompt token,
+  ``dscache_server_prompt_tokens_total`` or ``vllm:prompt_tokens_total``;
+* P99 TTFT: ``histogram_quantile(0.99, sum by (le) (rate({TTFT}[w])))`` with
+  ``{TTFT}`` ``dscache_server_ttft_seconds_bucket`` or vLLM's
+  ``vllm:time_to_first_token_seconds_bucket``, for both revisions;
 * the stable revision's two figures again with ``offset {d}``: over a window of
   the same length that ended when the step began. They stand in when the stable
   track had no traffic in the analysed window (blue-green, or a canary step of
@@ -95,6 +102,26 @@ class Figures:
 PROMPT_TOKENS = names.PROMPT_TOKENS_SERIES
 
 
+def _names(*series: str) -> str:
+    """A matcher on the metric name: any of ``series`` (they hold no regex characters)."""
+    return f'__name__=~"{"|".join(series)}"'
+
+
+#: Prompt tokens some cache served, of either engine: the reference server's
+#: ``reused`` ones; vLLM's prefix-cache and KV-connector (dscache) ones.
+CACHED_TOKENS = ",".join(
+    (
+        _names(PROMPT_TOKENS, names.VLLM_PROMPT_TOKENS_BY_SOURCE_SERIES),
+        f'{names.SOURCE_LABEL}=~"{"|".join((names.SOURCE_REUSED, *names.VLLM_CACHED_SOURCES))}"',
+    )
+)
+#: Every prompt token, of either engine (the server counts each once, under one
+#: ``source``; vLLM's total has no source label).
+ALL_PROMPT_TOKENS = _names(PROMPT_TOKENS, names.VLLM_PROMPT_TOKENS_SERIES)
+#: The TTFT histogram's buckets, of either engine.
+TTFT_BUCKETS = _names(names.TTFT_BUCKET_SERIES, names.VLLM_TTFT_BUCKET_SERIES)
+
+
 def _and(*matchers: str) -> str:
     """The non-empty matcher lists, comma separated."""
     return ",".join(m for m in matchers if m)
@@ -112,15 +139,22 @@ def sum_rate(series: str, selector: str, window: str, offset: str = "", by: str 
 
 
 def token_hit_rate(selector: str, window: str, offset: str = "", by: str = "") -> str:
-    """PromQL: the share of prompt tokens reused from the cache, over ``window``.
+    """PromQL: the share of prompt tokens served from a cache, over ``window``.
 
-    ``by`` (label names, comma separated) keeps one rate per group, e.g.
-    ``namespace, service`` for a cluster-wide rule; empty sums everything.
+    Reads the reference server's and vLLM's series alike (:data:`CACHED_TOKENS`,
+    :data:`ALL_PROMPT_TOKENS`). ``by`` (label names, comma separated) keeps one
+    rate per group, e.g. ``namespace, service`` for a cluster-wide rule; empty
+    sums everything.
     """
-    reused_sel = _and(f'{names.SOURCE_LABEL}="{names.SOURCE_REUSED}"', selector)
-    reused = sum_rate(PROMPT_TOKENS, reused_sel, window, offset, by)
-    total = sum_rate(PROMPT_TOKENS, selector, window, offset, by)
-    return f"{reused} / {total}"
+    cached = sum_rate("", _and(CACHED_TOKENS, selector), window, offset, by)
+    total = sum_rate("", _and(ALL_PROMPT_TOKENS, selector), window, offset, by)
+    return f"{cached} / {total}"
+
+
+def ttft_p99(selector: str, window: str, offset: str = "") -> str:
+    """PromQL: the P99 seconds to the first token, of either engine, over ``window``."""
+    buckets = f"{{{_and(TTFT_BUCKETS, selector)}}}"
+    return f"histogram_quantile(0.99, sum by (le) (rate({buckets}[{window}]{offset})))"
 
 
 def level_hit_rate(level: str, selector: str, window: str, by: str = "") -> str:
@@ -183,10 +217,7 @@ def queries(spec: AnalysisSpec, step: Step) -> dict[str, str]:
         return token_hit_rate(sel(revision), w, offset)
 
     def p99(revision: str, offset: str = "") -> str:
-        return (
-            "histogram_quantile(0.99, sum by (le) "
-            f"(rate({names.TTFT_BUCKET_SERIES}{{{sel(revision)}}}[{w}]{offset})))"
-        )
+        return ttft_p99(sel(revision), w, offset)
 
     before = f" offset {_range(step.since_step_s)}"
     return {

@@ -1,11 +1,14 @@
 """A fake model-server ``/metrics`` endpoint whose figures the test sets.
 
 It speaks the real Prometheus text format with the real metric names of
-``dscache_server`` (token hit/miss counters, the TTFT histogram), labelled as a
-ServiceMonitor with ``podTargetLabels`` would label them (``namespace``,
-``dscache_io_revision``). Counters are integrated over time from the current
-rates, so they only ever grow, as real counters do, and a change of figures
-shows in ``rate()`` from the next scrape on.
+``dscache_server`` (token hit/miss counters, the TTFT histogram), or, for a
+revision set with ``engine="vllm"``, those of vLLM's own engine (prompt tokens,
+the same by source, its TTFT histogram, with vLLM's ``model_name`` and
+``engine`` labels; a vLLM-marked test checks the names on a real engine),
+labelled as a ServiceMonitor with ``podTargetLabels`` would label them
+(``namespace``, ``dscache_io_revision``). Counters are integrated over time from
+the current rates, so they only ever grow, as real counters do, and a change of
+figures shows in ``rate()`` from the next scrape on.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Literal
 
 from dscache import metricnames as names
 
@@ -29,6 +33,7 @@ class Figures:
     hit_rate: float
     ttft_s: float
     traffic: float = 1.0  # share of the nominal request rate; 0 = idle (counters stop)
+    engine: Literal["reference", "vllm"] = "reference"
 
 
 @dataclass
@@ -40,6 +45,48 @@ class _Series:
     requests: float = 0.0
     ttft_sum: float = 0.0
     buckets: tuple[float, ...] = tuple(0.0 for _ in BUCKETS)
+
+
+#: vLLM's family names (its text exposition adds ``_total`` and ``_bucket``).
+VLLM_BY_SOURCE = names.VLLM_PROMPT_TOKENS_BY_SOURCE_SERIES.removesuffix("_total")
+VLLM_TTFT = names.VLLM_TTFT_BUCKET_SERIES.removesuffix("_bucket")
+#: Share of a vLLM revision's cached tokens from its own prefix cache (the rest: dscache).
+VLLM_LOCAL_SHARE = 0.6
+
+
+def _histogram(family: str, s: _Series, lbl: str) -> list[str]:
+    lines = [
+        f'{family}_bucket{{le="{le}",{lbl}}} {count}'
+        for le, count in zip(BUCKETS, s.buckets, strict=True)
+    ]
+    lines.append(f'{family}_bucket{{le="+Inf",{lbl}}} {s.requests}')
+    lines.append(f"{family}_sum{{{lbl}}} {s.ttft_sum}")
+    lines.append(f"{family}_count{{{lbl}}} {s.requests}")
+    return lines
+
+
+def _server_lines(s: _Series, lbl: str) -> list[str]:
+    tokens, src = names.PROMPT_TOKENS_SERIES, names.SOURCE_LABEL
+    return [
+        f'{tokens}{{{src}="{names.SOURCE_REUSED}",{lbl}}} {s.hits}',
+        f'{tokens}{{{src}="{names.SOURCE_RECOMPUTED}",{lbl}}} {s.misses}',
+        *_histogram(names.TTFT_SECONDS, s, lbl),
+    ]
+
+
+def _vllm_lines(s: _Series, lbl: str) -> list[str]:
+    by_source = names.VLLM_PROMPT_TOKENS_BY_SOURCE_SERIES
+    local, external = names.VLLM_CACHED_SOURCES
+    counts = {
+        local: s.hits * VLLM_LOCAL_SHARE,
+        external: s.hits * (1.0 - VLLM_LOCAL_SHARE),
+        names.VLLM_SOURCE_COMPUTED: s.misses,
+    }
+    return [
+        f"{names.VLLM_PROMPT_TOKENS_SERIES}{{{lbl}}} {s.hits + s.misses}",
+        *(f'{by_source}{{{lbl},source="{k}"}} {v}' for k, v in counts.items()),
+        *_histogram(VLLM_TTFT, s, lbl),
+    ]
 
 
 class FakeServerMetrics:
@@ -98,18 +145,19 @@ class FakeServerMetrics:
     def render(self) -> str:
         with self._lock:
             self._advance(time.monotonic())
-            tokens, ttft = names.PROMPT_TOKENS_SERIES, names.TTFT_SECONDS
-            lines = [f"# TYPE {tokens} counter", f"# TYPE {ttft} histogram"]
+            lines = [
+                f"# TYPE {names.PROMPT_TOKENS_SERIES.removesuffix('_total')} counter",
+                f"# TYPE {names.TTFT_SECONDS} histogram",
+                f"# TYPE {names.VLLM_PROMPT_TOKENS_SERIES.removesuffix('_total')} counter",
+                f"# TYPE {VLLM_BY_SOURCE} counter",
+                f"# TYPE {VLLM_TTFT} histogram",
+            ]
             for (ns, rev), s in sorted(self._series.items()):
                 lbl = f'namespace="{ns}",dscache_io_revision="{rev}"'
-                src = names.SOURCE_LABEL
-                lines.append(f'{tokens}{{{src}="{names.SOURCE_REUSED}",{lbl}}} {s.hits}')
-                lines.append(f'{tokens}{{{src}="{names.SOURCE_RECOMPUTED}",{lbl}}} {s.misses}')
-                for le, count in zip(BUCKETS, s.buckets, strict=True):
-                    lines.append(f'{ttft}_bucket{{le="{le}",{lbl}}} {count}')
-                lines.append(f'{ttft}_bucket{{le="+Inf",{lbl}}} {s.requests}')
-                lines.append(f"{ttft}_sum{{{lbl}}} {s.ttft_sum}")
-                lines.append(f"{ttft}_count{{{lbl}}} {s.requests}")
+                if s.figures.engine == "vllm":
+                    lines += _vllm_lines(s, f'{lbl},model_name="/models/tiny",engine="0"')
+                else:
+                    lines += _server_lines(s, lbl)
             return "\n".join(lines) + "\n"
 
     def close(self) -> None:

@@ -9,7 +9,10 @@ three synthetic histories (input_series, one sample a minute for 90 minutes):
   shared tier down: every alert but ``DscacheSidecarAbsent`` fires, with its labels
   and annotations;
 * ``healthy``: good figures throughout: no alert fires;
-* ``no sidecar``: server series but no sidecar target: only ``DscacheSidecarAbsent``.
+* ``no sidecar``: server series but no sidecar target: only ``DscacheSidecarAbsent``;
+* ``vllm unhealthy`` / ``vllm healthy``: a vLLM track (``spec.engine: vllm``) whose
+  own figures (vLLM's prompt tokens by source) fall after an hour, or hold: the
+  token hit-rate alerts read vLLM's series as the server's.
 
 A broken expression (a flipped comparison) makes ``promtool test rules`` fail.
 The chart's cluster-wide rules come from the same code (``dscache_operator.chartrules``):
@@ -94,6 +97,23 @@ def _server(healthy: bool) -> list[dict[str, str]]:
     return series
 
 
+#: The alerts a vLLM track's own series can fire (the block and session levels,
+#: lookups and fallbacks are the reference server's figures).
+VLLM_ALERTS = ("DscacheHitRateLow", "DscacheHitRateDropped")
+
+
+def _vllm(healthy: bool) -> list[dict[str, str]]:
+    """vLLM's series: 90% of prompt tokens cached (prefix cache and dscache), or 10%
+    from minute 61 on."""
+    by_source = "vllm:prompt_tokens_by_source_total"
+    return [
+        _series("vllm:prompt_tokens_total", "", _counter(100)),
+        _series(by_source, ',source="local_cache_hit"', _counter(50, 50 if healthy else 5)),
+        _series(by_source, ',source="external_kv_transfer"', _counter(40, 40 if healthy else 5)),
+        _series(by_source, ',source="local_compute"', _counter(10, 10 if healthy else 90)),
+    ]
+
+
 def _expected(rule: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
     notes = {
         k: v.replace("{{ $labels.pod }}", labels.get("pod", ""))
@@ -137,6 +157,18 @@ def _unit_tests(rules: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 {"series": SIDECAR, "values": "1x90"},
                 {"series": REMOTE_UP, "values": "1x90"},
             ],
+            "alert_rule_test": case({}),
+        },
+        {
+            "name": "vllm unhealthy",
+            "interval": "1m",
+            "input_series": [*_vllm(False), {"series": SIDECAR, "values": "1x90"}],
+            "alert_rule_test": case({n: [_expected(rules[n], {})] for n in VLLM_ALERTS}),
+        },
+        {
+            "name": "vllm healthy",
+            "interval": "1m",
+            "input_series": [*_vllm(True), {"series": SIDECAR, "values": "1x90"}],
             "alert_rule_test": case({}),
         },
         {

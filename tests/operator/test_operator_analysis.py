@@ -99,7 +99,7 @@ def test_absolute_ttft_ceiling() -> None:
 def test_queries_compare_the_same_window_and_the_window_before_the_step() -> None:
     q = queries(SPEC, Step("prod", canary="bbb", stable="aaa", window_s=120, since_step_s=150))
     assert 'namespace="prod",dscache_io_revision="bbb"' in q["hit_rate"]
-    assert "[120s]))" in q["hit_rate"] and 'source="reused"' in q["hit_rate"]
+    assert "[120s]))" in q["hit_rate"] and 'source=~"reused|' in q["hit_rate"]
     assert 'dscache_io_revision="aaa"' in q["stable_hit_rate"]
     assert "[120s]))" in q["stable_hit_rate"] and "offset" not in q["stable_hit_rate"]
     assert 'dscache_io_revision="aaa"' in q["stable_ttft_p99_seconds"]
@@ -107,6 +107,18 @@ def test_queries_compare_the_same_window_and_the_window_before_the_step() -> Non
     assert "[120s] offset 150s))" in q["stable_hit_rate_before"]
     assert "[120s] offset 150s)))" in q["stable_ttft_p99_seconds_before"]
     assert "offset" not in q["hit_rate"] + q["ttft_p99_seconds"]
+
+
+def test_queries_read_vllms_own_figures_as_well_as_the_servers() -> None:
+    """One query per figure serves either engine: vLLM's prefix cache and its KV connector
+    (dscache) count as cached, everything vLLM prefilled as prompt tokens."""
+    q = queries(SPEC, Step("prod", canary="bbb", stable="aaa", window_s=60, since_step_s=60))
+    cached, total = q["hit_rate"].split(" / ")
+    assert "vllm:prompt_tokens_by_source_total" in cached
+    assert "local_cache_hit|external_kv_transfer" in cached and "local_compute" not in cached
+    assert "vllm:prompt_tokens_total" in total and "source" not in total
+    assert "vllm:time_to_first_token_seconds_bucket" in q["ttft_p99_seconds"]
+    assert "dscache_server_ttft_seconds_bucket" in q["ttft_p99_seconds"]
 
 
 def test_no_prometheus_or_a_dead_one_is_no_data() -> None:
@@ -149,6 +161,40 @@ def test_real_prometheus_figures_and_verdicts(prom: PrometheusProcess) -> None:
     assert verdict("cold")[0] == "Fail"
     assert verdict("absent")[0] == "NoData"
     assert verdict("good", namespace="other")[0] == "NoData"
+
+
+@pytest.mark.slow
+def test_real_prometheus_gates_vllm_revisions_on_vllms_own_figures(
+    prom: PrometheusProcess,
+) -> None:
+    """vLLM tracks (``spec.engine: vllm``): the gate reads vLLM's series, a warm canary
+    passes, a cold or slow one fails, and a rollout from the reference engine to vLLM
+    compares the two engines' figures like with like."""
+    prom.metrics.set("ns3", "vstable", Served(hit_rate=0.9, ttft_s=0.2, engine="vllm"))
+    prom.metrics.set("ns3", "vgood", Served(hit_rate=0.93, ttft_s=0.2, engine="vllm"))
+    prom.metrics.set("ns3", "vcold", Served(hit_rate=0.0, ttft_s=0.2, engine="vllm"))
+    prom.metrics.set("ns3", "vslow", Served(hit_rate=0.93, ttft_s=2.0, engine="vllm"))
+    prom.metrics.set("ns3", "ref", Served(hit_rate=0.9, ttft_s=0.2))
+    client = PrometheusClient(prom.url)
+    wait_until("vLLM figures scraped", lambda: _scalar(client, "ns3", "vcold", 4) is not None, 30)
+    time.sleep(2)
+
+    def verdict(canary: str, stable: str = "vstable") -> Any:
+        return analyse(client, SPEC, Step("ns3", canary, stable, window_s=4, since_step_s=4))
+
+    good = verdict("vgood")
+    assert good.result == "Pass", good.message
+    assert good.hit_rate == pytest.approx(0.93, abs=0.01)
+    assert good.stable_hit_rate == pytest.approx(0.9, abs=0.01)
+    assert good.ttft_p99_seconds is not None and 0.1 < good.ttft_p99_seconds <= 0.25
+    cold = verdict("vcold")
+    assert cold.result == "Fail" and cold.hit_rate == pytest.approx(0.0, abs=1e-9), cold.message
+    assert verdict("vslow").result == "Fail"
+    # From the reference engine to vLLM: the same gate, each side from its own series.
+    across = verdict("vgood", stable="ref")
+    assert across.result == "Pass", across.message
+    assert across.stable_hit_rate == pytest.approx(0.9, abs=0.01)
+    assert verdict("vcold", stable="ref").result == "Fail"
 
 
 @pytest.mark.slow

@@ -26,6 +26,13 @@ The alerts and their defaults (each fires only after its ``for``):
 
 An empty window (no traffic) gives NaN, which is never under or over a
 threshold: an idle deployment raises no hit-rate, latency or fallback alert.
+
+``spec.engine: vllm``: the token hit-rate alerts (``DscacheHitRateLow``,
+``DscacheHitRateDropped``) read vLLM's own figures (prompt tokens served by its
+prefix cache and by the dscache connector, over all its prompt tokens; see
+:func:`dscache_operator.analysis.token_hit_rate`), and the sidecar alerts apply
+as they are; the block and session levels, slow lookups and fallbacks are the
+reference server's series, absent on vLLM pods, so those stay quiet there.
 """
 
 from __future__ import annotations
