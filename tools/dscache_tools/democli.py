@@ -227,9 +227,17 @@ def _add_kube_demo(kinds: Commands) -> None:
         description="Installs the operator with Helm, applies examples/04-dev-cluster, drives "
         "the finance workload through the router Service, and compares a warm canary rollout "
         "with a plain rolling update of the same Deployment. Without --kubeconfig it uses the "
-        "running dev cluster, or starts one with a real node and stops it afterwards.",
+        "running dev cluster, or starts one with a real node and stops it afterwards. "
+        "--engine vllm runs it on vLLM pods (examples/07-vllm-dev-cluster).",
     )
     k.add_argument("--quick", action="store_true", help="the ~15-minute profile")
+    k.add_argument(
+        "--engine",
+        choices=["reference", "vllm"],
+        default="reference",
+        help="the model pods: dscache's model server (default) or vLLM with the dscache "
+        "connector (one pod per track)",
+    )
     k.add_argument("--json", dest="json_out", type=Path, default=None, help="write the report")
     k.add_argument(
         "--png",

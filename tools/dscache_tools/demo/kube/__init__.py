@@ -18,6 +18,11 @@ router's Service while:
    operator keeps the router's pod list current meanwhile; it owns the
    Deployment and puts its template back afterwards, where the window ends.
 
+``--engine vllm`` runs the same three parts on vLLM pods (vLLM's CPU build with
+the dscache connector, ``examples/07-vllm-dev-cluster``, one pod per track): the
+gates then read vLLM's own figures, and the bad revision is vLLM's (blocks
+longer than any prompt and vLLM's prefix cache off: nothing is reused).
+
 Contract:
     * Warm canary and blind rolling update replay sessions of one workload
       (same documents, same shape, disjoint sessions) at the same concurrency;

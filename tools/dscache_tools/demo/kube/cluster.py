@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dscache_tools.demo.kube.options import CHART, EXAMPLE, NAME, KubeDemoOptions
+from dscache_tools.demo.kube.options import (
+    CHART,
+    EXAMPLES,
+    NAME,
+    NO_CACHE_BLOCK_TOKENS,
+    NO_CACHE_MIN_TOKENS,
+    NO_PREFIX_CACHING,
+    KubeDemoOptions,
+)
 from dscache_tools.workload import ChatRequest, prompts_jsonl
 
 
@@ -191,10 +199,11 @@ def workdir_for(opts: KubeDemoOptions) -> Path:
 
 
 def resource(opts: KubeDemoOptions, revision: str, min_tokens: int | None = None) -> dict[str, Any]:
-    """The demo's resource: the CPU-sized example with this run's interval and revision."""
+    """The demo's resource: the engine's CPU-sized example with this run's interval and
+    revision."""
     import yaml
 
-    obj: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    obj: dict[str, Any] = yaml.safe_load(EXAMPLES[opts.engine].read_text())
     spec = obj["spec"]
     spec["model"]["revision"] = revision
     spec["rollout"]["interval"] = f"{opts.step_interval_s}s"
@@ -204,6 +213,42 @@ def resource(opts: KubeDemoOptions, revision: str, min_tokens: int | None = None
         spec["rollout"]["analysis"]["maxTtftP99Ratio"] = opts.max_ttft_p99_ratio
     obj["metadata"]["namespace"] = opts.namespace
     return obj
+
+
+def bad_revision_patches(
+    spec: dict[str, Any],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A revision that cannot hit, from the live ``spec``: the merge patch that makes it
+    and the JSON patch that restores the stable revision's exact spec.
+
+    The reference engine: ``cache.minTokens`` at the schema's maximum (the cache
+    admits nothing). vLLM: ``cache.blockTokens`` longer than any prompt (no whole
+    block: dscache stores and loads nothing) and vLLM's own prefix cache off.
+    Restoring puts every changed field back as it was (a field removed would take
+    the schema's default: another revision, another rollout).
+    """
+
+    def back(path: str, old: Any) -> dict[str, Any]:
+        if old is None:
+            return {"op": "remove", "path": path}
+        return {"op": "replace", "path": path, "value": old}
+
+    cache = spec.get("cache") or {}
+    if spec.get("engine") == "vllm":
+        args = list((spec.get("vllm") or {}).get("args") or [])
+        patch = {
+            "spec": {
+                "cache": {"blockTokens": NO_CACHE_BLOCK_TOKENS},
+                "vllm": {"args": [*args, NO_PREFIX_CACHING]},
+            }
+        }
+        restore = [
+            back("/spec/cache/blockTokens", cache.get("blockTokens")),
+            back("/spec/vllm/args", args or None),
+        ]
+        return patch, restore
+    patch = {"spec": {"cache": {"minTokens": NO_CACHE_MIN_TOKENS}}}
+    return patch, [back("/spec/cache/minTokens", cache.get("minTokens"))]
 
 
 def prewarm_configmap(namespace: str, warm: Sequence[ChatRequest]) -> dict[str, Any]:

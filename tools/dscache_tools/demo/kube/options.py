@@ -9,13 +9,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 #: The checkout (``tools/dscache_tools/demo/kube/`` is four levels below it).
 ROOT = Path(__file__).resolve().parents[4]
 
 
 EXAMPLE = ROOT / "examples" / "04-dev-cluster" / "deepseekcachedeployment.yaml"
+#: The same service on vLLM (``--engine vllm``): one pod per track.
+EXAMPLE_VLLM = ROOT / "examples" / "07-vllm-dev-cluster" / "deepseekcachedeployment.yaml"
+#: The example each engine's demo applies.
+EXAMPLES = {"reference": EXAMPLE, "vllm": EXAMPLE_VLLM}
+
+Engine = Literal["reference", "vllm"]
 
 
 CHART = ROOT / "charts" / "dscache"
@@ -26,6 +32,11 @@ NAME = "finance"
 
 #: ``spec.cache.minTokens`` of the bad revision: the schema's maximum, nothing is admitted.
 NO_CACHE_MIN_TOKENS = 1 << 20
+#: The bad revision on vLLM: ``spec.cache.blockTokens`` at the schema's maximum, longer
+#: than any prompt of the workload (so no block is ever whole: dscache stores and
+#: loads nothing), and vLLM's own prefix cache off; nothing is reused.
+NO_CACHE_BLOCK_TOKENS = 8192
+NO_PREFIX_CACHING = "--no-enable-prefix-caching"
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,9 @@ class KubeDemoOptions:
 
     Attributes:
         quick: the ~15-minute profile (shorter steps and settling).
+        engine: ``reference`` (the dscache model server, two pods per track) or
+            ``vllm`` (vLLM's CPU build with the dscache connector, one pod per
+            track; ``examples/07-vllm-dev-cluster``).
         kubeconfig: use this cluster (its nodes must run pods and hold the
             dscache images); None starts a dev cluster with a real node.
         prometheus_url: Prometheus the operator queries (None: the dev
@@ -54,6 +68,7 @@ class KubeDemoOptions:
     """
 
     quick: bool = False
+    engine: Engine = "reference"
     kubeconfig: Path | None = None
     prometheus_url: str | None = None
     namespace: str = "dscache-demo"
@@ -85,6 +100,7 @@ class KubeDemoOptions:
 def options_report(opts: KubeDemoOptions) -> dict[str, Any]:
     return {
         "quick": opts.quick,
+        "engine": opts.engine,
         "concurrency": opts.concurrency,
         "think_s": opts.think_s,
         "seed": opts.seed,

@@ -20,6 +20,7 @@ from dscache_tools.demo.kube.cluster import (
     Api,
     Cluster,
     available,
+    bad_revision_patches,
     cluster_for,
     install,
     patch_dscd,
@@ -27,12 +28,7 @@ from dscache_tools.demo.kube.cluster import (
     prewarm_configmap,
     resource,
 )
-from dscache_tools.demo.kube.options import (
-    NAME,
-    NO_CACHE_MIN_TOKENS,
-    KubeDemoOptions,
-    options_report,
-)
+from dscache_tools.demo.kube.options import NAME, KubeDemoOptions, options_report
 from dscache_tools.demo.kube.plot import write_png
 from dscache_tools.demo.kube.report import (
     format_table,
@@ -206,8 +202,8 @@ class _Scenarios:
         bad = Phase("bad_revision", time.perf_counter())
         watcher = Watcher(self.api, self.ns, bad).start()
         self.say("bad revision (the cache admits nothing): the gate must roll it back")
-        min_tokens = self.api.dscd(self.ns)["spec"]["cache"].get("minTokens")
-        patch_dscd(self.cluster, self.ns, {"spec": {"cache": {"minTokens": NO_CACHE_MIN_TOKENS}}})
+        bad_patch, restore = bad_revision_patches(self.api.dscd(self.ns)["spec"])
+        patch_dscd(self.cluster, self.ns, bad_patch)
 
         def rolled_back() -> Any:
             st = self._status()
@@ -232,15 +228,9 @@ class _Scenarios:
             self.say(f"warning: {exc}")
         watcher.stop()
         self.latencies += watcher.latencies
-        # Back to the stable revision's exact spec (a removed field would take the
-        # schema's default: another revision, another rollout).
-        restore = (
-            {"op": "replace", "path": "/spec/cache/minTokens", "value": min_tokens}
-            if min_tokens is not None
-            else {"op": "remove", "path": "/spec/cache/minTokens"}
-        )
+        # Back to the stable revision's exact spec.
         self.cluster.kubectl(
-            "patch", "dscd", NAME, "-n", self.ns, "--type", "json", "-p", json.dumps([restore])
+            "patch", "dscd", NAME, "-n", self.ns, "--type", "json", "-p", json.dumps(restore)
         )
         wait_for(
             "the resource back to its stable revision",
