@@ -119,6 +119,7 @@ def test_cancelled_request_stops_and_the_others_go_on(
     assert other.result(timeout=120).completion_tokens == 30
 
 
+@pytest.mark.slow
 def test_a_failing_request_fails_alone(
     batcher: Callable[..., Batcher], tokenizer: DeepSeekTokenizer
 ) -> None:

@@ -73,6 +73,7 @@ def test_every_prompt_reaches_every_target(
         assert _cached_tokens(srv, prompts) >= 3 * 64
 
 
+@pytest.mark.slow
 def test_repeated_targets_and_top_n(
     pods: list[LiveServer], prompts_file: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -185,6 +185,7 @@ def test_cli_errors_exit_2_without_traceback(
     assert "must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_on_the_real_trace_writes_the_documented_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

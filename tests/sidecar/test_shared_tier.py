@@ -74,6 +74,7 @@ def test_single_use_blocks_stay_on_their_node_unless_the_policy_is_all(
     assert fresh.c.find(ch.tenant, always).found == 4
 
 
+@pytest.mark.slow
 def test_tenants_are_isolated_in_the_shared_tier(
     make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
 ) -> None:
