@@ -3,7 +3,7 @@
 * :class:`Pod`: a loopback HTTP server standing in for a model pod (a test
   double, typed and small); it answers every GET or POST with JSON naming
   itself, the session header and the route key it got, and keeps every
-  request's headers. ``/missing`` answers 404. ``hold()`` makes it keep
+  request's headers. ``.../missing`` answers 404. ``hold()`` makes it keep
   requests open until ``release()``, so a test can build up in-flight load.
 * :class:`Nginx`: real NGINX on a loopback port running a rendered
   :class:`RouterConfig`, restarted on each new config.
@@ -61,7 +61,7 @@ class Pod(ThreadingHTTPServer):
                 pod._open.wait(30)
                 answer = {"pod": name, "sid": sid, "route": self.headers.get("X-Dscache-Route-Key")}
                 body = json.dumps(answer).encode()
-                self.send_response(404 if self.path == "/missing" else 200)
+                self.send_response(404 if self.path.endswith("/missing") else 200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()

@@ -203,7 +203,7 @@ def test_sessions_stick_and_new_ones_get_a_cookie(nginx: Nginx, pods: dict[str, 
             again = nginx.get("/v1/models", {"X-Session-ID": sid})[1]
             assert again["x-pod"] == first["x-pod"]
         # The same key as a cookie reaches the same pod.
-        by_cookie = nginx.get("/", {"Cookie": f"dscache_session={sid}"})[1]
+        by_cookie = nginx.get("/v1/models", {"Cookie": f"dscache_session={sid}"})[1]
         assert by_cookie["x-pod"] == first["x-pod"]
         assert by_cookie["x-dscache-key-source"] == "cookie"
 
@@ -227,7 +227,9 @@ def test_canary_sessions_stay_on_the_canary_as_the_weight_grows(
     seen: dict[float, dict[str, str]] = {}
     for weight in (10, 25, 50, 100):
         nginx.start(nginx.config(stable=stable, canary=canary, canary_weight=weight))
-        seen[weight] = {s: nginx.get("/", {"X-Session-ID": s})[1]["x-dscache-track"] for s in sids}
+        seen[weight] = {
+            s: nginx.get("/v1/models", {"X-Session-ID": s})[1]["x-dscache-track"] for s in sids
+        }
     nginx.stop()
     shares = {w: sum(t == "canary" for t in m.values()) / len(sids) for w, m in seen.items()}
     assert 0.04 < shares[10] < 0.18 and 0.40 < shares[50] < 0.60 and shares[100] == 1.0

@@ -182,7 +182,7 @@ def test_metrics_count_requests_by_track_and_status_class(
         nginx.get("/v1/models", {"X-Session-ID": f"m-{i}"})[1]["x-dscache-track"]
         for i in range(100)
     )
-    missing = [nginx.get("/missing", {"X-Session-ID": f"m-{i}"})[0] for i in range(5)]
+    missing = [nginx.get("/v1/missing", {"X-Session-ID": f"m-{i}"})[0] for i in range(5)]
     assert missing == [404] * 5
     samples = scrape(nginx.port)
     ok = {t: metric(samples, REQUESTS, track=t, code="2xx") for t in ("stable", "canary")}
@@ -222,4 +222,7 @@ def test_a_client_never_names_its_tenant_nor_a_session_it_did_not_send(
 def test_the_metrics_endpoint_is_off_with_metrics_off(nginx: Nginx, pods: dict[str, Pod]) -> None:
     nginx.start(nginx.config(stable=_stable(pods), metrics=False, balance_factor=0))
     resp = call(nginx.port, names.ROUTER_METRICS_PATH)
-    assert resp is not None and resp.json()["pod"] in {"s0", "s1", "s2"}  # proxied, not served
+    # Neither served nor proxied: the router forwards /v1/ only.
+    assert resp is not None and resp.status_code == 404
+    assert resp.json()["error"]["code"] == "not_found"
+    assert not any(p.seen for p in pods.values())

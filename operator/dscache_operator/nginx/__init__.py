@@ -1,5 +1,14 @@
 """The router's ``nginx.conf``: :class:`RouterConfig` in, text out (a pure function).
 
+What is forwarded: only ``/v1/`` (the OpenAI API). Every other path gets the
+router's own 404 (JSON), so a client never reaches a model pod's ``/metrics``,
+``/dscache/*`` (holdings and template filters, key info, templates) or probes;
+the router's own ``/dscache/router/{health,status,metrics}`` are answered by
+NGINX. Bounds: requests in progress at once (``max_connections``, optionally
+per client address; past it a JSON 503 with ``Retry-After``), the body size
+(``max_body_bytes``, buffered in memory), and timeouts between reads of the
+headers and of the body and between writes to the client.
+
 Routing rules, in the order NGINX applies them to a request:
 
 1. **Session key.** The ``session_header`` request header (default

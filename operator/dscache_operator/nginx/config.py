@@ -27,6 +27,10 @@ _COOKIE_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 _PATH_RE = re.compile(r"^[A-Za-z0-9_./-]{1,4096}$")
 _LOG_RE = re.compile(r"^(?:off|stderr|[A-Za-z0-9_./-]{1,4096})$")
 
+#: The only path prefix the router forwards to the model pods: the OpenAI API.
+#: Everything else a model pod serves (/metrics, /dscache/*, /health) stays off the
+#: client-facing port; the router answers 404 itself.
+API_PREFIX = "/v1/"
 #: Headers a client may never set for the model server: the router sends them empty.
 #: The tenant is named by whoever authenticated the client, never by the client.
 STRIPPED_HEADERS: tuple[str, ...] = ("X-Dscache-Tenant", "X-Dscache-Gateway-Token")
@@ -133,7 +137,34 @@ class RouterConfig(BaseModel):
     error_log: LogTarget = Field(default="stderr", description="error log file or 'stderr'")
     access_log: LogTarget = Field(default="off", description="access log file or 'off'")
     max_body_bytes: int = Field(
-        default=16 << 20, ge=1024, description="largest request body; kept in memory"
+        default=8 << 20,
+        ge=1024,
+        le=256 << 20,
+        description="largest request body; kept in memory (so at most max_connections of "
+        "them at once)",
+    )
+    max_connections: int = Field(
+        default=256,
+        ge=1,
+        le=100_000,
+        description="client requests in progress at once (past it: 503 with Retry-After); "
+        "bounds the memory of buffered bodies to max_connections x max_body_bytes",
+    )
+    max_connections_per_client: int = Field(
+        default=0,
+        ge=0,
+        le=100_000,
+        description="requests in progress at once per client address; 0 = no per-address "
+        "limit (behind a gateway every client has the gateway's address)",
+    )
+    client_body_timeout_s: int = Field(
+        default=30, ge=1, le=3600, description="seconds between two reads of a request body"
+    )
+    client_header_timeout_s: int = Field(
+        default=15, ge=1, le=3600, description="seconds to receive a request's headers"
+    )
+    send_timeout_s: int = Field(
+        default=60, ge=1, le=3600, description="seconds between two writes to a client"
     )
     upstream_keepalive: int = Field(default=32, ge=0, description="idle upstream connections")
     proxy_read_timeout_s: int = Field(default=600, ge=1, description="upstream read timeout")

@@ -12,7 +12,12 @@ import hashlib
 import json
 
 from dscache import metricnames as names
-from dscache_operator.nginx.config import ROUTE_KEY_HEADER, STRIPPED_HEADERS, RouterConfig
+from dscache_operator.nginx.config import (
+    API_PREFIX,
+    ROUTE_KEY_HEADER,
+    STRIPPED_HEADERS,
+    RouterConfig,
+)
 from dscache_operator.nginx.lua import LUA_PROMPT_KEY, LUA_SESSION_MEMORY, LUA_WATCH
 from dscache_operator.nginx.lua_router import LUA_ROUTER
 
@@ -165,9 +170,21 @@ def _render_lines(config: RouterConfig) -> list[str]:
         f"    fastcgi_temp_path {tmp}/nginx-fastcgi;",
         f"    uwsgi_temp_path {tmp}/nginx-uwsgi;",
         f"    scgi_temp_path {tmp}/nginx-scgi;",
-        # Bodies stay in memory so the prompt key can read them without a file.
+        # Bodies stay in memory so the prompt key can read them without a file; how
+        # many at once is bounded by limit_conn below, how slowly by the timeouts.
         f"    client_max_body_size {c.max_body_bytes};",
         f"    client_body_buffer_size {c.max_body_bytes};",
+        f"    client_body_timeout {c.client_body_timeout_s}s;",
+        f"    client_header_timeout {c.client_header_timeout_s}s;",
+        f"    send_timeout {c.send_timeout_s}s;",
+        "    reset_timedout_connection on;",
+        "    limit_conn_zone $server_port zone=dscache_conns:1m;",
+        *(
+            ["    limit_conn_zone $binary_remote_addr zone=dscache_peers:10m;"]
+            if c.max_connections_per_client
+            else []
+        ),
+        "    limit_conn_status 503;",
         "    server_tokens off;",
         "",
         "    # Session key: header, else cookie, else prompt-derived or new.",
@@ -258,7 +275,21 @@ def _render_lines(config: RouterConfig) -> list[str]:
         "",
         *_metrics_location(c),
         *_picker_location(c),
+        # Only the API is forwarded: a model pod's /metrics, /dscache/* (filters, key
+        # info, templates) and probes are not the clients' business.
         "        location / {",
+        "            access_log off;",
+        "            default_type application/json;",
+        f"            return 404 '{_NOT_FORWARDED}';",
+        "        }",
+        "",
+        f"        location {API_PREFIX} {{",
+        f"            limit_conn dscache_conns {c.max_connections};",
+        *(
+            [f"            limit_conn dscache_peers {c.max_connections_per_client};"]
+            if c.max_connections_per_client
+            else []
+        ),
     ]
     access = _access_lua(c, memory, track_var)
     if access:
@@ -285,6 +316,8 @@ def _render_lines(config: RouterConfig) -> list[str]:
         ]
     else:
         lines += [
+            # limit_conn's 503 (an upstream's own 503 passes through untouched).
+            "            error_page 503 = @dscache_busy;",
             f"            proxy_pass http://dscache_{track_var};",
             f"            proxy_set_header {c.upstream_header} $dscache_session_id;",
             f"            proxy_set_header {ROUTE_KEY_HEADER} $dscache_key;",
@@ -302,8 +335,31 @@ def _render_lines(config: RouterConfig) -> list[str]:
             "            proxy_next_upstream error timeout http_502 http_503 non_idempotent;",
             "            proxy_next_upstream_tries 2;",
         ]
-    lines += ["        }", "    }", "}", ""]
+    lines += [
+        "        }",
+        "",
+        # limit_conn's 503: a JSON error with Retry-After.
+        "        location @dscache_busy {",
+        "            add_header Retry-After 1 always;",
+        "            default_type application/json;",
+        f"            return 503 '{_BUSY}';",
+        "        }",
+        "    }",
+        "}",
+        "",
+    ]
     return lines
+
+
+#: The router's own answers, in OpenAI's error format (no quote or backslash inside).
+_NOT_FORWARDED = (
+    '{"error":{"message":"not found: the router forwards /v1/ only",'
+    '"type":"invalid_request_error","code":"not_found"}}\\n'
+)
+_BUSY = (
+    '{"error":{"message":"the router is at its connection limit; retry",'
+    '"type":"server_error","code":"overloaded"}}\\n'
+)
 
 
 def _access_lua(c: RouterConfig, memory: bool, track_var: str) -> list[str]:
