@@ -3,8 +3,13 @@
 Contract:
     * The caller is authenticated (``state.authenticate``) before its body is read;
       a refused request never reads a body nor waits for a slot.
+    * The body is parsed and tokenized on a worker thread (at most
+      ``max_concurrency`` at once), never on the event loop: probes and other
+      requests are answered while a long prompt is tokenized.
     * The slot is taken after the request is parsed, so a bad request never waits;
       a full queue is a 429 ``queue_full`` with Retry-After (``retry_after_s``).
+    * A session is its tenant's: two tenants that send the same session id are two
+      sessions (one never waits for, nor counts in, the other's).
     * The slot is entered in one place (``_answer``) on an ``AsyncExitStack``: a plain
       response gives it back when the generation ends; a stream hands the stack to
       its ``SlotStreamingResponse``, which gives it back when sending ends.
@@ -23,13 +28,14 @@ import time
 import uuid
 from contextlib import AsyncExitStack
 
+import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from dscache_server.auth import OTHER_LABEL, Principal
 from dscache_server.errors import APIError
-from dscache_server.parse import parse_request, read_json
-from dscache_server.scheduler import QueueFullError
+from dscache_server.parse import ParsedRequest, parse_request, read_json
+from dscache_server.scheduler import QueueFullError, tenant_session
 from dscache_server.schemas import Endpoint, completion_body
 from dscache_server.state import AppState, Serving, authenticate
 from dscache_server.streaming import SlotStreamingResponse, stream_completion
@@ -83,14 +89,20 @@ async def _answer(
     session_id: str | None,
     started: float,
 ) -> Response:
-    rt, scheduler = serving
+    rt, scheduler, parsers = serving
     settings = rt.settings
     body = await read_json(request, settings.max_request_bytes)
-    t0 = time.perf_counter()
-    parsed = parse_request(rt, endpoint, body, principal, started)
-    parsed.generation.timings["tokenize"] = time.perf_counter() - t0
-    parsed.generation.session_id = session_id
-    rt.record_template(parsed.generation, principal.tenant)
+    session = tenant_session(principal.tenant, session_id)
+
+    def parse() -> ParsedRequest:
+        t0 = time.perf_counter()
+        parsed = parse_request(rt, endpoint, body, principal, started)
+        parsed.generation.timings["tokenize"] = time.perf_counter() - t0
+        parsed.generation.session_id = session
+        rt.record_template(parsed.generation, principal.tenant)
+        return parsed
+
+    parsed = await anyio.to_thread.run_sync(parse, limiter=parsers)
     request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
     log.info(
         "request %s endpoint=%s session=%s prompt_tokens=%d",
@@ -102,7 +114,7 @@ async def _answer(
     headers = {settings.session_header: session_id} if session_id else {}
     async with AsyncExitStack() as slot:
         try:
-            waited = await slot.enter_async_context(scheduler.slot(session_id))
+            waited = await slot.enter_async_context(scheduler.slot(session))
         except QueueFullError:
             raise APIError(
                 429,

@@ -2,7 +2,8 @@
 
 Contract:
     * A body over ``max_request_bytes`` is a 413 (checked on ``Content-Length``
-      before reading, and on the bytes read); a body that is not a JSON object is a
+      before reading, and on the bytes as they arrive: a chunked body is refused at
+      its first byte past the limit); a body that is not a JSON object is a
       400 ``invalid_json``; a field that does not fit the schema is a 400
       ``invalid_value`` naming it; another model name is a 404 ``model_not_found``;
       a prompt that leaves no room for one token is a 400 ``context_length_exceeded``.
@@ -46,14 +47,21 @@ class ParsedRequest:
 
 
 async def read_json(request: Request, limit: int) -> JSON:
-    """The body as JSON; 413 over ``limit`` bytes, 400 when it is not JSON."""
+    """The body as JSON; 413 over ``limit`` bytes, 400 when it is not JSON.
+
+    The size is checked as the body arrives: a chunked body (no ``Content-Length``)
+    is refused at its first byte past ``limit``, never buffered whole first.
+    """
     length = request.headers.get("content-length")
     too_large = APIError(413, f"request body over {limit} bytes", code="request_too_large")
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_large
-    raw = await request.body()
-    if len(raw) > limit:
-        raise too_large
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise too_large
+    raw = bytes(buf)
     try:
         body: JSON = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

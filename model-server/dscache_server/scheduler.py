@@ -7,6 +7,8 @@ Contract:
     * Requests of one session get their slots in arrival order: each session has a
       FIFO lock (asyncio's locks wake waiters in order) taken before the global
       slot, so turn N+1 never overtakes turn N and finds turn N's prefix stored.
+      A session is named by :func:`tenant_session`: the client's id within its
+      tenant, so a guessed id never queues behind (nor times) another tenant's.
     * A waiter that is cancelled (client gone) leaves the queue without a trace.
 """
 
@@ -18,6 +20,13 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from dscache_server.metrics import ServerMetrics
+
+
+def tenant_session(tenant: str, session_id: str | None) -> str | None:
+    """The session a request belongs to: its client's session id, within its tenant."""
+    if not session_id:
+        return None
+    return f"{tenant}\x1f{session_id}"
 
 
 class QueueFullError(Exception):

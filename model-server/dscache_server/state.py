@@ -2,7 +2,8 @@
 
 Contract:
     * ``AppState.serving()`` is the one gate of every model route: it returns the
-      runtime and the scheduler, or raises a 503 ``not_ready`` (Retry-After 1 while
+      runtime, the scheduler and the parsers' thread limiter (made on first use, on
+      the serving event loop), or raises a 503 ``not_ready`` (Retry-After 1 while
       loading, 5 while draining; the loader's error as message if loading failed).
     * ``AppState.lifespan`` runs the loader (if any) on a worker thread after
       start-up, so ``/health`` answers while the model loads; on shutdown it marks the
@@ -22,6 +23,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, NamedTuple
 
+import anyio
 from fastapi import Depends, FastAPI, Request
 
 from dscache_server.auth import AuthError, Principal
@@ -33,10 +35,12 @@ log = logging.getLogger(__name__)
 
 
 class Serving(NamedTuple):
-    """What a model route needs: the loaded runtime and the app's scheduler."""
+    """What a model route needs: the loaded runtime, the app's scheduler, and the
+    limiter of the worker threads that parse and tokenize request bodies."""
 
     runtime: Runtime
     scheduler: Scheduler
+    parsers: anyio.CapacityLimiter
 
 
 @dataclass
@@ -54,6 +58,7 @@ class AppState:
     runtime: Runtime | None = None
     loader: Callable[[], Runtime] | None = None
     scheduler: Scheduler | None = None
+    parsers: anyio.CapacityLimiter | None = None
     draining: bool = False
     load_error: str | None = None
 
@@ -68,10 +73,13 @@ class AppState:
                 code="not_ready",
                 retry_after=1 if rt is None else 5,
             )
-        if self.scheduler is None:
+        if self.scheduler is None or self.parsers is None:
             settings = rt.settings
             self.scheduler = Scheduler(settings.max_concurrency, settings.max_queue, rt.metrics)
-        return Serving(rt, self.scheduler)
+            # Tokenizing is CPU work: off the event loop (probes answer meanwhile), on
+            # as many threads as there are slots, not one per request.
+            self.parsers = anyio.CapacityLimiter(settings.max_concurrency)
+        return Serving(rt, self.scheduler, self.parsers)
 
     def not_ready_reason(self) -> str | None:
         """Why ``/ready`` is 503 (``loading``, ``draining`` or the load error); None if ready."""
