@@ -284,6 +284,21 @@ class SharedTierSpec(SpecModel):
     password_key: SecretKey | None = Field(
         default=None, description="Key of secretRef holding the password; unset: no AUTH."
     )
+    key_prefix_key: SecretKey = Field(
+        default="keyPrefix",
+        description="Key of secretRef holding this namespace's key prefix (its ACL user may "
+        "touch only <prefix>:* names); absent from the Secret: the sidecar's default.",
+    )
+    signing_key_key: SecretKey = Field(
+        default="signingKey",
+        description="Key of secretRef holding this namespace's HMAC key: values are signed "
+        "with it and a value that does not verify is a miss; absent: unsigned (warned).",
+    )
+    signing_key_previous_key: SecretKey = Field(
+        default="signingKeyPrevious",
+        description="Key of secretRef holding a signing key being rotated out (still "
+        "accepted, never used to sign); absent: none.",
+    )
     tls: SharedTierTlsSpec = Field(
         default_factory=SharedTierTlsSpec, description="TLS to the Redis Cluster."
     )

@@ -5,6 +5,7 @@ Uses the dev cluster's pinned helm (built once into the cache); no cluster runs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -160,15 +161,28 @@ def _check_shared_tier_secrets(docs: list[dict[str, Any]], values: str) -> None:
     if values != "sharedTier":
         assert secrets == []  # off by default
         return
-    assert sorted(s["metadata"]["namespace"] for s in secrets) == ["team-a", "team-b"]
-    for secret in secrets:
+    (acl,) = [s for s in secrets if s["metadata"]["name"] == "dscache-shared-tier-acl"]
+    tiers = [s for s in secrets if s is not acl]
+    assert sorted(s["metadata"]["namespace"] for s in tiers) == ["team-a", "team-b"]
+    lines = acl["stringData"]["users.acl"].splitlines()
+    passwords, signing = set(), set()
+    for secret in tiers:
+        ns = secret["metadata"]["namespace"]
         assert secret["metadata"]["name"] == "dscache-shared-tier"
         assert secret["metadata"]["labels"]["app.kubernetes.io/component"] == "shared-tier"
-        # What spec.cache.shared's endpointsKey and passwordKey name; no username set.
-        assert secret["stringData"] == {
-            "endpoints": "10.246.0.1:7000,10.246.0.1:7001",
-            "password": "s3cret",
-        }
+        data = secret["stringData"]
+        # A credential of its own per namespace, never one copied everywhere.
+        assert data["endpoints"] == "10.246.0.1:7000,10.246.0.1:7001"
+        assert data["username"] == data["keyPrefix"] == f"dscache-{ns}"
+        assert len(data["password"]) == 40 and len(data["signingKey"]) == 64
+        passwords.add(data["password"])
+        signing.add(data["signingKey"])
+        digest = hashlib.sha256(data["password"].encode()).hexdigest()
+        # The ACL user may touch only its own prefix.
+        (line,) = [x for x in lines if x.split()[1] == f"dscache-{ns}"]
+        assert f"#{digest}" in line.split() and f"~dscache-{ns}:*" in line.split()
+        assert "resetkeys" in line and "-@all" in line and "+flushall" not in line
+    assert len(passwords) == len(signing) == 2
 
 
 def _rules(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

@@ -55,6 +55,9 @@ SECRETS = {
         "endpoints": "10.246.0.1:7000,10.246.0.1:7001",
         "username": "dscache",
         "password": "s3cret",
+        # The namespace's own prefix and HMAC key, as the chart's per-namespace Secret has.
+        "keyPrefix": "dscache-team-a",
+        "signingKey": "k" * 64,
     }
 }
 
@@ -86,6 +89,18 @@ def test_the_sidecar_gets_the_tier_from_the_secret_and_the_ca_as_a_file() -> Non
         {
             "name": "DSCACHE_SIDECAR_SHARED_PASSWORD",
             "valueFrom": {"secretKeyRef": {**ref, "key": "password"}},
+        },
+        {
+            "name": "DSCACHE_SIDECAR_SHARED_KEY_PREFIX",
+            "valueFrom": {"secretKeyRef": {**ref, "key": "keyPrefix", "optional": True}},
+        },
+        {
+            "name": "DSCACHE_SIDECAR_SHARED_SIGNING_KEY",
+            "valueFrom": {"secretKeyRef": {**ref, "key": "signingKey", "optional": True}},
+        },
+        {
+            "name": "DSCACHE_SIDECAR_SHARED_SIGNING_KEY_PREVIOUS",
+            "valueFrom": {"secretKeyRef": {**ref, "key": "signingKeyPrevious", "optional": True}},
         },
         {"name": "DSCACHE_SIDECAR_SHARED_TLS", "value": "true"},
         {"name": "DSCACHE_SIDECAR_SHARED_TLS_VERIFY_HOSTNAME", "value": "true"},
@@ -122,7 +137,11 @@ def test_the_sidecar_reads_what_the_operator_sets(
     for var in sidecar["env"]:
         if "valueFrom" in var:
             ref = var["valueFrom"]["secretKeyRef"]
-            monkeypatch.setenv(var["name"], SECRETS[ref["name"]][ref["key"]])
+            value = SECRETS[ref["name"]].get(ref["key"])
+            if value is None:
+                assert ref.get("optional") is True, ref  # the kubelet leaves it unset
+                continue
+            monkeypatch.setenv(var["name"], value)
         else:
             monkeypatch.setenv(var["name"], var["value"])
     parser = argparse.ArgumentParser()
@@ -139,6 +158,9 @@ def test_the_sidecar_reads_what_the_operator_sets(
     assert (settings.shared_timeout_s, settings.shared_fetch_budget_s) == (0.1, 1.5)
     assert settings.shared_write_policy == "all"
     assert (settings.shared_ttl_s, settings.shared_queue_blocks) == (5400, 64)
+    assert settings.shared_key_prefix == "dscache-team-a"
+    assert settings.shared_signing_key.get_secret_value() == "k" * 64
+    assert settings.shared_signing_key_previous.get_secret_value() == ""
 
 
 def test_optional_credentials_and_tls_are_left_out() -> None:
@@ -263,6 +285,9 @@ def test_the_crd_carries_the_rules_and_the_defaults() -> None:
     assert shared["default"] == {
         "enabled": False,
         "endpointsKey": "endpoints",
+        "keyPrefixKey": "keyPrefix",
+        "signingKeyKey": "signingKey",
+        "signingKeyPreviousKey": "signingKeyPrevious",
         "tls": {"enabled": False, "verifyHostname": True},
         "timeoutMs": 250,
         "fetchBudgetMs": 1000,

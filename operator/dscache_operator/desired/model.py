@@ -180,17 +180,24 @@ def _shared_tier_env(src: RevisionSource) -> list[Obj]:
         return []
     secret = shared.secret_ref.name
 
-    def from_secret(name: str, key: str) -> Obj:
-        return {
-            "name": SHARED_ENV + name,
-            "valueFrom": {"secretKeyRef": {"name": secret, "key": key}},
-        }
+    def from_secret(name: str, key: str, optional: bool = False) -> Obj:
+        ref: Obj = {"name": secret, "key": key}
+        if optional:
+            ref["optional"] = True
+        return {"name": SHARED_ENV + name, "valueFrom": {"secretKeyRef": ref}}
 
     env = [from_secret("NODES", shared.endpoints_key)]
     if shared.username_key is not None:
         env.append(from_secret("USERNAME", shared.username_key))
     if shared.password_key is not None:
         env.append(from_secret("PASSWORD", shared.password_key))
+    # The namespace's own prefix and HMAC keys (the chart's per-namespace Secret has
+    # them); optional, so a Secret without them still starts the pod (unsigned, warned).
+    env.append(from_secret("KEY_PREFIX", shared.key_prefix_key, optional=True))
+    env.append(from_secret("SIGNING_KEY", shared.signing_key_key, optional=True))
+    env.append(
+        from_secret("SIGNING_KEY_PREVIOUS", shared.signing_key_previous_key, optional=True)
+    )
     tls = shared.tls
     values = {
         "TLS": "true" if tls.enabled else "false",
