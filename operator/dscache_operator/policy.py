@@ -25,6 +25,9 @@ Rules and their defaults:
   the allowed list (:meth:`AdminPolicy.prometheus_allowed`).
 * **the cache-owner image**: the root init container of a hostPath cache runs
   the admin's image, never the resource's.
+* **NetworkPolicies** (on) and the peers that may scrape the pods' metrics
+  (Prometheus pods, ``app.kubernetes.io/name: prometheus``, in any namespace):
+  see :mod:`dscache_operator.desired.network`.
 
 A refusal is a :class:`NotAllowedError` (an :class:`InvalidSpecError` with the
 reason ``NotAllowed``), whose message names the rule and the admin setting.
@@ -36,6 +39,7 @@ import fnmatch
 import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from dscache_operator.podspec import DEFAULT_CORE_IMAGE, ImageSpec
 from dscache_operator.quantity import quantity_bytes
@@ -46,6 +50,16 @@ from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 DEFAULT_HOST_PATH_ROOT = "/var/lib/dscache"
 #: The default largest cache per pod.
 DEFAULT_MAX_CACHE_SIZE = "1Ti"
+
+
+#: Who scrapes the pods by default: Prometheus pods (the Prometheus Operator's and the
+#: community chart's carry this label) in any namespace.
+DEFAULT_METRICS_PEERS: tuple[dict[str, Any], ...] = (
+    {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    },
+)
 
 
 class NotAllowedError(InvalidSpecError):
@@ -88,6 +102,8 @@ class AdminPolicy:
     prometheus_url: str | None = None
     prometheus_urls: tuple[str, ...] = ()
     cache_owner_image: ImageSpec = field(default=DEFAULT_CORE_IMAGE)
+    network_policies: bool = True
+    metrics_peers: tuple[dict[str, Any], ...] = DEFAULT_METRICS_PEERS
 
     def __post_init__(self) -> None:
         roots = tuple(normalise_host_path(r) for r in self.host_path_roots if r.strip())

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from dscache_operator.podspec import DEFAULT_CORE_IMAGE, ImageSpec
-from dscache_operator.policy import DEFAULT_HOST_PATH_ROOT, DEFAULT_MAX_CACHE_SIZE, AdminPolicy
+from dscache_operator.policy import (
+    DEFAULT_HOST_PATH_ROOT,
+    DEFAULT_MAX_CACHE_SIZE,
+    DEFAULT_METRICS_PEERS,
+    AdminPolicy,
+)
 from dscache_operator.schema import QUANTITY_PATTERN
 
 
@@ -119,6 +124,17 @@ class OperatorSettings(BaseSettings):
         "the pods' user (repository:tag or repository@sha256:...); never the resource's",
     )
 
+    network_policies: bool = Field(
+        default=True,
+        description="render a NetworkPolicy per component of each resource (model pods "
+        "reachable from its router, prewarm Jobs and the metrics peers only)",
+    )
+    metrics_peers: list[dict[str, Any]] = Field(
+        default_factory=lambda: [dict(p) for p in DEFAULT_METRICS_PEERS],
+        description="NetworkPolicy peers (JSON list: podSelector, namespaceSelector, ipBlock) "
+        "that may scrape the model pods' server and sidecar ports: your Prometheus",
+    )
+
     @field_validator(
         "namespaces",
         "host_path_roots",
@@ -149,6 +165,8 @@ class OperatorSettings(BaseSettings):
             prometheus_url=self.prometheus_url,
             prometheus_urls=tuple(self.prometheus_urls),
             cache_owner_image=ImageSpec(repository=repo, tag=tag),
+            network_policies=self.network_policies,
+            metrics_peers=tuple(self.metrics_peers),
         )
 
     @model_validator(mode="after")

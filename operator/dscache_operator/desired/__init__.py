@@ -9,6 +9,8 @@ Children (``<name>`` is the resource's name):
 * during a prewarm: Job ``<name>-prewarm-<revision>`` (created once per
   revision with the ready canary pods' addresses; a Job's template is
   immutable, so it is never re-applied);
+* NetworkPolicies ``<name>-model``, ``<name>-router``, ``<name>-prewarm``
+  (:mod:`.network`; unless the admin turned them off);
 * optionally ServiceMonitor and PrometheusRule ``<name>``;
 * with a generated tenant salt: Secret ``<name>-tenant-salt`` (:mod:`.tenancy`),
   created once by the reconciler, never re-applied.
@@ -43,6 +45,7 @@ from dscache_operator.desired.common import (
 )
 from dscache_operator.desired.model import model_deployment, model_service
 from dscache_operator.desired.monitoring import prometheus_rule, service_monitor
+from dscache_operator.desired.network import network_policies
 from dscache_operator.desired.prewarm import (
     PREWARM_TARGETS_ENV,
     prewarm_active,
@@ -76,6 +79,7 @@ __all__ = [
     "Owner",
     "children",
     "model_deployment",
+    "network_policies",
     "new_salt",
     "pod_address",
     "prewarm_active",
@@ -126,6 +130,7 @@ def children(
         router_service(owner, spec),
         pdb(owner, f"{owner.name}-router", "router", "all", {}),
     ]
+    out += network_policies(owner, spec, status, policy)
     if monitoring:
         if spec.monitoring.service_monitor:
             out.append(service_monitor(owner))
