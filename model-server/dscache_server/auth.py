@@ -14,7 +14,9 @@ Contract:
       or a token that is not the secret, is a 401 ``untrusted_tenant_header``;
       with no secret configured, every tenant header is refused so. A client never
       silently lands in another tenant. ``Authenticator.is_gateway`` applies the same
-      token check to routes only the gateway may use.
+      token check to routes only the gateway may use, ``Authenticator.is_internal``
+      (the internal token, ``X-Dscache-Internal-Token``, or the gateway token) to
+      routes for the router's picker.
     * Keys are compared through their SHA-256 digests (a dict of digests; the
       presented key is hashed first) and the gateway token with
       ``hmac.compare_digest``, so timing reveals nothing of a key or the secret.
@@ -44,6 +46,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +237,7 @@ class Authenticator:
         *,
         key_file: Path | None,
         gateway_secret: str = "",
+        internal_token: str = "",
         tenant_header: str = "X-Dscache-Tenant",
         label_cap: int = GATEWAY_LABEL_CAP,
     ) -> None:
@@ -243,6 +248,8 @@ class Authenticator:
         """
         self.keys = KeyFile(key_file) if key_file is not None else None
         self._secret = _digest(gateway_secret) if gateway_secret else None
+        self._internal = _digest(internal_token) if internal_token else None
+        self._internal_header = INTERNAL_TOKEN_HEADER.lower()
         self._tenant_header = tenant_header.lower()
         self._token_header = GATEWAY_TOKEN_HEADER.lower()
         self._labels = _Labels(label_cap)
@@ -264,6 +271,22 @@ class Authenticator:
     def is_gateway(self, headers: Mapping[str, str]) -> bool:
         """Whether these headers carry the gateway token (compared in constant time)."""
         return self._is_secret(headers.get(self._token_header))
+
+    @property
+    def has_internal_token(self) -> bool:
+        """Whether the routes for the router's picker ask for a token."""
+        return self._internal is not None
+
+    def is_internal(self, headers: Mapping[str, str]) -> bool:
+        """Whether these headers may read what only the router's picker (or the
+        gateway) may: the internal token, or the gateway token (constant time)."""
+        token = headers.get(self._internal_header)
+        internal = (
+            self._internal is not None
+            and token is not None
+            and hmac.compare_digest(_digest(token), self._internal)
+        )
+        return internal or self.is_gateway(headers)
 
     def _is_secret(self, token: str | None) -> bool:
         return (

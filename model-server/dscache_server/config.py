@@ -90,6 +90,12 @@ class ServerSettings(BaseSettings):
     tenant_secret: SecretStr = Field(
         default=SecretStr(""), description="HMAC secret for tenant salts (empty = plain hash)"
     )
+    internal_token: SecretStr = Field(
+        default=SecretStr(""),
+        description="token the router's picker sends as X-Dscache-Internal-Token to read "
+        "/dscache/keyinfo and /dscache/templates/filter (the gateway token works too); empty "
+        "= both are served to whoever reaches the port (warned at start)",
+    )
     # -- cache
     sidecar_socket: str | None = Field(
         default=None, description="sidecar unix socket; unset = no cache"

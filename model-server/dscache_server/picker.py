@@ -37,7 +37,13 @@ Contract:
       (similarity and hash still apply). Never a wrong answer, only a worse
       choice: the chosen pod recomputes what it lacks.
     * ``GET /metrics``, ``GET /health``; the state is bounded (``max_sessions``
-      similarity entries, ``max_memory_keys`` remembered keys per pod).
+      similarity entries, ``max_memory_keys`` remembered keys per pod, and pods: one
+      no pick has named for ``forget_s`` is forgotten), and so is what it reads: a
+      pick body over ``MAX_BODY`` is refused at its first byte past it (413), and
+      a pod's key info or filter over its limit is dropped unread past it.
+    * Fetches carry the internal token (``X-Dscache-Internal-Token``) when one is
+      configured: servers and sidecars that have one serve key info and filters to
+      it only.
 """
 
 from __future__ import annotations
@@ -57,8 +63,9 @@ import httpx
 from datasketch import MinHash, MinHashLSH
 from dscache_sidecar.holdings import (
     HOLDINGS_PATH,
+    INTERNAL_TOKEN_HEADER,
+    MAX_FILTER_BYTES,
     HoldingsFilter,
-    HoldingsFormatError,
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -97,6 +104,10 @@ class PickerSettings:
         max_sessions: similarity entries kept (oldest dropped first).
         min_blocks: blocks a pod must hold for a ``prefix`` choice.
         fetch_timeout_s: timeout of a keyinfo or holdings fetch.
+        forget_s: a pod no pick has named for this long is forgotten (its filter,
+            keys and placements dropped; a pick that names it again starts anew).
+        internal_token: sent as ``X-Dscache-Internal-Token`` with every keyinfo and
+            holdings fetch (servers and sidecars that have one ask for it).
     """
 
     holdings: Mapping[str, str] = field(default_factory=dict)
@@ -111,6 +122,8 @@ class PickerSettings:
     max_sessions: int = 20_000
     min_blocks: int = 1
     fetch_timeout_s: float = 2.0
+    forget_s: float = 600.0
+    internal_token: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -183,6 +196,7 @@ class _Pod:
     holdings_at: float = 0.0
     holdings_etag: str | None = None
     recent: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
+    seen_at: float = 0.0  # when a pick last named it
 
 
 class PickerMetrics:
@@ -291,12 +305,29 @@ class Picker:
             return list(self._pods)
 
     def know(self, addresses: Iterable[str]) -> None:
-        """Starts tracking these pods (their facts come with the next refresh)."""
+        """Tracks these pods (their facts come with the next refresh), seen now."""
         with self._lock:
+            now = self.clock()
             for address in addresses:
-                if address not in self._pods:
-                    self._pods[address] = _Pod(address)
+                pod = self._pods.get(address)
+                if pod is None:
+                    pod = self._pods[address] = _Pod(address)
+                pod.seen_at = now
             self.metrics.pods.set(len(self._pods))
+
+    def forget_gone(self) -> list[str]:
+        """Drops the pods no pick has named for ``forget_s`` (deleted or moved pods:
+        their filters, keys and placements); returns their addresses."""
+        forget = self.settings.forget_s
+        with self._lock:
+            cutoff = self.clock() - forget
+            gone = [a for a, pod in self._pods.items() if pod.seen_at < cutoff]
+            for address in gone:
+                del self._pods[address]
+            self.metrics.pods.set(len(self._pods))
+        for address in gone:
+            log.info("picker: forgot %s (no pick named it for %.0fs)", address, forget)
+        return gone
 
     def set_keyinfo(self, address: str, root: bytes | None, block_tokens: int) -> None:
         with self._lock:
@@ -455,11 +486,15 @@ class Picker:
     # -- refreshing the pods' facts -------------------------------------------------
 
     def refresh(self, client: httpx.Client) -> None:
-        """Fetches each known pod's keyinfo (until known) and holdings filter once."""
+        """Forgets the pods that are gone, then fetches each known pod's keyinfo
+        (until known) and holdings filter once."""
+        self.forget_gone()
         now = self.clock()
         for address in self.pods():
             with self._lock:
-                pod = self._pods[address]
+                pod = self._pods.get(address)
+                if pod is None:
+                    continue
                 need_info = pod.root is None and now - pod.keyinfo_at > 5.0
             if need_info:
                 self._fetch_keyinfo(client, address)
@@ -472,36 +507,73 @@ class Picker:
         self.metrics.filters.set(len(ages))
         self.metrics.filter_age.set(max(ages) if ages else 0.0)
 
+    def _headers(self, etag: str | None = None) -> dict[str, str]:
+        headers = {"If-None-Match": etag} if etag else {}
+        if self.settings.internal_token:
+            headers[INTERNAL_TOKEN_HEADER] = self.settings.internal_token
+        return headers
+
     def _fetch_keyinfo(self, client: httpx.Client, address: str) -> None:
         try:
-            r = client.get(f"http://{address}{KEYINFO_PATH}")
-            r.raise_for_status()
-            info = r.json()
+            status, body, _ = _bounded_get(
+                client, f"http://{address}{KEYINFO_PATH}", self._headers(), MAX_KEYINFO_BYTES
+            )
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            info = json.loads(body)
             root = bytes.fromhex(info["root"]) if info.get("root") else None
             self.set_keyinfo(address, root, int(info["block_tokens"]))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             self.metrics.fetch_errors.labels("keyinfo").inc()
             with self._lock:
-                self._pods[address].keyinfo_at = self.clock()
+                pod = self._pods.get(address)
+                if pod is not None:
+                    pod.keyinfo_at = self.clock()
             log.debug("picker: no keyinfo from %s: %s", address, exc)
 
     def _fetch_holdings(self, client: httpx.Client, address: str, url: str) -> None:
         with self._lock:
-            pod = self._pods[address]
+            pod = self._pods.get(address)
+            if pod is None:
+                return
             etag = pod.holdings_etag if pod.holdings is not None else None
         try:
-            r = client.get(url, headers={"If-None-Match": etag} if etag else None)
-            if r.status_code == 304:  # the filter held is the pod's current one
+            status, body, etag_now = _bounded_get(
+                client, url, self._headers(etag), MAX_FILTER_BYTES
+            )
+            if status == 304:  # the filter held is the pod's current one
                 with self._lock:
                     pod.holdings_at = self.clock()
                 return
-            r.raise_for_status()
-            holdings = HoldingsFilter.from_bytes(r.content)
-        except (httpx.HTTPError, HoldingsFormatError) as exc:
+            if status != 200:
+                raise ValueError(f"HTTP {status}")
+            holdings = HoldingsFilter.from_bytes(body)
+        except (httpx.HTTPError, ValueError) as exc:  # HoldingsFormatError included
             self.metrics.fetch_errors.labels("holdings").inc()
             log.debug("picker: no holdings from %s: %s", url, exc)
             return
-        self.set_holdings(address, holdings, r.headers.get("ETag"))
+        self.set_holdings(address, holdings, etag_now)
+
+
+#: Largest key info the picker reads (it is a few hundred bytes).
+MAX_KEYINFO_BYTES = 64 << 10
+
+
+def _bounded_get(
+    client: httpx.Client, url: str, headers: Mapping[str, str], limit: int
+) -> tuple[int, bytes, str | None]:
+    """GET ``url``: (status, body, ETag), reading at most ``limit`` bytes of the body;
+    ValueError for a longer one (the rest is never read: the connection is closed)."""
+    with client.stream("GET", url, headers=headers) as r:
+        declared = r.headers.get("Content-Length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise ValueError(f"a body of {declared} bytes is over the {limit}-byte limit")
+        buf = bytearray()
+        for chunk in r.iter_bytes():
+            buf += chunk
+            if len(buf) > limit:
+                raise ValueError(f"a body over the {limit}-byte limit")
+        return r.status_code, bytes(buf), r.headers.get("ETag")
 
 
 class Refresher:

@@ -2,7 +2,10 @@
 
 Routes: ``POST /pick`` (the decision), ``GET /health``, ``GET /metrics``. The
 decision runs on a worker thread (tokenizing is CPU work); the filters are
-fetched by a background thread.
+fetched by a background thread, with the internal token of
+``DSCACHE_PICKER_INTERNAL_TOKEN`` (an environment variable, never a flag: flags
+show in the process list). A pick body is read up to ``MAX_BODY`` bytes, no
+further (413).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -33,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: Largest body the picker reads (the router's own limit is the real one).
 MAX_BODY = 16 << 20
+#: The environment variable with the internal token sent with every fetch.
+INTERNAL_TOKEN_ENV = "DSCACHE_PICKER_INTERNAL_TOKEN"  # noqa: S105 - a variable's name
 
 
 def create_app(picker: Picker, refresher: Refresher | None = None) -> FastAPI:
@@ -60,8 +66,8 @@ def create_app(picker: Picker, refresher: Refresher | None = None) -> FastAPI:
 
     @app.post("/pick")
     async def pick(request: Request) -> Response:
-        body = await request.body()
-        if len(body) > MAX_BODY:
+        body = await _read_body(request, MAX_BODY)
+        if body is None:
             return PlainTextResponse("body too large\n", status_code=413)
         credentials = "authorization" in request.headers
         try:
@@ -73,6 +79,19 @@ def create_app(picker: Picker, refresher: Refresher | None = None) -> FastAPI:
         return PlainTextResponse(choice.pod, headers=headers)
 
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The body, or None as soon as it is over ``limit`` bytes (the rest is not read)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            return None
+    return bytes(buf)
 
 
 def settings_from_args(args: argparse.Namespace) -> PickerSettings:
@@ -108,6 +127,7 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         memory_s=args.memory,
         similarity_threshold=args.similarity_threshold,
         domain_terms=terms,
+        internal_token=os.environ.get(INTERNAL_TOKEN_ENV, ""),
     )
 
 

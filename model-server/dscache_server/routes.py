@@ -9,9 +9,12 @@ Contract:
     * ``GET /dscache/keyinfo``: what a router needs to compute this server's block
       keys: ``{"model", "block_tokens", "fingerprint"}`` (hex digest) and ``root``,
       the key chain's root of requests without any credential when tenancy is off
-      (the anonymous tenant's, with the tenant secret applied: every anonymous
-      client shares it anyway, and it reveals no other tenant's), else ``null``
-      (a tenant's keys need its key). 503 until the model is loaded.
+      (the anonymous tenant's, with the tenant secret applied), else ``null`` (a
+      tenant's keys need its key). With the root, whoever guesses a prompt computes
+      its keys and can test them against a holdings filter: with an internal token
+      configured (``internal_token``) only a request carrying it (or the gateway
+      token) gets an answer, else 401 ``invalid_internal_token``. 503 until the
+      model is loaded.
     * ``GET /dscache/templates?top=N&tenant=T``: the live template miner's top ``N``
       (default 100, 1 to 1000) templates, of tenant id ``T`` or all, best first:
       ``{"model", "block_tokens", "fingerprint", "templates": [{"tenant", "key",
@@ -22,8 +25,9 @@ Contract:
       ``templates_need_gateway_secret``).
     * ``GET /dscache/templates/filter?top=N``: every block key of those templates
       (all tenants) as a holdings-format Bloom filter
-      (:class:`dscache_sidecar.holdings.HoldingsFilter`); keys are digests, so no
-      token is needed. Both answer 404 ``templates_off`` when mining is off, 400
+      (:class:`dscache_sidecar.holdings.HoldingsFilter`), for the picker: with an
+      internal token configured, 401 ``invalid_internal_token`` without it (or the
+      gateway token). Both answer 404 ``templates_off`` when mining is off, 400
       ``invalid_value`` for a bad ``top``, 503 ``not_ready`` until the model is
       loaded; both run on a worker thread (ranking and encoding take a while).
     * ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``:
@@ -37,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated
 
-from dscache_sidecar.holdings import KEYS_HEADER, HoldingsFilter
+from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER, KEYS_HEADER, HoldingsFilter
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -84,11 +88,12 @@ async def metrics(state: StateDep) -> Response:
 
 
 @probes.get("/dscache/keyinfo")
-async def keyinfo(state: StateDep) -> JSONResponse:
-    """The key chain's public facts (see the module contract)."""
+async def keyinfo(request: Request, state: StateDep) -> JSONResponse:
+    """The key chain's facts for the router's picker (see the module contract)."""
     rt = state.runtime
     if rt is None:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
+    _internal_only(rt, request.headers, "the key info")
     root = None if rt.auth.tenancy else rt.chain_for(DEFAULT_TENANT).root.hex()
     return JSONResponse(
         {
@@ -118,9 +123,10 @@ def templates(
 
 
 @probes.get(FILTER_PATH)
-def templates_filter(state: StateDep, top: TopQuery = DEFAULT_TOP) -> Response:
+def templates_filter(request: Request, state: StateDep, top: TopQuery = DEFAULT_TOP) -> Response:
     """The block keys of the live templates as a holdings filter (see the module contract)."""
-    _, miner = _template_log(state)
+    rt, miner = _template_log(state)
+    _internal_only(rt, request.headers, "the template filter")
     keys = miner.keys(top)
     bloom = HoldingsFilter.of(keys, capacity=max(len(keys), 1))
     return Response(
@@ -145,6 +151,16 @@ def _gateway_only(rt: Runtime, headers: Mapping[str, str]) -> None:
             401,
             f"send the gateway secret as {GATEWAY_TOKEN_HEADER} to read the templates",
             code="invalid_gateway_token",
+        )
+
+
+def _internal_only(rt: Runtime, headers: Mapping[str, str], what: str) -> None:
+    if rt.auth.has_internal_token and not rt.auth.is_internal(headers):
+        raise APIError(
+            401,
+            f"{what} is for the router's picker: send the internal token as "
+            f"{INTERNAL_TOKEN_HEADER}",
+            code="invalid_internal_token",
         )
 
 

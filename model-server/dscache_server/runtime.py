@@ -119,6 +119,7 @@ def build_auth(settings: ServerSettings) -> Authenticator:
     return Authenticator(
         key_file=settings.api_keys_file,
         gateway_secret=settings.gateway_secret.get_secret_value(),
+        internal_token=settings.internal_token.get_secret_value(),
         tenant_header=settings.tenant_header,
     )
 

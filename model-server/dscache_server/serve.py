@@ -34,6 +34,13 @@ def serve(settings: ServerSettings) -> int:
         timeout_graceful_shutdown=30,
     )
     server = uvicorn.Server(config)
+    if not settings.internal_token.get_secret_value():
+        log.warning(
+            "/dscache/keyinfo and /dscache/templates/filter are served without a token (no "
+            "DSCACHE_SERVER_INTERNAL_TOKEN): whoever reaches port %d can compute and test "
+            "block keys of the anonymous tenant",
+            settings.port,
+        )
     log.info("serving %s on %s:%d", settings.model, settings.host, settings.port)
     server.run()
     return 0

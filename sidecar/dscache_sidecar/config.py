@@ -104,6 +104,10 @@ class SidecarSettings(BaseSettings):
     key in the index) served at ``GET /dscache/holdings`` on the HTTP port, for a
     router that picks the pod holding the longest prefix; a rebuild is skipped while
     the index is unchanged. 0 = not published (the path is 404)."""
+    internal_token: SecretStr = SecretStr("")
+    """The token the router's picker sends (``X-Dscache-Internal-Token``) to read
+    ``/dscache/holdings``; empty: the filter is served to whoever reaches the HTTP
+    port (warned at start). /metrics and the probes never ask for it."""
     fault_injection: bool = False
     """Serve ``/debug/fault`` on the HTTP port to slow calls down or fail writes as a
     full disk does (:mod:`dscache_sidecar.faults`). A testing aid: never in production."""

@@ -21,7 +21,8 @@ Contract:
       is not an error (the tier is tried on use, and skipped while it fails).
     * With ``holdings_refresh_s`` > 0 and the HTTP port on, the same port serves
       ``/dscache/holdings``: a Bloom filter of every key in the index, rebuilt in
-      the background (:mod:`dscache_sidecar.holdings_publisher`).
+      the background (:mod:`dscache_sidecar.holdings_publisher`), to requests that
+      carry ``internal_token`` when one is set.
     * With ``fault_injection`` on (a testing aid, never in production), the same
       port serves ``/debug/fault`` and every KVCache call first waits the injected
       delay (:mod:`dscache_sidecar.faults`); off, nothing of it runs.
@@ -272,7 +273,15 @@ def create_server(
             ready=socket_check,
             faults=faults,
             holdings=holdings.current if holdings is not None else None,
+            internal_token=settings.internal_token.get_secret_value(),
         )
+        if holdings is not None and not settings.internal_token.get_secret_value():
+            log.warning(
+                "/dscache/holdings is served without a token (no "
+                "DSCACHE_SIDECAR_INTERNAL_TOKEN): whoever reaches port %s can test "
+                "which block keys this pod holds",
+                settings.metrics_port,
+            )
         http = ProbeServer(settings.metrics_host, settings.metrics_port, app)
         metrics_port = http.port
         if holdings is not None:

@@ -20,10 +20,16 @@ Contract:
     * A filter answers "maybe held" or "surely not held": a false positive
       costs a router one less-than-ideal choice, never a wrong answer (the pod
       recomputes what it lacks).
+    * Who may read one: a filter tells whoever can compute a tenant's block keys
+      whether that tenant's prompts are cached, so where an internal token is
+      configured the endpoints that serve filters answer only requests carrying it
+      as :data:`INTERNAL_TOKEN_HEADER` (:func:`token_matches`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from collections.abc import Iterable, Sequence
 
@@ -47,6 +53,21 @@ HOLDINGS_PATH = "/dscache/holdings"
 #: Response headers: keys in the filter, and the build's sequence number.
 KEYS_HEADER = "X-Dscache-Holdings-Keys"
 GENERATION_HEADER = "X-Dscache-Holdings-Generation"
+#: The request header that carries the internal token: what a picker shows to read
+#: filters of held keys (the sidecar's holdings, a server's template filter) and a
+#: server's key info where a token is configured.
+INTERNAL_TOKEN_HEADER = "X-Dscache-Internal-Token"  # noqa: S105 - a header name, not a secret
+#: Largest encoded filter a reader accepts (a filter of ~50M keys at 1% false positives).
+MAX_FILTER_BYTES = 64 << 20
+
+
+def token_matches(presented: str | None, token: str) -> bool:
+    """Whether ``presented`` is ``token`` (digests compared in constant time)."""
+    if presented is None or not token:
+        return False
+    want = hashlib.sha256(token.encode()).digest()
+    got = hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest()
+    return hmac.compare_digest(want, got)
 
 
 class HoldingsFormatError(ValueError):

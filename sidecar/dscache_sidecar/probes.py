@@ -21,7 +21,9 @@ Contract:
       (:mod:`dscache_sidecar.holdings_publisher`), ``200`` with
       ``application/octet-stream`` bytes and the ``X-Dscache-Holdings-Keys`` and
       ``-Generation`` headers; ``503`` before the first build; ``404`` when the
-      publisher is off; another method is ``405``.
+      publisher is off; another method is ``405``. With an internal token
+      configured, a request without it (``X-Dscache-Internal-Token``) is ``401``:
+      the filter is the pod's held keys, for the router's picker only.
     * Every other path is prometheus_client's WSGI app, exactly what
       ``prometheus_client.start_http_server`` served (content negotiation,
       gzip, ``name[]`` filters).
@@ -43,7 +45,13 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from pydantic import ValidationError
 
 from dscache_sidecar.faults import FaultInjector, Faults
-from dscache_sidecar.holdings import GENERATION_HEADER, HOLDINGS_PATH, KEYS_HEADER
+from dscache_sidecar.holdings import (
+    GENERATION_HEADER,
+    HOLDINGS_PATH,
+    INTERNAL_TOKEN_HEADER,
+    KEYS_HEADER,
+    token_matches,
+)
 from dscache_sidecar.holdings_publisher import Holdings
 
 log = logging.getLogger(__name__)
@@ -166,15 +174,20 @@ def fault_app(faults: FaultInjector | None) -> WsgiApp:
     return app
 
 
-def holdings_app(holdings: Callable[[], Holdings | None] | None) -> WsgiApp:
+def holdings_app(holdings: Callable[[], Holdings | None] | None, token: str = "") -> WsgiApp:
     """``/dscache/holdings``: GET serves the latest build of ``holdings()`` (304 with no
     body when ``If-None-Match`` names it); 404 when ``holdings`` is None (the
-    publisher is off), 503 while it has built nothing."""
+    publisher is off), 503 while it has built nothing; with ``token``, 401 for a
+    request that does not carry it as ``X-Dscache-Internal-Token``."""
+    token_key = "HTTP_" + INTERNAL_TOKEN_HEADER.upper().replace("-", "_")
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         if environ.get("REQUEST_METHOD", "GET") != "GET":
             allow = (("Allow", "GET"),)
             return _respond(start_response, "405 Method Not Allowed", b"GET\n", extra=allow)
+        if token and not token_matches(environ.get(token_key), token):
+            why = f"send the internal token as {INTERNAL_TOKEN_HEADER}\n".encode()
+            return _respond(start_response, "401 Unauthorized", why)
         if holdings is None:
             return _respond(start_response, "404 Not Found", b"holdings are not published\n")
         built = holdings()
@@ -197,15 +210,18 @@ def make_app(
     registry: CollectorRegistry,
     live: Callable[[], str],
     ready: Callable[[], str],
+    *,
     faults: FaultInjector | None = None,
     holdings: Callable[[], Holdings | None] | None = None,
+    internal_token: str = "",
 ) -> WsgiApp:
     """The WSGI app: ``/healthz`` from ``live()``, ``/readyz`` from ``ready()``,
     ``/debug/fault`` over ``faults`` (None: fault injection off),
-    ``/dscache/holdings`` from ``holdings()`` (None: not published), else metrics."""
+    ``/dscache/holdings`` from ``holdings()`` (None: not published; with
+    ``internal_token``, only for requests carrying it), else metrics."""
     metrics = make_wsgi_app(registry)
     debug = fault_app(faults)
-    held = holdings_app(holdings)
+    held = holdings_app(holdings, internal_token)
     checks = {"/healthz": live, "/readyz": ready}
 
     def app(environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:

@@ -262,3 +262,26 @@ def test_keyinfo_gives_the_anonymous_root_only_when_tenancy_is_off(
         httpx.get(live_server(api_keys_file=key_file).url + "/dscache/keyinfo").json()["root"]
         is None
     )
+
+
+def test_with_an_internal_token_keyinfo_and_the_template_filter_are_the_pickers(
+    live_server: Callable[..., LiveServer],
+) -> None:
+    # The root lets whoever guesses a prompt compute its keys; the filter says whether
+    # they are cached. With a token, only the picker (or the gateway) gets either.
+    srv = live_server(tenant_secret="ns-a", internal_token="picker-1", gateway_secret=GATEWAY)
+    for path in ("/dscache/keyinfo", "/dscache/templates/filter"):
+        for headers in ({}, {"X-Dscache-Internal-Token": "guess"}, {"Authorization": "Bearer x"}):
+            assert_refused(
+                httpx.get(srv.url + path, headers=headers), 401, "invalid_internal_token"
+            )
+        for good in (
+            {"X-Dscache-Internal-Token": "picker-1"},
+            {"X-Dscache-Gateway-Token": GATEWAY},
+        ):
+            assert httpx.get(srv.url + path, headers=good, timeout=30).status_code == 200
+    info = httpx.get(srv.url + "/dscache/keyinfo", headers={"X-Dscache-Internal-Token": "picker-1"})
+    assert info.json()["root"] == srv.runtime.chain_for("default").root.hex()
+    # The probes and the API are as they were.
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert cached(chat(srv, "hello there")) == 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import httpx
@@ -230,3 +231,94 @@ def test_an_unchanged_holdings_filter_is_not_downloaded_again(
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_pod_no_pick_names_any_more_is_forgotten(
+    picker: Picker, tokenizer: DeepSeekTokenizer, clock: Clock
+) -> None:
+    picker.set_holdings(A, HoldingsFilter.of(keys_of(tokenizer, chat(DOC)), capacity=1024))
+    assert picker.pick(query(chat(DOC))).pod == A
+    # A's pod is deleted; for a while every pick names only B and C.
+    for _ in range(3):
+        clock.now += picker.settings.forget_s / 2
+        picker.pick(query(chat("Hi."), pods=f"{B}/0,{C}/0"))
+    assert picker.forget_gone() == [A]
+    assert sorted(picker.pods()) == [B, C]
+    assert picker.metrics.pods._value.get() == 2  # type: ignore[attr-defined]
+    # A new pod that gets A's address starts cold: the old pod's filter is not its own.
+    again = picker.pick(query(chat(DOC), pods=f"{A}/0,{B}/0"))
+    assert (again.pod, again.reason) == (A, "hash")
+
+
+async def test_a_pick_body_is_read_no_further_than_the_limit(
+    picker: Picker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dscache_server import pickerserve
+
+    monkeypatch.setattr(pickerserve, "MAX_BODY", 64 << 10)
+    sent: list[int] = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        for _ in range(1000):  # 16 MiB in all, never announced (chunked)
+            sent.append(1)
+            yield b"x" * (16 << 10)
+
+    app = create_app(picker)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://picker") as client:
+        r = await client.post("/pick", params={"pods": f"{A}/0"}, content=endless())
+    assert r.status_code == 413
+    assert len(sent) < 10  # before: all 1000 chunks were read, then refused
+
+
+def _serve_wsgi(app: Any) -> tuple[str, Callable[[], None]]:
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = make_server("127.0.0.1", 0, app, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return f"http://127.0.0.1:{server.server_port}", stop
+
+
+def test_a_filter_over_the_limit_is_not_taken(
+    tokenizer: DeepSeekTokenizer, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dscache_server import picker as picker_module
+
+    big = HoldingsFilter.of(keys_of(tokenizer, chat(DOC)), capacity=200_000).to_bytes()
+    monkeypatch.setattr(picker_module, "MAX_FILTER_BYTES", len(big) // 4)
+    url, stop = _serve_wsgi(holdings_app(lambda: Holdings(1, 1, big, '"b1"')))
+    try:
+        p = Picker(PickerSettings(holdings={A: url + "/dscache/holdings"}), tokenizer, clock=clock)
+        p.set_keyinfo(A, ROOT, BT)
+        with httpx.Client(timeout=5) as client:
+            p.refresh(client)
+        # A pod (or anything at its address) cannot make the picker hold a filter of any size.
+        assert p.pick(query(chat(DOC), pods=f"{A}/0")).reason == "hash"
+        assert p.metrics.fetch_errors.labels("holdings")._value.get() == 1  # type: ignore[attr-defined]
+    finally:
+        stop()
+
+
+def test_the_picker_shows_its_internal_token_to_read_a_filter(
+    tokenizer: DeepSeekTokenizer, clock: Clock
+) -> None:
+    held = HoldingsFilter.of(keys_of(tokenizer, chat(DOC)), capacity=1024).to_bytes()
+    app = holdings_app(lambda: Holdings(1, 1, held, '"b1"'), token="picker-1")
+    url, stop = _serve_wsgi(app)
+    try:
+        for token, reason in (("", "hash"), ("a guess", "hash"), ("picker-1", "prefix")):
+            settings = PickerSettings(holdings={A: url + "/dscache/holdings"}, internal_token=token)
+            p = Picker(settings, tokenizer, clock=clock)
+            p.set_keyinfo(A, ROOT, BT)
+            with httpx.Client(timeout=5) as client:
+                p.refresh(client)
+            assert p.pick(query(chat(DOC), pods=f"{A}/0")).reason == reason, token
+    finally:
+        stop()

@@ -27,6 +27,7 @@ from dscache_sidecar.config import add_sidecar_arguments, settings_from_args
 from dscache_sidecar.holdings import (
     GENERATION_HEADER,
     HOLDINGS_PATH,
+    INTERNAL_TOKEN_HEADER,
     KEYS_HEADER,
     HoldingsFilter,
     HoldingsFormatError,
@@ -208,6 +209,30 @@ def test_a_reader_holding_the_current_build_gets_304_without_a_body(
     status, headers, body = _fetch(port, headers={"If-None-Match": etag})
     assert status == 200 and headers["ETag"] != etag
     assert HoldingsFilter.from_bytes(body)  # the new build, whole
+
+
+@pytest.mark.slow
+def test_with_an_internal_token_only_its_bearer_reads_the_filter(
+    make_sidecar: Callable[..., Sidecar],
+) -> None:
+    s = make_sidecar(holdings_refresh_s=0.05, internal_token="picker-token-1")
+    port = _port(s)
+    store_chain(s.c, 3, seed=4)
+    # Whoever reaches the port without the token learns nothing of what is held ...
+    for headers in ({}, {INTERNAL_TOKEN_HEADER: "a guess"}, {INTERNAL_TOKEN_HEADER: ""}):
+        status, _, body = _fetch(port, headers=headers)
+        assert status == 401 and INTERNAL_TOKEN_HEADER.encode() in body
+    # ... the picker, with it, gets the filter; metrics and probes need no token.
+    deadline = time.monotonic() + 20
+    while True:
+        status, headers, body = _fetch(port, headers={INTERNAL_TOKEN_HEADER: "picker-token-1"})
+        if status == 200 and headers[KEYS_HEADER] == "3":
+            break
+        assert time.monotonic() < deadline, (status, body)
+        time.sleep(0.05)
+    for path in ("/metrics", "/healthz", "/readyz"):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            assert r.status == 200
 
 
 def test_every_tenant_is_published(make_sidecar: Callable[..., Sidecar]) -> None:
