@@ -132,6 +132,19 @@ def tenant_salt_secret_name(owner: Owner) -> str:
 
 #: The key of the generated salt in :func:`tenant_salt_secret_name`'s Secret.
 TENANT_SALT_KEY = "salt"
+#: The key of the internal token in the same Secret: what the router's picker shows the
+#: model pods to read their key info and holdings filters (derived from the salt).
+INTERNAL_TOKEN_KEY = "internal-token"  # noqa: S105 - a key's name, not a secret
+
+
+def internal_token_env(owner: Owner, salt_source: str, name: str) -> list[Obj]:
+    """The variable ``name`` from the generated Secret's internal token; none unless the
+    salt is generated (stored sources of other kinds render as they did). Optional: a
+    Secret created before it held a token starts the pod without one (open, warned)."""
+    if salt_source != "generated":
+        return []
+    ref = {"name": tenant_salt_secret_name(owner), "key": INTERNAL_TOKEN_KEY, "optional": True}
+    return [{"name": name, "valueFrom": {"secretKeyRef": ref}}]
 
 
 def _tenant_env(owner: Owner, src: RevisionSource) -> list[Obj]:
@@ -287,7 +300,9 @@ def _server_container(owner: Owner, src: RevisionSource) -> Obj:
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
         **container("server", src.server.image, ["dscache"], args),
-        "env": _tenant_env(owner, src) + _auth_env(src),
+        "env": _tenant_env(owner, src)
+        + _auth_env(src)
+        + internal_token_env(owner, src.tenant_salt.source, "DSCACHE_SERVER_INTERNAL_TOKEN"),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "startupProbe": {**probe, "periodSeconds": 5, "failureThreshold": 120},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
@@ -301,14 +316,16 @@ def _server_container(owner: Owner, src: RevisionSource) -> Obj:
     }
 
 
-def _sidecar_container(src: RevisionSource, capacity: int) -> Obj:
+def _sidecar_container(owner: Owner, src: RevisionSource, capacity: int) -> Obj:
     port = src.sidecar.metrics_port
     args = ["sidecar", "--data-dir", CACHE_DIR, "--capacity", str(capacity)]
     args += ["--socket", SOCKET, "--metrics-port", str(port)]
     if src.cache.tenant_quota < 1.0:
         # Only when set: pod templates of resources without a quota stay as they were.
         args += ["--tenant-quota", repr(src.cache.tenant_quota)]
-    env = _shared_tier_env(src)
+    env = _shared_tier_env(src) + internal_token_env(
+        owner, src.tenant_salt.source, "DSCACHE_SIDECAR_INTERNAL_TOKEN"
+    )
     # The sidecar's gRPC health, as HTTP on its metrics port: no process per probe.
     return {
         **container("sidecar", src.sidecar.image, ["dscache"], args),
@@ -345,7 +362,7 @@ def pod_template(
     spec: Obj = {
         **pod_spec(src.scheduling, spread=sel),
         "terminationGracePeriodSeconds": 60,
-        "containers": [_server_container(owner, src), _sidecar_container(src, capacity)],
+        "containers": [_server_container(owner, src), _sidecar_container(owner, src, capacity)],
         "volumes": [
             _cache_volume(owner, slot, src, size),
             {"name": "socket", "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},

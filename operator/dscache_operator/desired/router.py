@@ -19,6 +19,7 @@ import hashlib
 
 from dscache_operator.desired import common
 from dscache_operator.desired.common import TMP, Obj, Owner, meta, selector_labels
+from dscache_operator.desired.model import internal_token_env
 from dscache_operator.nginx import PromptKey, RouterConfig, render_nginx_conf
 from dscache_operator.nginx.render import PICKER_HEALTH_PATH
 from dscache_operator.schema import parse_duration
@@ -85,8 +86,9 @@ def picker_active(spec: DeepSeekCacheDeploymentSpec) -> bool:
     return spec.routing.picker.enabled and spec.routing.balance_factor > 0
 
 
-def _picker_container(spec: DeepSeekCacheDeploymentSpec) -> Obj:
-    """``dscache picker`` on the pod's loopback; NGINX proxies its health for the probe."""
+def _picker_container(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
+    """``dscache picker`` on the pod's loopback; NGINX proxies its health for the probe.
+    With a generated salt it shows the model pods the internal token (its Secret's)."""
     p = spec.routing.picker
     args = ["picker", "--host", "127.0.0.1", "--port", str(p.port)]
     args += ["--holdings-port", str(spec.sidecar.metrics_port)]
@@ -94,8 +96,10 @@ def _picker_container(spec: DeepSeekCacheDeploymentSpec) -> Obj:
     for term, weight in sorted(p.domain_terms.items()):
         args += ["--domain-term", f"{term}={weight}"]
     probe = {"httpGet": {"path": PICKER_HEALTH_PATH, "port": "http"}, "periodSeconds": 10}
+    env = internal_token_env(owner, spec.tenant_salt.source, "DSCACHE_PICKER_INTERNAL_TOKEN")
     return {
         **common.container("picker", p.image, ["dscache"], args),
+        **({"env": env} if env else {}),
         "livenessProbe": {**probe, "initialDelaySeconds": 10, "failureThreshold": 6},
         "resources": common.resources(p.resources),
         "volumeMounts": [{"name": "tmp", "mountPath": TMP}],
@@ -146,7 +150,7 @@ def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
                 "metadata": {"labels": sel},
                 "spec": {
                     **common.pod_spec(spec.scheduling, spread=sel),
-                    "containers": [nginx, _picker_container(spec)]
+                    "containers": [nginx, _picker_container(owner, spec)]
                     if picker_active(spec)
                     else [nginx],
                     "volumes": [
