@@ -52,7 +52,7 @@ from dscache_operator.desired.common import (
     track_of,
 )
 from dscache_operator.podspec import RevisionSource
-from dscache_operator.policy import DEFAULT_POLICY, AdminPolicy
+from dscache_operator.policy import DEFAULT_POLICY, AdminPolicy, normalise_host_path
 from dscache_operator.quantity import quantity_bytes
 from dscache_operator.rollout import slot_replicas
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
@@ -96,7 +96,8 @@ def cache_host_path(owner: Owner, slot: str, host_path: str) -> str:
     cache) and distinct per track, so the blue and the green pod that share a
     node never open one store directory twice.
     """
-    return f"{host_path.rstrip('/')}/{owner.namespace}/{owner.name}-{slot}"
+    # Normalised as the admin's policy checked it: no ".." reaches the kubelet.
+    return f"{normalise_host_path(host_path).rstrip('/')}/{owner.namespace}/{owner.name}-{slot}"
 
 
 def _cache_owner_init(policy: AdminPolicy) -> Obj:
@@ -208,9 +209,7 @@ def _shared_tier_env(src: RevisionSource) -> list[Obj]:
     # them); optional, so a Secret without them still starts the pod (unsigned, warned).
     env.append(from_secret("KEY_PREFIX", shared.key_prefix_key, optional=True))
     env.append(from_secret("SIGNING_KEY", shared.signing_key_key, optional=True))
-    env.append(
-        from_secret("SIGNING_KEY_PREVIOUS", shared.signing_key_previous_key, optional=True)
-    )
+    env.append(from_secret("SIGNING_KEY_PREVIOUS", shared.signing_key_previous_key, optional=True))
     tls = shared.tls
     values = {
         "TLS": "true" if tls.enabled else "false",
