@@ -84,7 +84,8 @@ def test_ttft_is_the_first_content_chunk(fake: FakeChatServer) -> None:
     assert report.ok == 2
     for r in report.results:
         assert r.ttft_s is not None
-        assert 0.2 <= r.ttft_s < 0.45  # not the opening role-only chunk
+        # Not the opening role-only chunk (at once), not the end of the stream (0.3 s later).
+        assert r.ttft_s >= 0.2
         assert r.e2e_s >= r.ttft_s + 0.29
         assert r.prompt_tokens > 0 and r.cached_tokens == r.prompt_tokens // 2
 

@@ -182,7 +182,7 @@ def test_current_stamps_start_no_docker(
     monkeypatch.setattr(PrivateDocker, "start", no_docker)
     started = time.monotonic()
     got = images.ensure_images(root=root, repo=tree)
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 10.0  # behaviour above (no engine); a bound, not a figure
     assert got["server"] == ImageArchive(
         IMAGES["server"].ref, archives / "server.tar", "sha256:server", 10
     )

@@ -62,7 +62,7 @@ def test_delay_slows_every_kvcache_call_but_not_health(
         start = time.monotonic()
         answer = c.find(ch.tenant, keys)
         assert answer.found == 2 and answer.direct
-        assert time.monotonic() - start < 0.5
+        assert time.monotonic() - start < 1.0  # less than the daemon's injected delay
         # A caller with a shorter deadline gives up: the daemon is "slow".
         with (
             SidecarClient(d.socket, timeout_s=0.3) as impatient,
