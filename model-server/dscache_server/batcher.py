@@ -27,6 +27,11 @@ Contract:
       decoding equals one-by-one decoding to float rounding).
     * A restored block that fails its checksum is caught before the first token is
       sampled; the request then recomputes its whole prompt (counted as ``corrupt``).
+    * The restored prefix's lease is extended while the request runs; before each
+      prefill chunk and decode step the lease is checked (``Restored.guard_lease``):
+      one that lapsed during the prefill restarts it uncached (``lease_lapsed``), one
+      that lapsed during decoding fails the request rather than answer from bytes
+      that may have been reused.
     * New full prompt blocks are queued for storing right after the prefill, before
       the first token is emitted, on the cache's background thread.
     * A cancelled request (client gone) stops at its next iteration.
@@ -250,6 +255,12 @@ class Batcher:
             a.done = a.seq.restored_tokens
         seq, restored = a.seq, a.restored
         assert restored is not None
+        if not restored.guard_lease(seq, self.cache.lease_ttl_s):
+            # The restored blocks' lease ran out while this prefill read them: what was
+            # computed from them may be another block's bytes; start over, uncached.
+            self.cache.lapsed(restored)
+            a.seq = seq = self.engine.new_sequence()
+            a.done = 0
         take = min(len(ids) - a.done, budget)
         last = a.done + take == len(ids)
         chunk = ids[a.done : a.done + take]
@@ -301,9 +312,17 @@ class Batcher:
     # ------------------------------------------------------------------ decode
 
     def _decode_step(self, batch: list[_Active]) -> None:
-        for a in batch:
+        for a in list(batch):
             assert a.restored is not None and a.seq is not None
-            a.restored.guard_lease(a.seq, self.cache.lease_ttl_s)
+            if not a.restored.guard_lease(a.seq, self.cache.lease_ttl_s):
+                # Tokens were already sent; the next ones could come from another
+                # block's bytes. A wrong answer is worse than an error.
+                self.cache.lapsed(a.restored)
+                batch.remove(a)
+                self._active.remove(a)
+                self._fail(a, RuntimeError("the cached prefix's lease ran out during decoding"))
+        if not batch:
+            return
         seqs = [a.seq for a in batch]
         tokens = [a.detok.ids[-1] for a in batch]
         t0 = time.perf_counter()

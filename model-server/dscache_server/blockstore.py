@@ -76,6 +76,15 @@ class Loaded(Protocol):
         """How many leading blocks passed their checksum (waits for a background check)."""
         ...
 
+    def held_until(self) -> float:
+        """Monotonic time up to which the blocks are known to be leased (extended in
+        the background while held; infinite for copies)."""
+        ...
+
+    def lapsed(self) -> bool:
+        """Whether the lease ran out while held (the arrays may show other bytes)."""
+        ...
+
     def release(self) -> None:
         """Ends the lease."""
         ...

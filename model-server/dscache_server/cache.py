@@ -7,8 +7,12 @@ Contract:
       reason; the request then recomputes. A short load (blocks evicted or dropped as
       corrupt between Lookup and Lease) is a smaller hit, counted as ``short_load``.
     * Lookups have no side effects; loaded blocks are leased, and the lease is held
-      until the request's ``Restored.release()``. A request that runs longer than half
-      the lease copies its restored prefix into private memory first.
+      (extended in the background by the sidecar client) until the request's
+      ``Restored.release()``, however long the prefill and the decoding take. Before
+      each use of the restored prefix the engine asks ``Restored.guard_lease``: a
+      lease about to run out all the same (its extensions failing) gets its prefix
+      copied into private memory first; one that lapsed in use is a ``lease_lapsed``
+      fallback, and the request recomputes from nothing, as for a corrupt block.
     * Checksums are checked while the prefill runs (``background_verify``, on by
       default): ``PrefixCache.confirm`` must be called before the first token is
       sampled; when a block failed, the request is told to recompute from nothing
@@ -42,6 +46,10 @@ log = logging.getLogger(__name__)
 
 #: Seconds between two cache-fallback warnings (the rest go to debug: hot path).
 WARNING_INTERVAL_S = 10.0
+#: Share of the lease TTL left at which a restored prefix is copied out of the
+#: mapping (the lease is extended every third of its TTL while held: with that
+#: little left, the extensions are failing).
+LEASE_MARGIN = 0.25
 
 
 @dataclass
@@ -57,7 +65,6 @@ class Restored:
     lease_s: float = 0.0
     map_verify_s: float = 0.0  # views, restore, and any wait for a background check
     _loaded: Loaded | None = None
-    _leased_at: float = 0.0
 
     def release(self) -> None:
         """Ends the lease (idempotent)."""
@@ -68,11 +75,20 @@ class Restored:
             except Exception as exc:  # never fail a request on release
                 log.debug("lease release failed: %s", exc)
 
-    def guard_lease(self, seq: SequenceKV, ttl_s: float) -> None:
-        """Copies the restored prefix out of the mapping before the lease runs out."""
-        if self._loaded is not None and time.monotonic() - self._leased_at > ttl_s / 2:
+    def guard_lease(self, seq: SequenceKV, ttl_s: float) -> bool:
+        """Call before the engine reads the restored prefix again. False when its lease
+        lapsed while in use (the mapping may show other blocks' bytes: the caller
+        recomputes); copies the prefix into private memory and ends the lease when
+        the lease is about to run out all the same (its extensions failing)."""
+        loaded = self._loaded
+        if loaded is None:
+            return True
+        if loaded.lapsed():
+            return False
+        if loaded.held_until() - time.monotonic() < ttl_s * LEASE_MARGIN:
             seq.materialize()
             self.release()
+        return True
 
 
 @dataclass(eq=False)
@@ -206,7 +222,7 @@ class PrefixCache:
                 ttl_s=self.lease_ttl_s,
                 background_verify=self.background_verify,
             )
-            result._loaded, result._leased_at = loaded, time.monotonic()
+            result._loaded = loaded
             result.lease_s = loaded.lease_s
             got = min(len(loaded.arrays), found)
             if got and loaded.keys[:got] != keys[:got]:
@@ -239,6 +255,9 @@ class PrefixCache:
         loaded = result._loaded
         if loaded is None or result.hit_blocks == 0:
             return True
+        if loaded.lapsed():
+            self.lapsed(result)
+            return False
         t0 = time.perf_counter()
         try:
             good = loaded.verified(self.verify_timeout_s)
@@ -255,6 +274,13 @@ class PrefixCache:
         result.hit_blocks = 0
         self._fallback(result, "corrupt", why)
         return False
+
+    def lapsed(self, result: Restored) -> None:
+        """The restored prefix's lease lapsed while in use: ends it and counts the
+        fallback (``lease_lapsed``); the caller recomputes from nothing."""
+        result.release()
+        result.hit_blocks = 0
+        self._fallback(result, "lease_lapsed", "the lease of the restored blocks ran out in use")
 
     def _reset(self, seq: SequenceKV, result: Restored) -> None:
         result.release()

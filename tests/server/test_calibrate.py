@@ -7,6 +7,7 @@ engine is the real reference engine.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,12 @@ class _Leased:
 
     def verified(self, timeout_s: float | None = None) -> int:
         return len(self.arrays)
+
+    def held_until(self) -> float:
+        return math.inf  # copies: no lease to keep
+
+    def lapsed(self) -> bool:
+        return False
 
     def release(self) -> None:
         return None

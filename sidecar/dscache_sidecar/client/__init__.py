@@ -12,6 +12,9 @@ Contract:
       client streams bytes with Put/Get instead.
     * Checksums are checked before returning, in the background, or not (``Verify``,
       see :mod:`.loads`); a mismatch is a shorter prefix, never corrupt KV.
+    * A mapped lease is extended in the background until it is released, however
+      long its blocks are in use (:mod:`.keeper`); ``LoadedBlocks.lapsed()`` says
+      whether it ran out all the same.
     * ``lookup`` reads the daemon's LMDB index read-only in this process when
       ``data_dir`` is given: no round trip; while the index cannot be opened it asks
       the daemon over gRPC instead (:mod:`.lookup`).
@@ -65,6 +68,8 @@ __all__ = [
 
 #: Seconds between two asks whether the daemon has a shared tier.
 SHARED_RECHECK_S = 30.0
+#: Leases granted and not yet mapped remembered at most (their TTL and when asked).
+_ASKED_KEPT = 1024
 
 
 class SidecarClient:
@@ -99,6 +104,8 @@ class SidecarClient:
         )
         self._shared: bool | None = None  # the daemon has a shared tier (None: not asked)
         self._shared_asked = 0.0
+        # lease id -> (TTL asked, monotonic time asked), until the grant is mapped
+        self._asked: dict[str, tuple[float, float]] = {}
 
     @property
     def target(self) -> str:
@@ -192,7 +199,12 @@ class SidecarClient:
             fetch_remote=fetch,
         )
         timeout = self._conn.long_timeout_s if fetch else self._conn.timeout_s
+        asked_at = time.monotonic()
         resp: pb.LeaseResponse = call(self._conn.stub.Lease, request, timeout)
+        if resp.lease_id:
+            self._asked[resp.lease_id] = (ttl_s, asked_at)
+            while len(self._asked) > _ASKED_KEPT:  # grants never mapped (a caller's error)
+                self._asked.pop(next(iter(self._asked)))
         return resp
 
     def map_lease(
@@ -207,7 +219,8 @@ class SidecarClient:
         without the shared volume (None) they are streamed (``tenant``, ``keys``)."""
         if resp is None:
             return self._loader.stream(tenant, keys, bool(verify))
-        return self._loader.map_lease(resp, verify)
+        ttl_s, asked_at = self._asked.pop(resp.lease_id, (0.0, 0.0))
+        return self._loader.map_lease(resp, verify, ttl_s, asked_at)
 
     def release(self, lease_id: str) -> None:
         """Ends a lease by id (``LoadedBlocks.release`` does this for its own)."""

@@ -1,8 +1,11 @@
 """Zero-copy loads: leased blocks as numpy views on the mapped segment files.
 
 Contract:
-    * Views stay valid until ``LoadedBlocks.release()`` (or the lease TTL): keep the
-      lease while you use them; copy what must outlive it.
+    * Views stay valid until ``LoadedBlocks.release()``: the lease is extended in
+      the background for as long as it is held (:mod:`.keeper`), however long the
+      work on the blocks takes. ``LoadedBlocks.lapsed()`` says whether it ran out
+      all the same (a daemon that could not be reached in time): then the views may
+      show other bytes, and what was computed from them must be redone.
     * With ``verify=True`` every loaded block is checked against its checksum; a
       mismatch truncates the result at that block (prefix semantics), is reported
       to the daemon (which drops the block) and is never returned.
@@ -18,6 +21,8 @@ Contract:
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +32,7 @@ import grpc
 import numpy as np
 
 from dscache.v1 import kvcache_pb2 as pb
+from dscache_sidecar.client.keeper import Held, LeaseKeeper
 from dscache_sidecar.client.rpc import Connection
 from dscache_sidecar.codec import Codec, decode
 from dscache_sidecar.errors import SidecarError, wrap_rpc_error
@@ -49,6 +55,7 @@ class LoadedBlocks:
     _release: Any = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
     _checking: Future[int] | None = field(default=None, repr=False)
+    _held: Held | None = field(default=None, repr=False)
     #: Seconds the Lease call and the mapping took (filled in by the caller that timed them).
     lease_s: float = 0.0
     map_s: float = 0.0
@@ -66,6 +73,15 @@ class LoadedBlocks:
         if self._checking is None:
             return len(self.arrays)
         return self._checking.result(timeout_s)
+
+    def held_until(self) -> float:
+        """Monotonic time up to which the blocks are known to be leased (infinite for
+        copies, which need no lease); moves on while the keeper extends the lease."""
+        return self._held.until if self._held is not None else math.inf
+
+    def lapsed(self) -> bool:
+        """Whether the lease ran out while held: the views may have shown other bytes."""
+        return self._held is not None and self._held.lapsed
 
     def release(self) -> None:
         """Ends the lease; best effort (a dead daemon's leases expire anyway)."""
@@ -123,11 +139,20 @@ class BlockLoader:
         self._conn = conn
         self._segments = segments
         self._verifier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-verify")
+        self.keeper = LeaseKeeper(conn)
 
-    def map_lease(self, resp: pb.LeaseResponse, verify: Verify) -> LoadedBlocks:
-        """The leased blocks as arrays on the mapped segments."""
+    def map_lease(
+        self, resp: pb.LeaseResponse, verify: Verify, ttl_s: float = 0.0, asked_at: float = 0.0
+    ) -> LoadedBlocks:
+        """The leased blocks as arrays on the mapped segments; the lease (asked for
+        ``ttl_s`` at monotonic ``asked_at``; 0: as granted, now) is kept until
+        ``release``."""
         assert self._segments is not None
         out = LoadedBlocks([], [], resp.lease_id, self.release)
+        if resp.lease_id:
+            out._held = self.keeper.hold(
+                resp.lease_id, ttl_s, asked_at or time.monotonic(), resp.expires_unix_ms
+            )
         corrupt: list[bytes] = []
         sizes: dict[str, int] = {}
         deferred: list[_Check] = []
@@ -186,6 +211,7 @@ class BlockLoader:
 
     def release(self, lease_id: str) -> None:
         """Ends a lease (raises on a failed call; ``LoadedBlocks.release`` swallows)."""
+        self.keeper.drop(lease_id)
         self._conn.stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self._conn.timeout_s)
 
     def stream(self, tenant: str, keys: Sequence[bytes], verify: bool) -> LoadedBlocks:
@@ -223,4 +249,5 @@ class BlockLoader:
         return decode(bytes(buf), Codec(info.codec), info.dtype, tuple(info.shape)).copy()
 
     def close(self) -> None:
+        self.keeper.close()
         self._verifier.shutdown(wait=False)
