@@ -1,6 +1,8 @@
 """KV-aware routing end to end: real NGINX consulting a real picker, real servers and sidecars.
 
-Three cache-on pods behind the router with ``routing="kv"``. What a user notices:
+Three cache-on pods behind the router with ``routing="kv"``, every server, sidecar
+and the picker with the internal token (key info and filters are the picker's
+alone). What a user notices:
 every turn of a conversation reaches the pod holding its history whether or not it
 carries its session id (the id and the prompt key hash to different pods), the
 follow-ups reuse that history, a restarted picker finds it again from the sidecars'
@@ -16,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer
-from dscache_sidecar.holdings import HOLDINGS_PATH, HoldingsFilter
+from dscache_sidecar.holdings import HOLDINGS_PATH, INTERNAL_TOKEN_HEADER, HoldingsFilter
 from dscache_tools.demo.stack import LocalStack, StackOptions
 from dscache_tools.polling import poll
 from needs import need_nginx
@@ -48,14 +50,23 @@ def document(seed: int, words: int = 900) -> str:
     )
 
 
+#: The internal token every server, sidecar and the picker of the stack get: key info
+#: and holdings filters are the picker's alone.
+TOKEN = "picker-e2e-token"
+SHOWN = {INTERNAL_TOKEN_HEADER: TOKEN}
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     need_nginx()
     workdir: Path = tmp_path_factory.mktemp("picker-e2e")
-    with LocalStack(workdir, StackOptions(model="mini-gqa", threads=1)) as st:
-        servers = st.start_servers(3, cache=True)
-        st.start_router(servers, routing="kv")
-        yield st
+    with pytest.MonkeyPatch.context() as env:  # the children inherit it
+        for part in ("SERVER", "SIDECAR", "PICKER"):
+            env.setenv(f"DSCACHE_{part}_INTERNAL_TOKEN", TOKEN)
+        with LocalStack(workdir, StackOptions(model="mini-gqa", threads=1)) as st:
+            servers = st.start_servers(3, cache=True)
+            st.start_router(servers, routing="kv")
+            yield st
 
 
 def _turn(
@@ -129,15 +140,18 @@ def test_a_restarted_picker_finds_the_history_in_the_sidecars_filters(stack: Loc
         {"role": "system", "content": "Analyst desk 50."},
         {"role": "user", "content": document(50) + " Summarise."},
     ]
-    # The pod's sidecar publishes the turn's blocks (stored in the background).
-    info = httpx.get(pod.url + "/dscache/keyinfo", timeout=10).json()
+    # The pod's sidecar publishes the turn's blocks (stored in the background), to the
+    # bearer of the internal token only.
+    assert httpx.get(pod.url + "/dscache/keyinfo", timeout=10).status_code == 401
+    info = httpx.get(pod.url + "/dscache/keyinfo", headers=SHOWN, timeout=10).json()
     ids = DeepSeekTokenizer().apply_chat_template([ChatMessage(**m) for m in messages])
     keys = block_keys(bytes.fromhex(info["root"]), ids, info["block_tokens"])
     assert pod.sidecar is not None and len(keys) >= 2
     url = f"http://127.0.0.1:{pod.sidecar.metrics_port}{HOLDINGS_PATH}"
+    assert httpx.get(url, timeout=10).status_code == 401
 
     def published() -> bool:
-        r = httpx.get(url, timeout=10)
+        r = httpx.get(url, headers=SHOWN, timeout=10)
         return r.status_code == 200 and HoldingsFilter.from_bytes(r.content).prefix_length(
             keys
         ) == len(keys)
