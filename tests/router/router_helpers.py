@@ -22,6 +22,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Callable
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
@@ -79,7 +80,8 @@ class Pod(ThreadingHTTPServer):
         self.seen = seen
         self.headers = headers
         self.address = f"127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
+        # A short poll: shutdown() waits for the loop to look, and every test closes five.
+        threading.Thread(target=self.serve_forever, args=(0.02,), daemon=True).start()
 
     def hold(self) -> None:
         """Requests from now on wait (at most 30 s) until :meth:`release`."""
@@ -95,6 +97,17 @@ class Pod(ThreadingHTTPServer):
         self.server_close()
 
 
+#: One client for every call: building an httpx client per request (``httpx.request``)
+#: costs 10-20 times the request itself on a busy machine (it loads the CA bundle).
+#: No keep-alive: each call is its own connection, as each test's NGINX may be new;
+#: no cookie jar: a cookie is sent only where a test sends it, as with httpx.request.
+_CLIENT = httpx.Client(
+    timeout=10,
+    limits=httpx.Limits(max_keepalive_connections=0),
+    cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
+)
+
+
 def call(
     port: int,
     path: str,
@@ -105,8 +118,8 @@ def call(
 ) -> httpx.Response | None:
     """``method path`` on ``127.0.0.1:port``; None while nothing answers."""
     try:
-        return httpx.request(
-            method, f"http://127.0.0.1:{port}{path}", headers=headers, content=body, timeout=10
+        return _CLIENT.request(
+            method, f"http://127.0.0.1:{port}{path}", headers=headers, content=body
         )
     except httpx.TransportError:
         return None
