@@ -41,19 +41,31 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 class PrometheusProcess:
-    """A real Prometheus scraping ``metrics`` every second."""
+    """A real Prometheus scraping ``metrics`` every second.
 
-    def __init__(self, workdir: Path, metrics: FakeServerMetrics) -> None:
+    ``metrics`` is the fake model server (its series carry their own labels) or any
+    ``/metrics`` on 127.0.0.1 at its ``port``, e.g. a real vLLM server; ``labels``
+    are then given to its target, as pod discovery labels a pod's series
+    (``namespace``, ``dscache_io_revision``).
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        metrics: FakeServerMetrics,
+        labels: dict[str, str] | None = None,
+    ) -> None:
         self.metrics = metrics
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
+        target = {"targets": [f"127.0.0.1:{metrics.port}"], "labels": labels or {}}
         config.write_text(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
             "scrape_configs:\n"
             "  - job_name: dscache-server\n"
             "    honor_labels: true\n"
-            f"    static_configs: [{{targets: ['127.0.0.1:{metrics.port}']}}]\n"
+            f"    static_configs: [{json.dumps(target)}]\n"
         )
         self.log = workdir / "prometheus.log"
         self._log = self.log.open("w")
