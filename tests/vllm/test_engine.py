@@ -79,12 +79,13 @@ def test_corrupt_bytes_change_the_answer_unless_checked_and_the_check_recomputes
         bad = run(probe)
     assert bad[0]["cached_tokens"] == REUSABLE[0]
     assert max_logprob_gap(bad[:1], warm.reference[:1]) > 1e-3
-    # Checked: the checksum catches block 0, vLLM recomputes, the answer is exact.
+    # Checked while the forward runs: the checksum catches block 0 and reports its
+    # pages in the same step, vLLM drops that step's output and recomputes: exact.
     with VllmProbe(probe_config(warm.model, store_copy), tmp_path / "checked.log") as probe:
         good = run(probe)
         metrics = probe.metrics()
     # Block 0 failed its check: nothing of that prompt was loaded, the other one was.
-    assert metrics["dscache_vllm_load_failures_total{reason=missing}"] == REUSABLE[0] / 128
+    assert metrics["dscache_vllm_load_failures_total{reason=corrupt}"] == REUSABLE[0] / 128
     assert metrics["dscache_vllm_loaded_tokens_total"] == REUSABLE[1]
     assert_same(good, warm.reference)
 

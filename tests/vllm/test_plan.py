@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import pytest
@@ -157,3 +158,32 @@ def test_finished_requests_are_forgotten() -> None:
     p.finished("r")
     assert len(p) == 0
     assert p.step([Scheduled("r", tokens(600), 0, 600, list(range(5)), first=True)]).saves == ()
+
+
+def shard_chains(tenant: str) -> tuple[KeyChain, ...]:
+    """Two tensor-parallel ranks of a GQA model: one fingerprint each."""
+    return tuple(
+        KeyChain(dataclasses.replace(FP, tp_size=2, tp_rank=r), tenant_salt(tenant))
+        for r in range(2)
+    )
+
+
+def test_each_shard_gets_its_own_keys_and_a_hit_needs_every_shard() -> None:
+    store = Store()
+    toks = tokens(1000)
+    rank0, rank1 = shard_chains("default")
+    for k in rank0.keys(toks):
+        store.held.add((rank0.tenant, k))
+    for k in rank1.keys(toks)[:1]:  # rank 1 holds only the first block
+        store.held.add((rank1.tenant, k))
+    p = Planner(shard_chains, store.find, 256, 128)
+    assert p.matched("r", toks, None, 0) == 256  # what both ranks hold
+    p.allocated("r", 256)
+    plan = p.step([Scheduled("r", toks, 256, 1000 - 256, list(range(8)), True)])
+    (load,) = plan.loads
+    assert load.keys_for(0) == tuple(rank0.keys(toks)[:1])
+    assert load.keys_for(1) == tuple(rank1.keys(toks)[:1])
+    assert not set(rank0.keys(toks)) & set(rank1.keys(toks))
+    (save,) = plan.saves
+    assert save.keys_for(1) == (tuple(rank1.keys(toks)[1:3]), tuple(rank1.keys(toks)[0:2]))
+    assert save.keys_for(0)[0] == tuple(rank0.keys(toks)[1:3])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,13 +46,14 @@ def daemon(tmp_path: Path) -> Iterator[SidecarProcess]:
 
 
 def worker(
-    daemon: SidecarProcess, layers: list[torch.Tensor], **kw: int
+    daemon: SidecarProcess, layers: list[torch.Tensor], **kw: Any
 ) -> tuple[KVWorker, CollectorRegistry]:
     registry = CollectorRegistry()
-    client = SidecarClient(daemon.socket, data_dir=str(daemon.data_dir))
-    return KVWorker(
-        client, PagedKV(layers, BLOCK, PAGE, PAGES), ConnectorMetrics.create(registry), **kw
-    ), registry
+    data_dir = str(daemon.data_dir)
+    client = SidecarClient(daemon.socket, data_dir=data_dir)
+    paged = PagedKV(layers, BLOCK, PAGE, PAGES)
+    metrics = ConnectorMetrics.create(registry)
+    return KVWorker(client, paged, metrics, data_dir=data_dir, **kw), registry
 
 
 def save_all(w: KVWorker) -> None:
@@ -80,16 +83,104 @@ def test_saved_blocks_load_into_other_pages_exactly(daemon: SidecarProcess) -> N
 
 
 @pytest.mark.slow
-def test_a_corrupt_block_stops_the_load_and_is_recomputed(daemon: SidecarProcess) -> None:
+def test_a_corrupt_block_checked_in_the_background_is_reported_and_recomputed(
+    daemon: SidecarProcess,
+) -> None:
     saver, _ = worker(daemon, kv(fill=True))
     save_all(saver)
     flip_block(saver.client, daemon.data_dir, CHAIN.tenant, KEYS[1])
     dst = kv(fill=False)
     loader, reg = worker(daemon, dst)
+    # The copies run while the check does: the bad block's pages (and every later
+    # one) are reported in the same step, so vLLM recomputes them.
+    missing = loader.load(load_spec((10, 11, 12, 13, 14, 15)))
+    assert missing == {12, 13, 14, 15}
+    assert reg.get_sample_value("dscache_vllm_load_failures_total", {"reason": "corrupt"}) == 4
+    assert reg.get_sample_value("dscache_vllm_loaded_tokens_total") == 2 * PAGE
+    # The daemon was told: the block is gone, the next lookup stops before it.
+    assert loader.client.find(CHAIN.tenant, KEYS).found == 1
+    saver.close()
+    loader.close()
+
+
+def test_a_corrupt_block_checked_before_the_copy_is_never_copied(daemon: SidecarProcess) -> None:
+    saver, _ = worker(daemon, kv(fill=True))
+    save_all(saver)
+    flip_block(saver.client, daemon.data_dir, CHAIN.tenant, KEYS[1])
+    dst = kv(fill=False)
+    loader, reg = worker(daemon, dst, verify="sync")
     missing = loader.load(load_spec((10, 11, 12, 13, 14, 15)))
     assert missing == {12, 13, 14, 15}
     assert reg.get_sample_value("dscache_vllm_load_failures_total", {"reason": "missing"}) == 4
     assert float(dst[0][12].abs().sum()) == 0  # nothing of the bad block was copied
+    saver.close()
+    loader.close()
+
+
+def test_layer_by_layer_loads_and_saves_round_trip(daemon: SidecarProcess) -> None:
+    src = kv(fill=True)
+    saver, reg = worker(daemon, src)
+    spec = SaveSpec("r", CHAIN.tenant, tuple(KEYS), (b"", KEYS[0], KEYS[1]), tuple(range(6)))
+    saver.begin_step()
+    for layer in range(2):  # as vLLM's forward: each layer's save after its attention
+        saver.save_layer(layer, [spec])
+    saver.finish_saves([spec])
+    assert saver.settle() == set()
+    assert saver.wait_idle(30)
+    assert reg.get_sample_value("dscache_vllm_stored_blocks_total") == 3
+    dst = kv(fill=False)
+    loader, _ = worker(daemon, dst)
+    loader.begin_step()
+    loader.start_loads([load_spec((9, 3, 4, 5, 14, 15))])  # pages need not be consecutive
+    for layer in range(2):
+        loader.wait_layer(layer)
+        assert torch.equal(dst[layer][[9, 3, 4, 5, 14, 15]], src[layer][0:6])
+    assert loader.settle() == set()
+    saver.close()
+    loader.close()
+
+
+def test_a_failed_load_drops_that_requests_saves_of_the_step(daemon: SidecarProcess) -> None:
+    saver, _ = worker(daemon, kv(fill=True))
+    save_all(saver)
+    flip_block(saver.client, daemon.data_dir, CHAIN.tenant, KEYS[0])
+    w, reg = worker(daemon, kv(fill=True))
+    other = CHAIN.keys(list(range(9000, 9000 + 2 * BLOCK)))
+    # One step: request r2 loads (block 0 is bad) and saves what its forward computed
+    # from that prefix; request r3 saves blocks of its own.
+    w.begin_step()
+    w.start_loads([load_spec((10, 11, 12, 13, 14, 15))])
+    saves = [
+        SaveSpec("r2", CHAIN.tenant, (b"\x01" * 32,), (KEYS[2],), (6, 7)),
+        SaveSpec("r3", CHAIN.tenant, tuple(other), (b"", other[0]), (0, 1, 2, 3)),
+    ]
+    w.finish_saves(saves)
+    assert w.settle() == {10, 11, 12, 13, 14, 15}
+    assert w.wait_idle(30)
+    assert reg.get_sample_value("dscache_vllm_stored_blocks_total") == 2  # r3's only
+    assert w.client.find(CHAIN.tenant, [b"\x01" * 32]).found == 0
+    saver.close()
+    w.close()
+
+
+def test_a_verified_block_is_not_hashed_again_until_its_segment_changes(
+    daemon: SidecarProcess,
+) -> None:
+    saver, _ = worker(daemon, kv(fill=True))
+    save_all(saver)
+    time.sleep(1.2)  # the segment is quiet: a later write moves its mtime for sure
+    loader, reg = worker(daemon, kv(fill=False))
+    spec = load_spec((10, 11, 12, 13, 14, 15))
+    assert loader.load(spec) == set()
+    assert loader.checked_loads == 1
+    assert loader.load(spec) == set()
+    assert loader.checked_loads == 1  # remembered: mapped and copied, not hashed
+    # Any write to the segment (here, a flipped byte) is a new stamp: hashed again,
+    # and the bad block is caught.
+    flip_block(saver.client, daemon.data_dir, CHAIN.tenant, KEYS[2])
+    assert loader.load(spec) == {14, 15}
+    assert loader.checked_loads == 2
+    assert reg.get_sample_value("dscache_vllm_load_failures_total", {"reason": "corrupt"}) == 2
     saver.close()
     loader.close()
 

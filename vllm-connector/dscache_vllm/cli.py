@@ -22,7 +22,7 @@ def kv_transfer_config(
     data_dir: str | None,
     block_tokens: int = 256,
     tenant_secret_file: str | None = None,
-    verify: str = "sync",
+    verify: str = "background",
     revision: str | None = None,
 ) -> dict[str, Any]:
     """The ``--kv-transfer-config`` that loads the dscache connector."""
@@ -63,9 +63,10 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, help="weights revision in the cache fingerprint")
     p.add_argument(
         "--verify",
-        choices=["sync", "off"],
-        default="sync",
-        help="check each loaded block's checksum before vLLM uses it (default sync)",
+        choices=["background", "sync", "off"],
+        default="background",
+        help="check each loaded block's checksum while the forward runs (a failed block is "
+        "recomputed in the same step; default), before the copies (sync), or not (off)",
     )
 
 

@@ -19,9 +19,17 @@ Contract:
       vLLM recomputes them (this needs ``kv_load_failure_policy: recompute``,
       which ``dscache vllm serve`` sets); a failed store is a future miss. Each is
       counted (``dscache_vllm_*`` metrics).
-    * Loads are synchronous (vLLM schedules them in the request's first step and the
-      copy ends before the forward); saves copy pages out after the forward and
-      write in the background.
+    * Loads are layer by layer: ``start_load_kv`` leases the blocks and starts the
+      copies, ``wait_for_layer_load`` waits for one layer's pages; checksums are
+      checked while the forward runs and a block that fails is reported through
+      ``get_block_ids_with_load_errors`` in the same step, so vLLM drops that step's
+      output for the request and recomputes the pages (see ``dscache_vllm.worker``).
+      Saves copy each layer's completed blocks out after its attention
+      (``save_kv_layer``) on a copier thread, and write in the background.
+    * Tensor parallel: GQA/MHA ranks each load and store their own shard (rank and
+      world size in the fingerprint); an MLA latent is the same on every rank, so it
+      is stored once (by rank 0) and every rank loads that copy. Pipeline
+      parallelism is refused at start-up.
     * A request's tenant is its ``cache_salt`` (vLLM's own prefix cache isolates
       salts the same way).
     * A block's key holds everything that changes its KV, as vLLM's own block hashes
@@ -128,7 +136,13 @@ def _page_layout(vllm_config: Any, dtype: Any) -> dict[str, str]:
         "page_tokens": str(page),
         "device": str(current_platform.device_type),
     }
-    if current_platform.is_cpu():
+    if current_platform.is_cpu() and getattr(vllm_config.model_config, "use_mla", False):
+        import torch
+
+        # The platform's choice: AMX's MLA kernel where the CPU has AMX tiles.
+        amx = bool(torch.cpu._is_amx_tile_supported())
+        layout["attn"] = "amx_mla" if amx else "cpu_mla"
+    elif current_platform.is_cpu():
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         head = int(vllm_config.model_config.get_head_size())
@@ -200,24 +214,37 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.metrics = ConnectorMetrics.create()
         self.page_tokens = int(vllm_config.cache_config.block_size)
         _refuse_unsupported(vllm_config, kv_cache_config)
-        self.fingerprint = self._fingerprint(vllm_config, tp_rank=self._tp_rank(role))
+        self.mla = bool(getattr(vllm_config.model_config, "use_mla", False))
+        rank, world = self._tp_rank(role)
+        # GQA/MHA: one fingerprint per tensor-parallel rank (each holds other heads).
+        # MLA: the latent is the same on every rank, one fingerprint for all.
+        shards = 1 if self.mla else world
+        self.fingerprints = [self._fingerprint(vllm_config, tp_rank=r) for r in range(shards)]
+        #: The shard whose blocks this process loads (and, when ``saves``, stores).
+        self.shard = 0 if self.mla else rank
+        #: Whether this worker stores blocks: every GQA shard; for MLA, rank 0 only.
+        self.saves = rank == 0 or not self.mla
+        self.fingerprint = self.fingerprints[self.shard]
         self._client = SidecarClient(
             self.settings.socket, data_dir=self.settings.data_dir, timeout_s=self.settings.timeout_s
         )
         self._secret = self.settings.tenant_secret()
-        self._chains: OrderedDict[str, KeyChain] = OrderedDict()
+        self._chains: OrderedDict[str, tuple[KeyChain, ...]] = OrderedDict()
         self.planner = Planner(
             self._chain_for, self._find, self.settings.block_tokens, self.page_tokens
         )
         self._requests: dict[str, Any] = {}
         self._pages: dict[str, list[int]] = {}
         self._worker: KVWorker | None = None
-        self._load_errors: set[int] = set()
+        self._layer_index: dict[str, int] = {}
         self._uncached: set[str] = set()
         log.info(
-            "dscache connector (%s): socket %s, data dir %s, %d-token blocks over %d-token "
-            "pages, fingerprint %s",
+            "dscache connector (%s, TP rank %d of %d, %s): socket %s, data dir %s, %d-token "
+            "blocks over %d-token pages, fingerprint %s",
             "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+            rank,
+            world,
+            "MLA, one copy for every rank" if self.mla else f"shard {self.shard}",
             self.settings.socket,
             self.settings.data_dir,
             self.settings.block_tokens,
@@ -225,28 +252,27 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.fingerprint.digest().hex()[:16],
         )
 
-    def _tp_rank(self, role: Any) -> int:
+    def _tp_rank(self, role: Any) -> tuple[int, int]:
+        """This process's tensor-parallel rank (0 for the scheduler) and world size."""
+        world = int(self._vllm_config.parallel_config.tensor_parallel_size)
         if role == KVConnectorRole.SCHEDULER:
-            return 0
+            return 0, world
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        return int(get_tensor_model_parallel_rank())
+        return int(get_tensor_model_parallel_rank()), world
 
     def _fingerprint(self, vllm_config: Any, tp_rank: int) -> ModelFingerprint:
         model = vllm_config.model_config
         parallel = vllm_config.parallel_config
         cache_dtype = vllm_config.cache_config.cache_dtype
-        if getattr(model, "use_mla", False):
+        if int(parallel.pipeline_parallel_size) > 1:
+            # Each stage holds other layers: a stage's blocks are another shard, which
+            # the planner could key like TP ranks, but no engine here can run it to
+            # prove the copies exact, so it is refused rather than trusted.
             raise ValueError(
-                "dscache's vLLM connector stores MHA/GQA KV; MLA models (DeepSeek-V2/V3) "
-                "are served with dscache by the reference server for now"
-            )
-        if int(parallel.tensor_parallel_size) > 1 or int(parallel.pipeline_parallel_size) > 1:
-            # The scheduler plans with one fingerprint; each shard holds other heads
-            # (layers), so a shard must never load another shard's blocks.
-            raise ValueError(
-                "dscache's vLLM connector supports one worker per engine for now "
-                "(tensor and pipeline parallel size 1)"
+                "dscache's vLLM connector does not support pipeline parallelism "
+                f"(pipeline_parallel_size={parallel.pipeline_parallel_size}); use tensor "
+                "parallelism, whose shards it keys per rank"
             )
         torch_dtype = model.dtype if cache_dtype == "auto" else None
         if torch_dtype not in DTYPES:
@@ -254,6 +280,10 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"dscache stores float32, float16 and bfloat16 KV; this engine's KV cache "
                 f"dtype is {cache_dtype!r} ({model.dtype})"
             )
+        mla = None
+        if getattr(model, "use_mla", False):
+            text = model.hf_text_config
+            mla = (int(text.kv_lora_rank), int(text.qk_rope_head_dim))
         return fingerprint(
             model=str(model.model),
             revision=self.settings.revision or model.revision,
@@ -265,18 +295,21 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tp_size=int(parallel.tensor_parallel_size),
             tp_rank=tp_rank,
             page_layout=_page_layout(vllm_config, torch_dtype),
+            mla=mla,
         )
 
-    def _chain_for(self, tenant: str) -> KeyChain:
-        chain = self._chains.get(tenant)
-        if chain is None:
-            chain = KeyChain(self.fingerprint, tenant_salt(tenant, self._secret))
-            self._chains[tenant] = chain
+    def _chain_for(self, tenant: str) -> tuple[KeyChain, ...]:
+        """A tenant's key chains, one per shard (cached for the last tenants)."""
+        chains = self._chains.get(tenant)
+        if chains is None:
+            salt = tenant_salt(tenant, self._secret)
+            chains = tuple(KeyChain(fp, salt) for fp in self.fingerprints)
+            self._chains[tenant] = chains
             if len(self._chains) > _CHAINS:
                 self._chains.popitem(last=False)
         else:
             self._chains.move_to_end(tenant)
-        return chain
+        return chains
 
     def _find(self, tenant: str, keys: Sequence[bytes]) -> int:
         return self._client.find(tenant, keys).found
@@ -366,29 +399,39 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ------------------------------------------------------------------- worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layers = [kv_caches[name] for name in sorted(kv_caches, key=_layer_order)]
+        names = sorted(kv_caches, key=_layer_order)
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        layers = [kv_caches[name] for name in names]
         pages = int(self._kv_cache_config.num_blocks)
         paged = PagedKV(layers, self.settings.block_tokens, self.page_tokens, pages)
         g = paged.geometry
         want = self.fingerprint.layout
-        per_token = 2 * want.num_kv_heads * want.head_dim
+        per_token = want.elements_per_token_layer()
         if (g.num_layers, g.elements_per_token, paged.contract_dtype) != (
             want.num_layers,
             per_token,
             want.dtype,
         ):
+            what = (
+                f"latent {want.kv_lora_rank} + rope {want.qk_rope_head_dim}"
+                if self.mla
+                else f"2 x {want.num_kv_heads} heads x {want.head_dim}"
+            )
             raise LayoutError(
                 f"vLLM's KV tensors ({g.num_layers} layers, {g.elements_per_token} elements "
                 f"per token, {paged.contract_dtype}) do not match the model config "
-                f"({want.num_layers} layers, 2 x {want.num_kv_heads} heads x "
-                f"{want.head_dim} = {per_token}, {want.dtype})"
+                f"({want.num_layers} layers, {what} = {per_token}, {want.dtype})"
             )
         self._worker = KVWorker(
             self._client,
             paged,
             self.metrics,
-            verify=self.settings.verify == "sync",
+            verify=self.settings.verify,
             queue_blocks=self.settings.store_queue_blocks,
+            shard=self.shard,
+            saves=self.saves,
+            data_dir=self.settings.data_dir,
+            memo_ttl_s=self.settings.verified_ttl_s,
         )
 
     def _plan(self) -> StepPlan:
@@ -399,30 +442,36 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._worker is None:
             return
-        for load in self._plan().loads:
-            self._load_errors |= self._worker.load(load)
+        self._worker.start_loads(self._plan().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole and synchronous: done before the forward
+        index = self._layer_index.get(layer_name)
+        if self._worker is not None and index is not None:
+            self._worker.wait_layer(index)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # whole blocks are saved after the forward (wait_for_save)
+        index = self._layer_index.get(layer_name)
+        if self._worker is None or index is None:
+            return
+        try:
+            self._worker.save_layer(index, self._plan().saves)
+        except Exception as exc:  # never fail the forward for a save
+            log.warning("dscache could not start copying layer %s out: %s", layer_name, exc)
 
     def wait_for_save(self) -> None:
         if self._worker is None:
             return
-        for save in self._plan().saves:
-            try:
-                self._worker.save(save)
-            except Exception as exc:  # never fail the step for a save
-                log.warning("dscache could not copy blocks out for saving: %s", exc)
-                self.metrics.store_failed(len(save.keys))
+        try:
+            self._worker.finish_saves(self._plan().saves)
+        except Exception as exc:  # never fail the step for a save
+            log.warning("dscache could not copy blocks out for saving: %s", exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        if self._worker is None:
+            return set()
+        return set(self._worker.end_step())
 
     # ------------------------------------------------------------------- metrics
 

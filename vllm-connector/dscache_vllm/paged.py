@@ -13,11 +13,15 @@ lays a page out (vLLM's version, page size, device, attention kernel): engines w
 pages differ never share a block, and none is misread.
 
 Contract:
-    * :meth:`PagedKV.gather` copies whole blocks out of pages (one copy per page and
-      layer, into fresh host arrays the caller owns); :meth:`PagedKV.scatter` copies
-      the chosen pages of stored blocks into vLLM's pages (the only copy on the hit
-      path: the stored arrays are read-only views on the mapped segment files).
-    * Neither ever writes a page it was not given.
+    * :meth:`PagedKV.copy_in` and :meth:`PagedKV.copy_out` move one layer's run of
+      pages between a stored block and vLLM's pages in one tensor operation (a slice
+      copy when the page ids are consecutive, an ``index_copy_``/``index_select``
+      otherwise): loads and saves go layer by layer. :meth:`PagedKV.gather` copies
+      whole blocks out of pages into fresh host arrays the caller owns;
+      :meth:`PagedKV.scatter` copies the chosen pages of stored blocks into vLLM's
+      pages (the only copy on the hit path: the stored arrays are read-only views on
+      the mapped segment files).
+    * None ever writes a page it was not given.
     * A layout without a page dimension, with layers of differing shapes, or with
       pages that are not whole tokens is refused at start-up (``LayoutError``).
 """
@@ -138,8 +142,54 @@ class PagedKV:
     def contract_dtype(self) -> str:
         return DTYPES[self.geometry.dtype][0]
 
-    def _page(self, layer: torch.Tensor, page_id: int) -> torch.Tensor:
-        return layer.select(self.geometry.page_dim, page_id)
+    def block_tensor(self, block: np.ndarray) -> torch.Tensor:
+        """A stored block as a tensor ``[layers, pages_per_block, *page_shape]`` over
+        the same memory (no copy).
+
+        Raises:
+            LayoutError: the block does not have this engine's block shape.
+        """
+        g = self.geometry
+        if block.shape != g.block_shape:
+            raise LayoutError(f"stored block of shape {block.shape}, not {g.block_shape}")
+        return _as_tensor(block, g.dtype).view(g.num_layers, g.pages_per_block, *g.page_shape)
+
+    def _run(self, page_ids: Sequence[int]) -> slice | torch.Tensor:
+        first = page_ids[0]
+        if all(p == first + i for i, p in enumerate(page_ids)):
+            return slice(first, first + len(page_ids))
+        return torch.tensor(list(page_ids), dtype=torch.long)
+
+    def copy_in(self, layer: int, block: torch.Tensor, first: int, page_ids: Sequence[int]) -> None:
+        """Copies pages ``first .. first + len(page_ids) - 1`` of ``block``'s ``layer``
+        (a ``block_tensor``) into vLLM's pages ``page_ids`` of that layer."""
+        if not page_ids:
+            return
+        d = self.geometry.page_dim
+        src = block[layer, first : first + len(page_ids)].movedim(0, d)
+        dst = self.layers[layer]
+        run = self._run(page_ids)
+        if isinstance(run, slice):
+            dst.narrow(d, run.start, run.stop - run.start).copy_(src)
+        else:
+            dst.index_copy_(d, run, src)
+
+    def copy_out(
+        self, layer: int, block: torch.Tensor, first: int, page_ids: Sequence[int]
+    ) -> None:
+        """Copies vLLM's pages ``page_ids`` of ``layer`` into pages ``first ..`` of
+        ``block``'s ``layer`` (a writable ``block_tensor``)."""
+        if not page_ids:
+            return
+        d = self.geometry.page_dim
+        src = self.layers[layer]
+        run = self._run(page_ids)
+        pages = (
+            src.narrow(d, run.start, run.stop - run.start)
+            if isinstance(run, slice)
+            else src.index_select(d, run)
+        )
+        block[layer, first : first + len(page_ids)].copy_(pages.movedim(d, 0))
 
     def gather(self, page_ids: Sequence[int]) -> list[np.ndarray]:
         """Whole blocks copied out of their pages (``pages_per_block`` ids per block)."""
@@ -149,13 +199,29 @@ class PagedKV:
             raise ValueError("page ids must cover whole blocks")
         n = len(page_ids) // r
         out = np.empty((n, *g.block_shape), dtype=DTYPES[g.dtype][1])
-        dst = _as_tensor(out, g.dtype)
         for b in range(n):
-            for j in range(r):
-                page = page_ids[b * r + j]
-                for li, layer in enumerate(self.layers):
-                    dst[b, li, j].view(g.page_shape).copy_(self._page(layer, page))
+            dst = self.block_tensor(out[b])
+            for li in range(g.num_layers):
+                self.copy_out(li, dst, 0, page_ids[b * r : (b + 1) * r])
         return list(out)
+
+    def runs(
+        self, blocks: int, first_block: int, first_page: int, page_ids: Sequence[int]
+    ) -> list[tuple[int, int, list[int]]]:
+        """Where each page of a load comes from: ``(block, first page in it, page ids)``
+        per stored block, in order, for the first ``blocks`` stored blocks."""
+        r = self.geometry.pages_per_block
+        out: list[tuple[int, int, list[int]]] = []
+        for i, page_id in enumerate(page_ids):
+            page = first_page + i
+            b = page // r - first_block
+            if b >= blocks:
+                break
+            if out and out[-1][0] == b:
+                out[-1][2].append(page_id)
+            else:
+                out.append((b, page % r, [page_id]))
+        return out
 
     def scatter(
         self,
@@ -175,19 +241,9 @@ class PagedKV:
         Raises:
             LayoutError: a stored block does not have this engine's block shape.
         """
-        g = self.geometry
-        r = g.pages_per_block
-        filled = 0
-        for i, page_id in enumerate(page_ids):
-            page = first_page + i
-            b = page // r - first_block
-            if b >= len(blocks):
-                break
-            if blocks[b].shape != g.block_shape:
-                raise LayoutError(f"stored block of shape {blocks[b].shape}, not {g.block_shape}")
-            src = _as_tensor(blocks[b], g.dtype)
-            j = page % r
-            for li, layer in enumerate(self.layers):
-                self._page(layer, page_id).copy_(src[li, j].view(g.page_shape))
-            filled += 1
-        return filled
+        runs = self.runs(len(blocks), first_block, first_page, page_ids)
+        tensors = {b: self.block_tensor(blocks[b]) for b, _, _ in runs}
+        for li in range(self.geometry.num_layers):
+            for b, j, ids in runs:
+                self.copy_in(li, tensors[b], j, ids)
+        return sum(len(ids) for _, _, ids in runs)

@@ -28,6 +28,11 @@ Contract:
       requests that differ in those never share a block either.
     * A request whose inputs cannot be keyed (``RequestInputs.uncacheable``) is
       neither looked up, loaded nor saved.
+    * Shards: when the workers' KV differs per tensor-parallel rank (GQA/MHA heads),
+      ``chain_for`` gives one chain per rank; every spec then carries each shard's
+      keys (``keys_for``), a lookup counts the blocks *every* shard holds, and a
+      worker touches only its own shard's blocks. With one chain (TP 1, or MLA,
+      whose latent every rank shares) every worker uses the same keys.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class LoadSpec:
         first_block: block index (in the request) of ``keys[0]``.
         first_page: page index (in the request) of ``page_ids[0]``.
         page_ids: vLLM block ids of the pages to fill, in order.
+        shard_keys: the same blocks' keys for shards 1, 2, ... (empty: one chain).
     """
 
     req_id: str
@@ -64,6 +70,11 @@ class LoadSpec:
     first_block: int
     first_page: int
     page_ids: tuple[int, ...]
+    shard_keys: tuple[tuple[bytes, ...], ...] = ()
+
+    def keys_for(self, shard: int) -> tuple[bytes, ...]:
+        """The keys of ``shard``'s blocks (shard 0's, or everyone's with one chain)."""
+        return self.shard_keys[shard - 1] if shard and self.shard_keys else self.keys
 
     @property
     def tokens(self) -> int:
@@ -82,6 +93,8 @@ class SaveSpec:
         parents: each block's predecessor key (b"" for a prompt's first block).
         page_ids: vLLM block ids of every page of those blocks, in order
             (``len(keys) * pages_per_block`` of them).
+        shard_keys: the keys for shards 1, 2, ... (empty: one chain).
+        shard_parents: their predecessors, likewise.
     """
 
     req_id: str
@@ -89,6 +102,14 @@ class SaveSpec:
     keys: tuple[bytes, ...]
     parents: tuple[bytes, ...]
     page_ids: tuple[int, ...]
+    shard_keys: tuple[tuple[bytes, ...], ...] = ()
+    shard_parents: tuple[tuple[bytes, ...], ...] = ()
+
+    def keys_for(self, shard: int) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """``shard``'s keys and parents (shard 0's, or everyone's with one chain)."""
+        if shard and self.shard_keys:
+            return self.shard_keys[shard - 1], self.shard_parents[shard - 1]
+        return self.keys, self.parents
 
 
 @dataclass(frozen=True)
@@ -123,9 +144,10 @@ class Scheduled:
 @dataclass
 class _Request:
     tenant: str
-    chain: KeyChain
+    chains: tuple[KeyChain, ...]
     inputs: RequestInputs = PLAIN
-    keys: list[bytes] = field(default_factory=list)
+    #: Each shard's keys, as far as computed.
+    keys: list[list[bytes]] = field(default_factory=list)
     #: Blocks known stored (found by the lookup, or handed to the worker to save).
     stored: int = 0
     #: (start, end) tokens of a load that waits for vLLM's allocation / first step.
@@ -138,7 +160,7 @@ class Planner:
 
     Args:
         chain_for: the key chain of a tenant (a request's ``cache_salt``, or
-            ``DEFAULT_TENANT``).
+            ``DEFAULT_TENANT``), or one chain per shard (all of one tenant).
         find: how many leading keys of a tenant the store holds (may raise: a
             failure is a miss).
         block_tokens: tokens per dscache block.
@@ -147,7 +169,7 @@ class Planner:
 
     def __init__(
         self,
-        chain_for: Callable[[str], KeyChain],
+        chain_for: Callable[[str], KeyChain | Sequence[KeyChain]],
         find: Callable[[str, Sequence[bytes]], int],
         block_tokens: int,
         page_tokens: int,
@@ -169,20 +191,29 @@ class Planner:
     def _request(self, req_id: str, salt: str | None, inputs: RequestInputs) -> _Request:
         state = self._reqs.get(req_id)
         if state is None:
-            chain = self._chain_for(salt or DEFAULT_TENANT)
-            state = _Request(tenant=chain.tenant, chain=chain, inputs=inputs)
+            got = self._chain_for(salt or DEFAULT_TENANT)
+            chains = (got,) if isinstance(got, KeyChain) else tuple(got)
+            if len({c.tenant for c in chains}) != 1:
+                raise ValueError("every shard's chain must belong to one tenant")
+            state = _Request(
+                tenant=chains[0].tenant,
+                chains=chains,
+                inputs=inputs,
+                keys=[[] for _ in chains],
+            )
             self._reqs[req_id] = state
         return state
 
-    def _keys(self, state: _Request, token_ids: Sequence[int], blocks: int) -> list[bytes]:
-        """The first ``blocks`` keys of the request, extending the cached chain."""
-        have = len(state.keys)
+    def _keys(self, state: _Request, token_ids: Sequence[int], blocks: int) -> list[list[bytes]]:
+        """Each shard's first ``blocks`` keys of the request, extending the cached chains."""
+        have = len(state.keys[0])
         if blocks > have:
-            prev = state.keys[-1] if state.keys else state.chain.root
             bt = self.block_tokens
             extras = None if state.inputs.plain else state.inputs.extras(have, blocks, bt)
-            state.keys.extend(block_keys(prev, token_ids[have * bt : blocks * bt], bt, extras))
-        return state.keys[:blocks]
+            tokens = token_ids[have * bt : blocks * bt]
+            for chain, keys in zip(state.chains, state.keys, strict=True):
+                keys.extend(block_keys(keys[-1] if keys else chain.root, tokens, bt, extras))
+        return [keys[:blocks] for keys in state.keys]
 
     def matched(
         self,
@@ -203,9 +234,12 @@ class Planner:
         usable = max(len(token_ids) - 1, 0) // self.block_tokens
         if usable == 0:
             return 0
-        keys = self._keys(state, token_ids, usable)
+        shards = self._keys(state, token_ids, usable)
         try:
-            found = self._find(state.tenant, keys)
+            # A load needs every shard's block: the hit is what all of them hold.
+            found = usable
+            for keys in shards:
+                found = min(found, self._find(state.tenant, keys[:found]) if found else 0)
         except Exception as exc:  # the cache never fails a request
             self.lookup_failures += 1
             log.debug("lookup failed, treated as a miss: %s", exc)
@@ -256,14 +290,15 @@ class Planner:
             log.warning("request %s has fewer pages than its load; loading nothing", s.req_id)
             return None
         first_block, end_block = first_page // r, -(-end_page // r)
-        keys = self._keys(state, s.token_ids, end_block)[first_block:]
+        shards = [tuple(k[first_block:]) for k in self._keys(state, s.token_ids, end_block)]
         return LoadSpec(
             req_id=s.req_id,
             tenant=state.tenant,
-            keys=tuple(keys),
+            keys=shards[0],
             first_block=first_block,
             first_page=first_page,
             page_ids=tuple(s.page_ids[first_page:end_page]),
+            shard_keys=tuple(shards[1:]),
         )
 
     def _save(self, s: Scheduled, state: _Request) -> SaveSpec | None:
@@ -274,15 +309,18 @@ class Planner:
         if full <= state.stored:
             return None
         first = state.stored
-        keys = self._keys(state, s.token_ids, full)
-        parents = [keys[i - 1] if i else b"" for i in range(first, full)]
+        shards = self._keys(state, s.token_ids, full)
+        keys = [tuple(k[first:full]) for k in shards]
+        parents = [tuple(k[i - 1] if i else b"" for i in range(first, full)) for k in shards]
         state.stored = full
         return SaveSpec(
             req_id=s.req_id,
             tenant=state.tenant,
-            keys=tuple(keys[first:full]),
-            parents=tuple(parents),
+            keys=keys[0],
+            parents=parents[0],
             page_ids=tuple(s.page_ids[first * r : full * r]),
+            shard_keys=tuple(keys[1:]),
+            shard_parents=tuple(parents[1:]),
         )
 
     def finished(self, req_id: str) -> None:

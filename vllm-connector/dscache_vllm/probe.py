@@ -197,7 +197,7 @@ def _flush(timeout_s: float) -> dict[str, Any]:
 def _keys(cmd: dict[str, Any]) -> dict[str, Any]:
     from dscache_vllm.plan import DEFAULT_TENANT
 
-    chain = _connector()._chain_for(cmd.get("salt") or DEFAULT_TENANT)
+    chain = _connector()._chain_for(cmd.get("salt") or DEFAULT_TENANT)[0]
     return {"tenant": chain.tenant, "keys": [k.hex() for k in chain.keys(cmd["token_ids"])]}
 
 

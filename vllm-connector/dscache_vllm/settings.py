@@ -13,6 +13,11 @@ Contract:
       layouts, never share a key.
     * A local checkpoint's revision is :func:`dscache.keys.checkpoint_revision` of
       its directory unless ``revision`` is set; a hub name uses vLLM's revision.
+    * GQA/MHA: each tensor-parallel rank holds other KV heads, so rank and world size
+      are in the fingerprint and a shard only ever finds its own blocks. MLA: the
+      latent is computed by a replicated projection from the same hidden states on
+      every rank, so its fingerprint is rank-independent (rank 0 of the world size)
+      and one copy serves every rank.
 """
 
 from __future__ import annotations
@@ -49,8 +54,16 @@ class ConnectorSettings(BaseModel):
         description="file holding the secret that salts tenant keys (HMAC); without it, "
         "the environment variable DSCACHE_VLLM_TENANT_SECRET",
     )
-    verify: Literal["sync", "off"] = Field(
-        "sync", description="check each loaded block's checksum before vLLM uses it"
+    verify: Literal["background", "sync", "off"] = Field(
+        "background",
+        description="check each loaded block's checksum: while the forward runs (a block "
+        "that fails is reported in the same step and recomputed), before the copies, or not",
+    )
+    verified_ttl_s: float = Field(
+        60.0,
+        ge=0,
+        description="seconds a block whose checksum matched is trusted without hashing it "
+        "again while its segment file is unchanged (0: hash on every load)",
     )
     store_queue_blocks: int = Field(
         256, ge=0, description="blocks waiting to be written; beyond it saves are dropped"
@@ -80,27 +93,41 @@ def fingerprint(
     tp_size: int = 1,
     tp_rank: int = 0,
     page_layout: dict[str, str] | None = None,
+    mla: tuple[int, int] | None = None,
 ) -> ModelFingerprint:
     """The fingerprint of a vLLM engine's stored blocks.
 
     ``page_layout`` names what decides the bytes inside one of vLLM's pages (the vLLM
     version, its page size, the attention kernel's layout): stored blocks are vLLM's
     page bytes, so engines that lay pages out differently never share a block.
+    ``mla`` is an MLA model's ``(kv_lora_rank, qk_rope_head_dim)`` (``kv_heads`` and
+    ``head_size`` are then ignored, and so is ``tp_rank``: see the module's contract).
     """
     path = Path(model)
     if revision is None:
         revision = checkpoint_revision(path) if path.is_dir() else "unknown"
-    return ModelFingerprint(
-        model_id=model,
-        revision=revision,
-        layout=KVLayout(
+    if mla is not None:
+        layout = KVLayout(
+            kind=LayoutKind.MLA,
+            num_layers=num_layers,
+            dtype=dtype,
+            kv_lora_rank=mla[0],
+            qk_rope_head_dim=mla[1],
+        )
+        tp_rank = 0
+    else:
+        layout = KVLayout(
             kind=LayoutKind.GQA,
             num_layers=num_layers,
             dtype=dtype,
             num_kv_heads=kv_heads,
             head_dim=head_size,
             v_head_dim=head_size,
-        ),
+        )
+    return ModelFingerprint(
+        model_id=model,
+        revision=revision,
+        layout=layout,
         block_tokens=block_tokens,
         tp_size=tp_size,
         tp_rank=tp_rank,

@@ -1,32 +1,204 @@
-"""The worker side of the vLLM connector: loads before a forward, saves after it.
+"""The worker side of the vLLM connector: layer-wise loads and saves around a forward.
+
+One step of vLLM's model runner calls, in order: ``start_load_kv`` (this step's
+loads), then per attention layer ``wait_for_layer_load`` before it and
+``save_kv_layer`` after it, then ``wait_for_save`` and
+``get_block_ids_with_load_errors``. :class:`KVWorker` maps them onto one copier
+thread:
+
+* :meth:`KVWorker.start_loads` leases and maps the planned blocks (one Lease call
+  per load, zero-copy views on the segment files) and hands the copies to the
+  copier, which fills vLLM's pages layer by layer; :meth:`KVWorker.wait_layer`
+  returns once its layer's pages are filled, so layer ``i``'s attention runs while
+  later layers are still copied.
+* Checksums are checked on the sidecar client's verifier thread while the copies
+  and the forward run (``verify="background"``). :meth:`KVWorker.settle` waits for
+  them once the forward is done and returns every page whose block failed (or was
+  evicted since the lookup, or whose copy failed); the connector reports them
+  through ``get_block_ids_with_load_errors`` in that same step.
+* :meth:`KVWorker.save_layer` copies a layer's pages of this step's completed
+  blocks out on the copier while the forward goes on to the next layer;
+  :meth:`KVWorker.finish_saves` waits for the copies and queues the blocks for the
+  writer thread, which stores them through the sidecar client.
 
 Contract:
-    * :meth:`KVWorker.load` leases the planned blocks, checks their checksums
-      (``verify="sync"``), copies the planned pages in and releases the lease. Pages
-      it could not fill (a block evicted since the lookup, a checksum mismatch, the
-      sidecar down) are returned: vLLM recomputes them
-      (``kv_load_failure_policy="recompute"``), and the failure is counted. A load
-      never raises.
-    * :meth:`KVWorker.save` copies the blocks out of vLLM's pages at once (the pages
-      may be reused after this step) and queues them; one writer thread stores them
-      through the sidecar client. When the queue is full the blocks are dropped and
-      counted: the forward pass never waits for the store.
+    * A page whose block did not pass its checksum is never reported as loaded:
+      ``settle`` returns it, in the step whose forward read it. vLLM then drops
+      that step's output for the request (its sampled token never leaves the
+      engine), rewinds the request to the last good page and recomputes the rest
+      (``kv_load_failure_policy="recompute"``): a corrupt block costs a recompute,
+      never a wrong answer. The request's saves of that step (blocks computed from
+      the bad prefix) are dropped, never stored.
+    * A block verified once is not hashed again while its segment file is
+      unchanged (same inode, size, mtime and ctime, last written over a second
+      before it was checked, every write to a segment being a ``pwrite`` that moves
+      mtime and ctime) and for at most ``memo_ttl_s``: see :class:`VerifiedBlocks`.
+    * Saves never block the forward: the copy out runs on the copier, the write on
+      the writer thread; a full write queue drops blocks (counted).
+    * ``load`` and ``save`` never raise for a cache failure: it is counted, and
+      the pages are recomputed or the blocks are a future miss.
+    * ``shard`` picks this worker's keys in a spec (its tensor-parallel rank's
+      blocks); a worker with ``saves=False`` (MLA ranks other than 0: the latent is
+      the same on every rank) stores nothing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
 
-from dscache_sidecar.client import BlockData, SidecarClient
+import numpy as np
+import torch
+from dscache_sidecar.client import BlockData, Codec, LoadedBlocks, SidecarClient
 
 from dscache_vllm.metrics import ConnectorMetrics
-from dscache_vllm.paged import PagedKV
+from dscache_vllm.paged import DTYPES, PagedKV
 from dscache_vllm.plan import LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
+
+#: How loads check checksums: while the forward runs, before the copies, or not.
+VerifyMode = Literal["background", "sync", "off"]
+
+#: The longest a step waits for a copy or a background check before it gives the
+#: pages up as failed (recomputed): a stuck disk must not hang vLLM.
+WAIT_S = 60.0
+#: A segment written less than this long before a check may still change within
+#: the file system's timestamp granularity: its blocks are not remembered as checked.
+QUIET_S = 1.0
+
+
+class VerifiedBlocks:
+    """Blocks whose checksum matched, remembered while their segment file is unchanged.
+
+    An entry binds a block's location (segment, offset, length, checksum, key) to the
+    segment file's stamp (device, inode, size, mtime, ctime) taken *before* the block
+    was read for its check. It counts as verified again only while the file's
+    stamp is still exactly that one and for at most ``ttl_s`` seconds. This is
+    safe because:
+
+    * every change to a segment's bytes (a new block, an evicted block's space
+      reused, a repair) is a ``pwrite`` by the sidecar or a client, which sets mtime
+      and ctime to the current time; truncation changes size and ctime; a replaced
+      file has another inode. ctime cannot be set back from user space;
+    * entries are only made for files whose mtime and ctime were over ``QUIET_S``
+      old when stamped, so a later write cannot land within the same timestamp
+      tick and leave the stamp unchanged;
+    * what no stamp shows (a drive returning other bytes than it stored, without an
+      error, after the page cache dropped them) is bounded by ``ttl_s``: past it
+      the block is hashed again.
+    """
+
+    def __init__(self, data_dir: str | None, ttl_s: float, capacity: int = 65_536) -> None:
+        self._dir = Path(data_dir) if data_dir else None
+        self.ttl_s = ttl_s
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[Any, ...], tuple[tuple[int, ...], float]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self._dir is not None and self.ttl_s > 0
+
+    def stamp(self, segment: str) -> tuple[int, ...] | None:
+        """The segment file's identity and change times, None when it cannot be read
+        or changed too recently to be trusted."""
+        if self._dir is None:
+            return None
+        try:
+            st = os.stat(self._dir / segment)
+        except OSError:
+            return None
+        now = time.time_ns()
+        if now - max(st.st_mtime_ns, st.st_ctime_ns) < QUIET_S * 1e9:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def all_known(self, locations: Sequence[Any], stamps: dict[str, Any]) -> bool:
+        """Whether every leased block is remembered as verified under its current stamp."""
+        if not self.enabled or not locations:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            for loc in locations:
+                stamp = stamps.get(loc.segment)
+                entry = self._entries.get(_where(loc))
+                if stamp is None or entry is None or entry[0] != stamp or now > entry[1]:
+                    return False
+        return True
+
+    def remember(self, locations: Sequence[Any], stamps: dict[str, Any]) -> None:
+        """Records blocks that just passed their check under the stamps taken before it."""
+        if not self.enabled:
+            return
+        expires = time.monotonic() + self.ttl_s
+        with self._lock:
+            for loc in locations:
+                stamp = stamps.get(loc.segment)
+                if stamp is not None:
+                    self._entries[_where(loc)] = (stamp, expires)
+            while len(self._entries) > self._capacity:
+                self._entries.pop(next(iter(self._entries)))
+
+
+def _where(loc: Any) -> tuple[Any, ...]:
+    return (loc.segment, loc.offset, loc.info.stored_bytes, loc.info.checksum, bytes(loc.key))
+
+
+@dataclass
+class _Load:
+    """One load of this step: the spec, its leased blocks, and what became of them."""
+
+    spec: LoadSpec
+    loaded: LoadedBlocks | None = None
+    #: (block, first page in it, page ids) of the pages whose block was leased.
+    runs: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: Why nothing (or not everything) could be copied, as a load_failures reason.
+    failed: str | None = None
+    locations: list[Any] = field(default_factory=list)
+    stamps: dict[str, Any] = field(default_factory=dict)
+    checked: bool = False  # the client checks these blocks in the background
+    start: float = 0.0
+
+
+@dataclass
+class _Save:
+    spec: SaveSpec
+    keys: tuple[bytes, ...]
+    parents: tuple[bytes, ...]
+    out: np.ndarray
+    tensors: list[torch.Tensor]
+
+
+@dataclass
+class _Step:
+    """The copier's work of one forward pass."""
+
+    layers: int
+    loads: list[_Load] = field(default_factory=list)
+    filled: list[threading.Event] = field(default_factory=list)
+    loads_done: threading.Event = field(default_factory=threading.Event)
+    saves: list[_Save] | None = None
+    saved_layers: set[int] = field(default_factory=set)
+    saves_pending: int = 0
+    saves_done: threading.Event = field(default_factory=threading.Event)
+    settled: set[int] | None = None
+    #: The copies ran past ``WAIT_S``: the copier stops writing pages.
+    cancelled: bool = False
+    #: ``get_block_ids_with_load_errors`` was answered: the next call opens a step.
+    closed: bool = False
+    #: The saves were handed to the writer (or dropped): ``finish_saves`` is done.
+    queued: bool = False
+    failed_requests: set[str] = field(default_factory=set)
+    load_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -42,8 +214,16 @@ class KVWorker:
         client: the sidecar client (its ``data_dir`` decides zero-copy maps).
         paged: vLLM's KV tensors.
         metrics: where failures and volumes are counted.
-        verify: check every loaded block's checksum first.
+        verify: when loaded blocks' checksums are checked (``True`` is "sync",
+            ``False`` is "off").
         queue_blocks: bound of blocks waiting for the writer.
+        shard: which keys of a spec are this worker's (its tensor-parallel rank for
+            GQA/MHA; 0 for MLA).
+        saves: whether this worker stores blocks.
+        data_dir: the cache volume as the client maps it (where segment files are
+            stamped for ``VerifiedBlocks``); None: no memo.
+        memo_ttl_s: how long a verified block stays trusted while its segment is
+            unchanged (0: hash on every load).
     """
 
     def __init__(
@@ -52,72 +232,330 @@ class KVWorker:
         paged: PagedKV,
         metrics: ConnectorMetrics,
         *,
-        verify: bool = True,
+        verify: VerifyMode | bool = "background",
         queue_blocks: int = 256,
+        shard: int = 0,
+        saves: bool = True,
+        data_dir: str | None = None,
+        memo_ttl_s: float = 60.0,
     ) -> None:
         self.client = client
         self.paged = paged
         self.metrics = metrics
-        self.verify = verify
+        self.verify: VerifyMode = (
+            verify if isinstance(verify, str) else ("sync" if verify else "off")
+        )
+        self.shard = shard
+        self.saves = saves
+        self.memo = VerifiedBlocks(data_dir, memo_ttl_s)
         self._queue_blocks = queue_blocks
         self._queued = 0
         self._lock = threading.Lock()
+        self._step: _Step | None = None
+        #: Wall seconds of the loads (lease to last page copied), for benchmarks.
+        self.load_seconds = 0.0
+        #: Seconds the forward waited for a layer's pages (``wait_layer``).
+        self.wait_seconds = 0.0
+        #: Loads whose checksums were hashed (the others were all remembered).
+        self.checked_loads = 0
+        self._copies: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._copier = threading.Thread(target=self._copy_loop, name="dscache-copier", daemon=True)
+        self._copier.start()
         self._writes: queue.Queue[_Write | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
         self._writer = threading.Thread(target=self._write_loop, name="dscache-writer", daemon=True)
         self._writer.start()
 
-    # -- loads
+    # -- one step
 
-    def load(self, spec: LoadSpec) -> set[int]:
-        """Fills the spec's pages from the store; returns the page ids left unfilled."""
+    def begin_step(self) -> None:
+        """Starts a forward pass's work; the previous step's checks and copies are
+        settled and its saves queued first, so nothing of it outlives it."""
+        prev = self._step
+        if prev is not None:
+            self.settle()
+            if prev.saves is not None and not prev.queued:
+                self.finish_saves([])
+        g = self.paged.geometry
+        step = _Step(g.num_layers, filled=[threading.Event() for _ in range(g.num_layers)])
+        step.loads_done.set()
+        step.saves_done.set()
+        for e in step.filled:
+            e.set()
+        self._step = step
+
+    def _current(self) -> _Step:
+        """The open step (vLLM calls ``start_load_kv`` before or after the forward,
+        so the first call of a step, whichever it is, opens it)."""
+        if self._step is None or self._step.closed:
+            self.begin_step()
+        assert self._step is not None
+        return self._step
+
+    def start_loads(self, specs: Sequence[LoadSpec]) -> None:
+        """Leases and maps this step's loads and starts their layer-wise copies."""
+        step = self._current()
+        if not specs:
+            return
+        start = time.perf_counter()
+        loads = [self._lease(spec, start) for spec in specs]
+        step.loads.extend(loads)
+        for e in step.filled:
+            e.clear()
+        step.loads_done.clear()
+        self._copies.put(lambda: self._copy_in(step, loads))
+
+    def _lease(self, spec: LoadSpec, start: float) -> _Load:
+        job = _Load(spec, start=start)
+        keys = list(spec.keys_for(self.shard))
         try:
-            loaded = self.client.load(spec.tenant, list(spec.keys), verify=self.verify)
+            grant = self.client.lease(spec.tenant, keys)  # None: no shared volume
+            mode: bool | Literal["background"] = self.verify != "off"
+            if grant is not None and self.verify == "background":
+                job.locations = list(grant.blocks)
+                segments = {loc.segment for loc in job.locations}
+                job.stamps = {s: st for s in segments if (st := self.memo.stamp(s)) is not None}
+                raw = all(Codec(loc.info.codec) is Codec.RAW for loc in job.locations)
+                job.checked = not (raw and self.memo.all_known(job.locations, job.stamps))
+                mode = "background" if job.checked else False
+                self.checked_loads += job.checked
+            job.loaded = self.client.map_lease(grant, verify=mode, tenant=spec.tenant, keys=keys)
         except Exception as exc:  # the cache never fails a request
             log.warning("dscache load failed (%s); vLLM recomputes %d pages", exc, spec.tokens)
-            self.metrics.load_failed("unavailable", len(spec.page_ids))
-            return set(spec.page_ids)
+            job.failed = "unavailable"
+            return job
         try:
-            filled = self.paged.scatter(
-                loaded.arrays, spec.first_block, spec.first_page, spec.page_ids
+            job.runs = self.paged.runs(
+                len(job.loaded), spec.first_block, spec.first_page, spec.page_ids
             )
+            job.tensors = {b: self.paged.block_tensor(job.loaded.arrays[b]) for b, _, _ in job.runs}
         except Exception as exc:
             log.warning("dscache blocks did not fit vLLM's pages (%s); recomputing", exc)
-            filled = 0
+            job.failed = "layout"
+            job.runs = []
+        return job
+
+    def _copy_in(self, step: _Step, loads: list[_Load]) -> None:
+        """The copier's load job: every load's pages, layer by layer."""
+        try:
+            for li in range(step.layers):
+                for job in loads:
+                    if job.failed is not None or step.cancelled:
+                        continue
+                    try:
+                        for b, j, ids in job.runs:
+                            self.paged.copy_in(li, job.tensors[b], j, ids)
+                    except Exception as exc:
+                        log.warning("dscache copy into vLLM's pages failed: %s", exc)
+                        job.failed = "layout"
+                step.filled[li].set()
+            end = time.perf_counter()
+            for job in loads:
+                step.load_s = max(step.load_s, end - job.start)
         finally:
+            for e in step.filled:
+                e.set()
+            step.loads_done.set()
+
+    def wait_layer(self, layer: int) -> None:
+        """Returns once ``layer``'s pages of this step's loads are filled."""
+        step = self._step
+        if step is None or step.closed or step.loads_done.is_set():
+            return
+        start = time.perf_counter()
+        if not step.filled[layer].wait(WAIT_S):
+            log.warning("dscache copy of layer %d took over %.0f s", layer, WAIT_S)
+        self.wait_seconds += time.perf_counter() - start
+
+    def settle(self) -> set[int]:
+        """Waits for this step's copies and checks; the pages vLLM must recompute.
+
+        Idempotent within a step; the requests whose pages failed are remembered
+        so that this step's saves of theirs are dropped.
+        """
+        step = self._step
+        if step is None:
+            return set()
+        if step.settled is not None:
+            return step.settled
+        bad: set[int] = set()
+        if not step.loads_done.wait(WAIT_S):
+            log.warning("dscache copies did not end in %.0f s; recomputing them", WAIT_S)
+            step.cancelled = True
+            for job in step.loads:
+                job.failed = job.failed or "unavailable"
+            step.loads_done.wait(WAIT_S)  # the copier stops at its next page run
+        else:
+            self.load_seconds += step.load_s
+        for job in step.loads:
+            bad |= self._settle_load(job, step)
+        step.settled = bad
+        return bad
+
+    def _settle_load(self, job: _Load, step: _Step) -> set[int]:
+        spec, loaded = job.spec, job.loaded
+        good_blocks = 0
+        reason = job.failed
+        if loaded is not None and reason is None:
+            try:
+                good_blocks = loaded.verified(WAIT_S)
+            except Exception as exc:  # a stuck check: give the pages up
+                log.warning("dscache checksum check did not end: %s", exc)
+                reason = "unavailable"
+            if good_blocks < len(loaded):
+                reason = "corrupt"
+            elif len(loaded) < len(spec.keys):
+                reason = "missing"  # evicted since the lookup
+            if job.checked and good_blocks == len(loaded):
+                self.memo.remember(job.locations, job.stamps)
+        if loaded is not None:
             loaded.release()
+        filled = 0
+        if reason != "unavailable" and job.failed is None:
+            for b, _j, ids in job.runs:
+                if b >= good_blocks:
+                    break
+                filled += len(ids)
         missing = set(spec.page_ids[filled:])
         if missing:
-            # Fewer blocks than planned: evicted since the lookup, or one failed its
-            # checksum (the client stops at it and tells the daemon to drop it).
-            reason = "missing" if len(loaded) < len(spec.keys) else "layout"
-            self.metrics.load_failed(reason, len(missing))
+            self.metrics.load_failed(reason or "missing", len(missing))
+            step.failed_requests.add(spec.req_id)
         self.metrics.loaded(filled * self.paged.geometry.page_tokens)
         return missing
 
     # -- saves
 
-    def save(self, spec: SaveSpec) -> None:
-        """Copies the spec's blocks out of vLLM's pages and queues them for the store."""
-        n = len(spec.keys)
+    def _admit(self, step: _Step, specs: Sequence[SaveSpec]) -> list[_Save]:
+        """This step's saves that fit the write queue, with their host arrays."""
+        g = self.paged.geometry
+        np_dtype = DTYPES[g.dtype][1]
+        out: list[_Save] = []
+        for spec in specs:
+            n = len(spec.keys)
+            with self._lock:
+                if self._queued + n > self._queue_blocks:
+                    self.metrics.dropped(n)
+                    continue
+                self._queued += n
+                self._idle.clear()
+            keys, parents = spec.keys_for(self.shard)
+            arr = np.empty((n, *g.block_shape), dtype=np_dtype)
+            out.append(_Save(spec, keys, parents, arr, [self.paged.block_tensor(a) for a in arr]))
+        return out
+
+    def save_layer(self, layer: int, specs: Sequence[SaveSpec]) -> None:
+        """Copies ``layer``'s pages of this step's saves out, on the copier."""
+        if not self.saves or not specs:
+            return
+        step = self._current()
+        if step.saves is None:
+            step.saves = self._admit(step, specs)
+        if layer in step.saved_layers or not step.saves:
+            return
+        step.saved_layers.add(layer)
+        self._submit_copy_out(step, [layer])
+
+    def _submit_copy_out(self, step: _Step, layers: list[int]) -> None:
+        saves = step.saves or []
+        r = self.paged.geometry.pages_per_block
         with self._lock:
-            if self._queued + n > self._queue_blocks:
-                self.metrics.dropped(n)
-                return
-            self._queued += n
-            self._idle.clear()
+            step.saves_pending += 1
+            step.saves_done.clear()
+
+        def job() -> None:
+            try:
+                for li in layers:
+                    for s in saves:
+                        for b, block in enumerate(s.tensors):
+                            self.paged.copy_out(li, block, 0, s.spec.page_ids[b * r : (b + 1) * r])
+            except Exception as exc:
+                log.warning("dscache could not copy blocks out for saving: %s", exc)
+                step.failed_requests.update(s.spec.req_id for s in saves)
+            finally:
+                with self._lock:
+                    step.saves_pending -= 1
+                    if step.saves_pending == 0:
+                        step.saves_done.set()
+
+        self._copies.put(job)
+
+    def finish_saves(self, specs: Sequence[SaveSpec]) -> None:
+        """Ends this step: copies out the layers no ``save_layer`` call covered,
+        waits for the copies and queues the blocks for the writer (all but those of
+        requests whose load failed in this step). With speculative decoding vLLM
+        calls it after ``end_step``: it then ends the step just closed."""
+        step = self._step if self._step is not None else self._current()
+        if step.queued:
+            return
         try:
-            arrays = self.paged.gather(spec.page_ids)
-        except Exception:
+            if self.saves and (specs or step.saves):
+                if step.saves is None:
+                    step.saves = self._admit(step, specs)
+                rest = [li for li in range(step.layers) if li not in step.saved_layers]
+                if rest and step.saves:
+                    step.saved_layers.update(rest)
+                    self._submit_copy_out(step, rest)
+                if not step.saves_done.wait(WAIT_S):
+                    log.warning("dscache copies out did not end in %.0f s; not saving", WAIT_S)
+                    step.failed_requests.update(s.spec.req_id for s in step.saves or [])
+                self.settle()
+                for s in step.saves or []:
+                    self._queue(s, step)
+        finally:
+            step.queued = True
+            self.settle()
+
+    def _queue(self, s: _Save, step: _Step) -> None:
+        n = len(s.keys)
+        if s.spec.req_id in step.failed_requests:
             self._done(n)
-            raise
+            self.metrics.store_failed(n)
+            return
         dtype = self.paged.contract_dtype
         blocks = [
             BlockData(key=k, parent=p, array=a, dtype=dtype)
-            for k, p, a in zip(spec.keys, spec.parents, arrays, strict=True)
+            for k, p, a in zip(s.keys, s.parents, s.out, strict=True)
         ]
-        self._writes.put(_Write(spec.tenant, blocks))
+        self._writes.put(_Write(s.spec.tenant, blocks))
+
+    def end_step(self) -> set[int]:
+        """Closes the step (``get_block_ids_with_load_errors``): its failed pages."""
+        step = self._step
+        if step is None:
+            return set()
+        bad = self.settle()
+        step.closed = True
+        return bad
+
+    # -- whole operations (tests, and callers without a forward)
+
+    def load(self, spec: LoadSpec) -> set[int]:
+        """Fills the spec's pages from the store now; returns the page ids left unfilled."""
+        self.begin_step()
+        self.start_loads([spec])
+        return self.end_step()
+
+    def save(self, spec: SaveSpec) -> None:
+        """Copies the spec's blocks out of vLLM's pages and queues them for the store."""
+        self.begin_step()
+        self.finish_saves([spec])
+        self.end_step()
+
+    # -- threads
+
+    def _copy_loop(self) -> None:
+        while True:
+            job = self._copies.get()
+            if job is None:
+                return
+            try:
+                # vLLM's KV tensors (and tensors made in its forward) are inference
+                # tensors: this thread may only write them in inference mode.
+                with torch.inference_mode():
+                    job()
+            except Exception:  # jobs catch their own; never let the copier die
+                log.exception("dscache copier job failed")
 
     def _done(self, n: int) -> None:
         with self._lock:
@@ -144,8 +582,10 @@ class KVWorker:
         return self._idle.wait(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Lets queued writes finish (bounded), then stops the writer and the client."""
+        """Lets queued writes finish (bounded), then stops the threads and the client."""
         self.wait_idle(timeout_s)
+        self._copies.put(None)
         self._writes.put(None)
+        self._copier.join(timeout_s)
         self._writer.join(timeout_s)
         self.client.close()
