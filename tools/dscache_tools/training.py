@@ -32,15 +32,17 @@ Contract:
       part is the last :data:`HELDOUT_SHARE` of each source's token stream, never
       trained on and never used to choose the vocabulary.
     * Training is float32 AdamW, seeded (init, window order), on windows of
-      :data:`SEQ_LEN` tokens, for a wall-clock budget with linear warmup and a
-      cosine decay over the budget. How many steps fit depends on the machine,
-      so two machines may produce different weights for one recipe; the
-      checkpoint records what was done (``dscache-training.json``). MoE presets
-      also nudge each router's ``e_score_correction_bias`` towards balanced
-      expert load (DeepSeek-V3's auxiliary-loss-free balancing).
+      :data:`SEQ_LEN` tokens, for a number of optimizer steps (the recipe's, or
+      ``steps``) with linear warmup and a cosine decay over them: the same recipe
+      gives the same model on a busy machine and an idle one, only slower. A
+      wall-clock budget (``budget_s``) instead stops at the budget and decays over
+      it; how many steps fit then depends on the machine. The checkpoint records
+      what was done (``dscache-training.json``). MoE presets also nudge each
+      router's ``e_score_correction_bias`` towards balanced expert load
+      (DeepSeek-V3's auxiliary-loss-free balancing).
     * The cache lives under ``${DSCACHE_MODELS_CACHE}`` or else
       ``${XDG_CACHE_HOME:-~/.cache}/dscache/models``; a directory's name carries a
-      hash of the recipe (preset, overrides, budget, seed, hyper-parameters, the
+      hash of the recipe (preset, overrides, steps or budget, seed, hyper-parameters, the
       corpus text, the tokenizer file and :data:`CODE_VERSION`), so a changed
       recipe trains anew. A model is written to a temporary directory and renamed
       into place under an exclusive file lock: a concurrent caller waits and then
@@ -72,7 +74,7 @@ import torch
 log = logging.getLogger(__name__)
 
 #: Bumped whenever a change here changes what a recipe trains (part of the hash).
-CODE_VERSION = 1
+CODE_VERSION = 2
 #: Tokens per training window (and per held-out evaluation window).
 SEQ_LEN = 256
 #: Model ids of the reserved tokens; BOS and EOS equal their DeepSeek ids.
@@ -114,7 +116,7 @@ _ARCH_KEYS = (
 
 @dataclass(frozen=True)
 class Recipe:
-    """How one preset is trained (besides budget and seed).
+    """How one preset is trained (besides the seed).
 
     Attributes:
         overrides: config keys replacing the preset's (the vocabulary is always
@@ -122,6 +124,7 @@ class Recipe:
         batch: windows per step.
         peak_lr: AdamW learning rate after warmup.
         warmup_steps: steps of linear warmup.
+        steps: optimizer steps of a training run (unless a wall-clock budget is given).
         weight_decay: AdamW weight decay.
         balance_rate: step of the MoE router-bias update (0: none).
     """
@@ -132,6 +135,7 @@ class Recipe:
     warmup_steps: int = 20
     weight_decay: float = 0.01
     balance_rate: float = 0.0
+    steps: int = 300
 
 
 #: tiny-deepseek-v3 at half width: hidden 256 (MLP 512, experts 128, query latent 128)
@@ -151,10 +155,11 @@ HALF_WIDTH_DEEPSEEK_V3: dict[str, Any] = {
 }
 
 #: The recipe of each trainable preset.
+#: Their step counts are about three minutes each on two idle cores.
 RECIPES: dict[str, Recipe] = {
-    "mini-gqa": Recipe(batch=4, peak_lr=4e-3),
+    "mini-gqa": Recipe(batch=4, peak_lr=4e-3, steps=150),
     "tiny-deepseek-v3": Recipe(
-        overrides=HALF_WIDTH_DEEPSEEK_V3, batch=4, peak_lr=3e-3, balance_rate=1e-3
+        overrides=HALF_WIDTH_DEEPSEEK_V3, batch=4, peak_lr=3e-3, balance_rate=1e-3, steps=60
     ),
 }
 
@@ -228,7 +233,8 @@ def default_cache_root() -> Path:
 def trained_model(
     preset: str,
     *,
-    budget_s: float = 180.0,
+    steps: int | None = None,
+    budget_s: float | None = None,
     seed: int = 0,
     cache_root: Path | None = None,
     threads: int | None = None,
@@ -238,8 +244,9 @@ def trained_model(
 
     Args:
         preset: ``mini-gqa`` or ``tiny-deepseek-v3`` (see :data:`RECIPES`).
-        budget_s: wall-clock seconds of the training loop (tokenizing, evaluating
-            and saving come on top).
+        steps: optimizer steps (default: the recipe's); part of the recipe.
+        budget_s: train for this many wall-clock seconds instead of a step count
+            (tokenizing, evaluating and saving come on top); part of the recipe.
         seed: seeds the init and the window order.
         cache_root: directory of cached models (default :func:`default_cache_root`).
         threads: torch intra-op threads while training (default: torch's choice);
@@ -251,15 +258,22 @@ def trained_model(
         The trained model; the cached one (no training) when its directory exists.
 
     Raises:
-        ValueError: an unknown preset or a budget that is not positive.
+        ValueError: an unknown preset, both ``steps`` and ``budget_s``, or a step
+            count or budget that is not positive.
     """
     if preset not in RECIPES:
         raise ValueError(f"no training recipe for {preset!r}; known: {', '.join(sorted(RECIPES))}")
-    if not budget_s > 0:
+    if steps is not None and budget_s is not None:
+        raise ValueError("give a step count or a wall-clock budget, not both")
+    if budget_s is not None and not budget_s > 0:
         raise ValueError(f"budget_s must be positive, not {budget_s}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be at least 1, not {steps}")
     recipe = RECIPES[preset]
     if overrides is not None:
         recipe = dataclasses.replace(recipe, overrides=dict(overrides))
+    if steps is not None:
+        recipe = dataclasses.replace(recipe, steps=steps)
     root = (cache_root or default_cache_root()).expanduser()
     texts = _corpus_texts()
     key = _recipe_hash(preset, recipe, budget_s, seed, texts)
@@ -402,7 +416,7 @@ def _build_corpus(texts: dict[str, list[str]]) -> _Corpus:
 
 
 def _recipe_hash(
-    preset: str, recipe: Recipe, budget_s: float, seed: int, texts: dict[str, list[str]]
+    preset: str, recipe: Recipe, budget_s: float | None, seed: int, texts: dict[str, list[str]]
 ) -> str:
     from dscache_server.tokenizer import default_tokenizer_path
 
@@ -415,8 +429,7 @@ def _recipe_hash(
     spec = {
         "code_version": CODE_VERSION,
         "preset": preset,
-        "recipe": _recipe_dict(recipe),
-        "budget_s": float(budget_s),
+        "recipe": _recipe_dict(recipe, budget_s),
         "seed": seed,
         "seq_len": SEQ_LEN,
         "min_count": MIN_COUNT,
@@ -427,7 +440,11 @@ def _recipe_hash(
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _recipe_dict(recipe: Recipe) -> dict[str, Any]:
+def _recipe_dict(recipe: Recipe, budget_s: float | None) -> dict[str, Any]:
+    """The recipe as hashed and recorded: its step count, or the wall-clock budget."""
+    stop: dict[str, Any] = (
+        {"budget_s": float(budget_s)} if budget_s is not None else {"steps": recipe.steps}
+    )
     return {
         "overrides": recipe.overrides,
         "batch": recipe.batch,
@@ -435,6 +452,7 @@ def _recipe_dict(recipe: Recipe) -> dict[str, Any]:
         "warmup_steps": recipe.warmup_steps,
         "weight_decay": recipe.weight_decay,
         "balance_rate": recipe.balance_rate,
+        **stop,
     }
 
 
@@ -494,10 +512,11 @@ def _perplexities(model: Any, windows: dict[str, torch.Tensor]) -> dict[str, flo
     return {name: math.exp(_mean_nll(model, w)) for name, w in windows.items() if len(w)}
 
 
-def _lr_factor(step: int, elapsed: float, budget_s: float, warmup: int) -> float:
-    """Linear warmup over ``warmup`` steps, then cosine decay to 0 over the budget."""
+def _lr_factor(step: int, progress: float, warmup: int) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay to 0 as ``progress``
+    (the share of the steps or of the budget done) goes from 0 to 1."""
     warm = min(1.0, (step + 1) / warmup)
-    return warm * 0.5 * (1.0 + math.cos(math.pi * min(1.0, elapsed / budget_s)))
+    return warm * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 class _Balancer:
@@ -543,7 +562,7 @@ def _train_into(
     preset: str,
     recipe: Recipe,
     *,
-    budget_s: float,
+    budget_s: float | None,
     seed: int,
     texts: dict[str, list[str]],
     key: str,
@@ -618,8 +637,7 @@ def _train_into(
             },
             "corpus": corpus.description,
             "training": {
-                **_recipe_dict(recipe),
-                "budget_s": budget_s,
+                **_recipe_dict(recipe, budget_s),
                 "seed": seed,
                 "seq_len": SEQ_LEN,
                 "threads": torch.get_num_threads(),
@@ -628,7 +646,8 @@ def _train_into(
                 "tokens": steps * recipe.batch * SEQ_LEN,
                 "epochs": steps * recipe.batch * SEQ_LEN / max(len(corpus.train), 1),
                 "optimizer": "AdamW betas (0.9, 0.95), grad-norm clip 1.0, float32",
-                "schedule": "linear warmup, cosine decay to 0 over the wall-clock budget",
+                "schedule": "linear warmup, cosine decay to 0 over the "
+                + ("wall-clock budget" if budget_s is not None else "steps"),
                 "busiest_expert_share": balance,
                 "total_seconds": time.perf_counter() - started,
             },
@@ -661,9 +680,10 @@ def _train_into(
 
 
 def _train_loop(
-    model: Any, train: np.ndarray, recipe: Recipe, budget_s: float, seed: int
+    model: Any, train: np.ndarray, recipe: Recipe, budget_s: float | None, seed: int
 ) -> tuple[int, float, list[list[float]], list[float]]:
-    """Trains ``model`` in place; returns steps, seconds, the loss curve, MoE balance."""
+    """Trains ``model`` in place for ``recipe.steps`` steps, or for ``budget_s`` seconds
+    when given; returns steps, seconds, the loss curve, MoE balance."""
     windows = _windows(train, SEQ_LEN)
     rng = np.random.default_rng(seed)
     optimizer = torch.optim.AdamW(
@@ -678,13 +698,17 @@ def _train_loop(
     order: np.ndarray = np.empty(0, dtype=np.int64)
     step, recent = 0, 0.0
     started = time.perf_counter()
-    next_log = budget_s / 10
-    while (elapsed := time.perf_counter() - started) < budget_s:
+
+    def progress(elapsed: float) -> float:
+        return elapsed / budget_s if budget_s is not None else step / recipe.steps
+
+    next_log = 0.1
+    while (done := progress(elapsed := time.perf_counter() - started)) < 1.0:
         if len(order) < recipe.batch:
             order = np.concatenate([order, rng.permutation(len(windows))])
         batch, order = windows[order[: recipe.batch]], order[recipe.batch :]
         for group in optimizer.param_groups:
-            group["lr"] = recipe.peak_lr * _lr_factor(step, elapsed, budget_s, recipe.warmup_steps)
+            group["lr"] = recipe.peak_lr * _lr_factor(step, done, recipe.warmup_steps)
         logits = model(input_ids=batch[:, :-1], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
@@ -699,9 +723,9 @@ def _train_loop(
         recent = value if step == 1 else 0.9 * recent + 0.1 * value
         if step % 10 == 0:
             curve.append([step, round(time.perf_counter() - started, 2), round(value, 4)])
-        if elapsed >= next_log:
+        if done >= next_log:
             log.info("step %d, %.0f s: train loss %.3f (smoothed)", step, elapsed, recent)
-            next_log += budget_s / 10
+            next_log += 0.1
     seconds = time.perf_counter() - started
     model.eval()
     return step, seconds, curve, balancer.close()
