@@ -144,6 +144,7 @@ def _check_refs(obj: dict[str, Any]) -> None:
     assert "'namespace':" not in text.replace(f"'namespace': '{OWNER.namespace}'", "")
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(raw=specs)
 def test_generated_specs_never_escape_the_admins_policy(raw: dict[str, Any]) -> None:

@@ -134,6 +134,7 @@ def test_a_failing_request_fails_alone(
     assert b.submit(_request(tokenizer, 7, 80, 3)).result(timeout=120).completion_tokens == 3
 
 
+@pytest.mark.slow
 def test_timings_cover_the_path_to_the_first_token(
     batcher: Callable[..., Batcher], tokenizer: DeepSeekTokenizer
 ) -> None:

@@ -87,6 +87,7 @@ def test_repeated_targets_and_top_n(
     assert f"prewarm {a.url}: 1 sent" in out and f"prewarm {b.url}: 1 sent" in out
 
 
+@pytest.mark.slow
 def test_a_target_that_takes_nothing_fails_the_run(
     pods: list[LiveServer], prompts_file: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

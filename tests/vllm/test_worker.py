@@ -163,6 +163,7 @@ def test_a_failed_load_drops_that_requests_saves_of_the_step(daemon: SidecarProc
     w.close()
 
 
+@pytest.mark.slow
 def test_a_verified_block_is_not_hashed_again_until_its_segment_changes(
     daemon: SidecarProcess,
 ) -> None:
