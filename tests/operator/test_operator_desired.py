@@ -250,9 +250,14 @@ def test_engine_vllm_runs_dscache_vllm_serve_beside_the_sidecar(
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert server["readinessProbe"]["httpGet"]["path"] == "/health"
     assert sidecar["name"] == "sidecar" and pod["shareProcessNamespace"] is True
+    # vLLM's multiprocess executor needs more shared memory than a container's 64 MiB.
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in server["volumeMounts"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}
     # The reference engine's pods are what they were (the new fields at their defaults).
     ref = model_deployment(OWNER, spec, status_for(spec), "blue")["spec"]["template"]["spec"]
     assert ref["containers"][0]["args"][0] == "server"
+    assert "dshm" not in {v["name"] for v in ref["volumes"]}
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 Each model pod runs the model server (server image, torch) and the KV sidecar
 (slim core image), sharing the cache volume and the sidecar's socket. With
 ``spec.engine: vllm`` the server container runs ``dscache vllm serve`` (vLLM with
-the dscache KV connector) from ``spec.vllm.image`` instead. A
+the dscache KV connector) from ``spec.vllm.image`` instead, with a memory-backed
+``/dev/shm`` (vLLM's processes share memory). A
 hostPath cache lives in ``<hostPath>/<namespace>/<name>-<slot>``: one
 directory per track, the same after a pod restart, handed to the pods' user by
 the ``cache-owner`` init container (root with ``CHOWN`` only, running the
@@ -255,6 +256,13 @@ def _shared_mounts(tmp_sub_path: str) -> list[Obj]:
     ]
 
 
+#: vLLM's processes talk through shared memory (the message queue of its multiprocess
+#: executor wants 160 MiB; NCCL between tensor-parallel ranks more), and a container's
+#: /dev/shm is 64 MiB: vLLM pods get a memory-backed one, charged to the pod's memory.
+SHM_DIR = "/dev/shm"  # noqa: S108 - the path vLLM uses, not a temporary file
+_SHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+
+
 def _vllm_container(owner: Owner, src: RevisionSource) -> Obj:
     """``dscache vllm serve``: vLLM with dscache as its KV connector, beside the sidecar."""
     port = src.server.port
@@ -277,7 +285,7 @@ def _vllm_container(owner: Owner, src: RevisionSource) -> Obj:
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 2},
         "resources": resources(src.server.resources),
-        "volumeMounts": _shared_mounts("server"),
+        "volumeMounts": [*_shared_mounts("server"), {"name": "dshm", "mountPath": SHM_DIR}],
     }
 
 
@@ -368,6 +376,7 @@ def pod_template(
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
             *_auth_volumes(src)[0],
             *_shared_tier_volumes(src)[0],
+            *([_SHM_VOLUME] if src.engine == "vllm" else []),
         ],
     }
     if src.cache.direct_lookup and not src.cache.shared.enabled:
