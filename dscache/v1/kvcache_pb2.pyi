@@ -83,6 +83,41 @@ COMMIT_DUPLICATE: CommitResult.ValueType  # 3
 """another writer published the key first: dropped"""
 Global___CommitResult: _TypeAlias = CommitResult  # noqa: Y015
 
+class _SignalKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SignalKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SignalKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SIGNAL_UNSPECIFIED: _SignalKind.ValueType  # 0
+    """refused (INVALID_ARGUMENT)"""
+    SIGNAL_SESSION_ENDED: _SignalKind.ValueType  # 1
+    """The session is over: its own blocks (up to the first shared one) go first."""
+    SIGNAL_NEXT_TURN_EXPECTED: _SignalKind.ValueType  # 2
+    """The session's next turn is expected: its own blocks are kept as the
+    policy learns such chains deserve.
+    """
+    SIGNAL_REQUEST_QUEUED: _SignalKind.ValueType  # 3
+    """A request for this prefix waits in a queue: its stored leading blocks are
+    not evicted until they are used or ttl_ms passes.
+    """
+
+class SignalKind(_SignalKind, metaclass=_SignalKindEnumTypeWrapper): ...
+
+SIGNAL_UNSPECIFIED: SignalKind.ValueType  # 0
+"""refused (INVALID_ARGUMENT)"""
+SIGNAL_SESSION_ENDED: SignalKind.ValueType  # 1
+"""The session is over: its own blocks (up to the first shared one) go first."""
+SIGNAL_NEXT_TURN_EXPECTED: SignalKind.ValueType  # 2
+"""The session's next turn is expected: its own blocks are kept as the
+policy learns such chains deserve.
+"""
+SIGNAL_REQUEST_QUEUED: SignalKind.ValueType  # 3
+"""A request for this prefix waits in a queue: its stored leading blocks are
+not evicted until they are used or ttl_ms passes.
+"""
+Global___SignalKind: _TypeAlias = SignalKind  # noqa: Y015
+
 @_typing.final
 class BlockInfo(_message.Message):
     """What a reader needs to turn stored bytes back into a tensor."""
@@ -755,6 +790,58 @@ class ClearTenantResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClearTenantResponse: _TypeAlias = ClearTenantResponse  # noqa: Y015
+
+@_typing.final
+class SignalRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    kind: Global___SignalKind.ValueType
+    ttl_ms: _builtins.int
+    """SIGNAL_REQUEST_QUEUED: how long at most; 0 = 60 s"""
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """the chain, in prefix order (as for Lookup)"""
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        kind: Global___SignalKind.ValueType = ...,
+        ttl_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "kind", b"kind", "tenant", b"tenant", "ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignalRequest: _TypeAlias = SignalRequest  # noqa: Y015
+
+@_typing.final
+class SignalResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MARKED_BLOCKS_FIELD_NUMBER: _builtins.int
+    marked_blocks: _builtins.int
+    """stored blocks the policy marked (0: none, or no signals)"""
+    def __init__(
+        self,
+        *,
+        marked_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["marked_blocks", b"marked_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignalResponse: _TypeAlias = SignalResponse  # noqa: Y015
 
 @_typing.final
 class StatsRequest(_message.Message):

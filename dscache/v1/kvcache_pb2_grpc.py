@@ -89,6 +89,11 @@ class KVCacheStub:
                 request_serializer=dscache_dot_v1_dot_kvcache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=dscache_dot_v1_dot_kvcache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Signal = channel.unary_unary(
+                '/dscache.v1.KVCache/Signal',
+                request_serializer=dscache_dot_v1_dot_kvcache__pb2.SignalRequest.SerializeToString,
+                response_deserializer=dscache_dot_v1_dot_kvcache__pb2.SignalResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -174,6 +179,17 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Signal(self, request, context):
+        """A hint from the serving path about a chain, for the eviction policy: the
+        session ended, its next turn is expected, or a request for this prefix is
+        queued. Best effort and cheap: no I/O, never an error for keys not stored;
+        a policy that takes no signals ignores it (marked_blocks = 0). Older
+        sidecars answer UNIMPLEMENTED, and clients carry on without.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -231,6 +247,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=dscache_dot_v1_dot_kvcache__pb2.StatsRequest.FromString,
                     response_serializer=dscache_dot_v1_dot_kvcache__pb2.StatsResponse.SerializeToString,
+            ),
+            'Signal': grpc.unary_unary_rpc_method_handler(
+                    servicer.Signal,
+                    request_deserializer=dscache_dot_v1_dot_kvcache__pb2.SignalRequest.FromString,
+                    response_serializer=dscache_dot_v1_dot_kvcache__pb2.SignalResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -530,6 +551,33 @@ class KVCache:
             '/dscache.v1.KVCache/Stats',
             dscache_dot_v1_dot_kvcache__pb2.StatsRequest.SerializeToString,
             dscache_dot_v1_dot_kvcache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Signal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dscache.v1.KVCache/Signal',
+            dscache_dot_v1_dot_kvcache__pb2.SignalRequest.SerializeToString,
+            dscache_dot_v1_dot_kvcache__pb2.SignalResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,6 +70,13 @@ class KVCacheStub:
     Delete: _grpc.UnaryUnaryMultiCallable[_kvcache_pb2.DeleteRequest, _kvcache_pb2.DeleteResponse]
     ClearTenant: _grpc.UnaryUnaryMultiCallable[_kvcache_pb2.ClearTenantRequest, _kvcache_pb2.ClearTenantResponse]
     Stats: _grpc.UnaryUnaryMultiCallable[_kvcache_pb2.StatsRequest, _kvcache_pb2.StatsResponse]
+    Signal: _grpc.UnaryUnaryMultiCallable[_kvcache_pb2.SignalRequest, _kvcache_pb2.SignalResponse]
+    """A hint from the serving path about a chain, for the eviction policy: the
+    session ended, its next turn is expected, or a request for this prefix is
+    queued. Best effort and cheap: no I/O, never an error for keys not stored;
+    a policy that takes no signals ignores it (marked_blocks = 0). Older
+    sidecars answer UNIMPLEMENTED, and clients carry on without.
+    """
 
 @_typing.type_check_only
 class KVCacheAsyncStub(KVCacheStub):
@@ -103,6 +110,13 @@ class KVCacheAsyncStub(KVCacheStub):
     Delete: _aio.UnaryUnaryMultiCallable[_kvcache_pb2.DeleteRequest, _kvcache_pb2.DeleteResponse]  # type: ignore[assignment]
     ClearTenant: _aio.UnaryUnaryMultiCallable[_kvcache_pb2.ClearTenantRequest, _kvcache_pb2.ClearTenantResponse]  # type: ignore[assignment]
     Stats: _aio.UnaryUnaryMultiCallable[_kvcache_pb2.StatsRequest, _kvcache_pb2.StatsResponse]  # type: ignore[assignment]
+    Signal: _aio.UnaryUnaryMultiCallable[_kvcache_pb2.SignalRequest, _kvcache_pb2.SignalResponse]  # type: ignore[assignment]
+    """A hint from the serving path about a chain, for the eviction policy: the
+    session ended, its next turn is expected, or a request for this prefix is
+    queued. Best effort and cheap: no I/O, never an error for keys not stored;
+    a policy that takes no signals ignores it (marked_blocks = 0). Older
+    sidecars answer UNIMPLEMENTED, and clients carry on without.
+    """
 
 class KVCacheServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -199,5 +213,18 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
         request: _kvcache_pb2.StatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvcache_pb2.StatsResponse, _abc.Awaitable[_kvcache_pb2.StatsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Signal(
+        self,
+        request: _kvcache_pb2.SignalRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvcache_pb2.SignalResponse, _abc.Awaitable[_kvcache_pb2.SignalResponse]]:
+        """A hint from the serving path about a chain, for the eviction policy: the
+        session ended, its next turn is expected, or a request for this prefix is
+        queued. Best effort and cheap: no I/O, never an error for keys not stored;
+        a policy that takes no signals ignores it (marked_blocks = 0). Older
+        sidecars answer UNIMPLEMENTED, and clients carry on without.
+        """
 
 def add_KVCacheServicer_to_server(servicer: KVCacheServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
