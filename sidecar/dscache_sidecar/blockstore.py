@@ -9,9 +9,10 @@ Contract:
       (pin blocks in place for zero-copy readers, with a TTL) and
       :class:`Reserving` (reserve space, let the writer fill it in place, then
       publish). The daemon answers UNIMPLEMENTED for the RPCs of a capability the
-      store lacks. :class:`Listing` (every stored key at once, and a change
-      counter) is what the holdings publisher reads; a store without it publishes
-      no holdings.
+      store lacks. :class:`Signalling` passes serving-path hints (session ended,
+      next turn expected, request queued) to the eviction policy. :class:`Listing`
+      (every stored key at once, and a change counter) is what the holdings
+      publisher reads; a store without it publishes no holdings.
     * A miss is never an exception; malformed input raises ``ValueError``; a store
       that cannot make room raises :class:`StoreFullError`.
     * Time: a store reads time only through a :class:`Clock`. ``monotonic`` measures
@@ -55,6 +56,7 @@ __all__ = [
     "Leasing",
     "Listing",
     "Reserving",
+    "Signalling",
     "SlotGrant",
     "StoreFullError",
     "SystemClock",
@@ -264,6 +266,16 @@ class Reserving(Protocol):
 
     def abort(self, write_ids: Iterable[str]) -> int:
         """Drops reservations; returns how many were live."""
+        ...
+
+
+@runtime_checkable
+class Signalling(Protocol):
+    """Capability: serving-path signals about a chain reach the eviction policy."""
+
+    def signal(self, tenant: str, keys: Sequence[bytes], kind: str, ttl_s: float) -> int:
+        """Marks the leading stored blocks of ``keys`` (``kind``: ended, expected,
+        queued); returns how many the policy marked (0 for a policy without signals)."""
         ...
 
 

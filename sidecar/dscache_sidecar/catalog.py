@@ -36,7 +36,7 @@ import lmdb
 
 from dscache_sidecar.blockstore import Clock
 from dscache_sidecar.config import SidecarSettings
-from dscache_sidecar.eviction import EvictionPolicy, Resizable, make_policy
+from dscache_sidecar.eviction import EvictionPolicy, Resizable, Signalled, make_policy
 from dscache_sidecar.index import BlockIndex, BlockRecord
 from dscache_sidecar.leases import LeaseTable
 from dscache_sidecar.metrics import SidecarMetrics
@@ -72,7 +72,7 @@ class Catalog:
         self.stored_raw = 0
         self.stored_payload = 0
         self._hint = max(16, settings.capacity_bytes // (1024 * 1024))
-        self.policy: EvictionPolicy[Any] = make_policy(policy_name, self._hint)
+        self.policy: EvictionPolicy[Any] = make_policy(policy_name, self._hint, clock.monotonic)
         self.alloc = ExtentAllocator(settings.segment_bytes, 0)
         self.leases = LeaseTable(self.free)
         self.usage = TenantUsage()
@@ -104,7 +104,7 @@ class Catalog:
         for rec in good:
             if rec.parent and rec.parent in self.blocks:
                 self._children.setdefault(rec.parent, set()).add(rec.key)
-            self.policy.admit(rec.key, rec.extent_bytes)
+            self.policy.admit(rec.key, rec.extent_bytes, rec.parent or None)
             if rec.hits:
                 self.policy.access(rec.key)
 
@@ -113,7 +113,7 @@ class Catalog:
         self.blocks[rec.key] = rec
         if rec.parent:
             self._children.setdefault(rec.parent, set()).add(rec.key)
-        self.policy.admit(rec.key, rec.extent_bytes)
+        self.policy.admit(rec.key, rec.extent_bytes, rec.parent or None)
         self.usage.add(rec)
         self.stored_raw += rec.raw_bytes
         self.stored_payload += rec.stored_bytes
@@ -137,7 +137,13 @@ class Catalog:
             self.dirty_stats.add(rec.key)
 
     def touch_ancestors(self, published: Sequence[BlockRecord]) -> None:
-        """Freshens the stored ancestors of new blocks, after the blocks themselves."""
+        """Freshens the stored ancestors of new blocks, after the blocks themselves.
+
+        Not for a chain-aware policy: it orders chains itself, and a second touch
+        in one request would count as a reuse.
+        """
+        if getattr(self.policy, "chain_aware", False):
+            return
         new = {r.key for r in published}
         seen: set[bytes] = set()
         for rec in published:
@@ -149,6 +155,19 @@ class Catalog:
                 self.policy.access(parent)
                 self.usage.touch(self.blocks[parent])
                 parent = self.blocks[parent].parent
+
+    def signal(self, keys: Sequence[bytes], tenant: bytes, kind: str, ttl_s: float) -> int:
+        """Passes a serving-path signal on the leading stored blocks of ``tenant``
+        among ``keys`` to a policy that takes signals; returns blocks marked (0
+        for a policy without signals)."""
+        if not isinstance(self.policy, Signalled):
+            return 0
+        held: list[bytes] = []
+        for key in keys:
+            if self.owned(key, tenant) is None:
+                break
+            held.append(key)
+        return self.policy.signal(held, kind, ttl_s) if held else 0
 
     # ------------------------------------------------------------------ removal
 
@@ -291,7 +310,7 @@ class Catalog:
         finally:
             for rec in leased:
                 if self.blocks.get(rec.key) is rec:
-                    self.policy.admit(rec.key, rec.extent_bytes)
+                    self.policy.admit(rec.key, rec.extent_bytes, rec.parent or None)
         return ext
 
     def _keep_quota(self, tenant: bytes, adding: int, cap: int, removed: list[BlockRecord]) -> None:

@@ -54,8 +54,10 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+from dscache_sidecar.chain import ChainPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +69,12 @@ class EvictionPolicy(Protocol[K]):
 
     name: str
 
-    def admit(self, key: K, size: int = 1) -> None:
-        """A new block entered the cache (an already present key counts as a hit)."""
+    def admit(self, key: K, size: int = 1, parent: K | None = None) -> None:
+        """A new block entered the cache (an already present key counts as a hit).
+
+        ``parent``: the block before it in its chain (None for a root); the
+        chain-aware policy uses it, the others ignore it.
+        """
         ...
 
     def access(self, key: K) -> None:
@@ -122,7 +128,7 @@ class _QueuePolicy(Generic[K]):
         _check_hint(capacity_hint)
         self._order: OrderedDict[K, None] = OrderedDict()
 
-    def admit(self, key: K, size: int = 1) -> None:
+    def admit(self, key: K, size: int = 1, parent: K | None = None) -> None:
         self._order[key] = None
 
     def access(self, key: K) -> None:
@@ -148,7 +154,7 @@ class LRUPolicy(_QueuePolicy[K]):
 
     name: str = "lru"
 
-    def admit(self, key: K, size: int = 1) -> None:
+    def admit(self, key: K, size: int = 1, parent: K | None = None) -> None:
         self._order[key] = None
         self._order.move_to_end(key)
 
@@ -201,7 +207,7 @@ class ClockPolicy(_CountingPolicy[K]):
         _check_hint(capacity_hint)
         super().__init__(max_freq)
 
-    def admit(self, key: K, size: int = 1) -> None:
+    def admit(self, key: K, size: int = 1, parent: K | None = None) -> None:
         if key in self._freq:
             self.access(key)
             return
@@ -246,7 +252,7 @@ class SLRUPolicy(Generic[K]):
         self._probation: OrderedDict[K, None] = OrderedDict()
         self._protected: OrderedDict[K, None] = OrderedDict()
 
-    def admit(self, key: K, size: int = 1) -> None:
+    def admit(self, key: K, size: int = 1, parent: K | None = None) -> None:
         if key in self:  # already cached: a hit
             self.access(key)
             return
@@ -324,7 +330,7 @@ class S3FIFOPolicy(_CountingPolicy[K]):
         while len(self._ghost) > self._ghost_max:
             self._ghost.popitem(last=False)
 
-    def admit(self, key: K, size: int = 1) -> None:
+    def admit(self, key: K, size: int = 1, parent: K | None = None) -> None:
         if key in self._freq:
             self.access(key)
             return
@@ -389,7 +395,7 @@ class ARCPolicy(Generic[K]):
         self._b1: OrderedDict[K, None] = OrderedDict()
         self._b2: OrderedDict[K, None] = OrderedDict()
 
-    def admit(self, key: K, size: int = 1) -> None:
+    def admit(self, key: K, size: int = 1, parent: K | None = None) -> None:
         if key in self:  # already cached: a hit
             self.access(key)
             return
@@ -447,18 +453,37 @@ POLICIES: dict[str, Callable[[int], EvictionPolicy[Any]]] = {
     "slru": SLRUPolicy,
     "s3fifo": S3FIFOPolicy,
     "arc": ARCPolicy,
+    "chain": ChainPolicy,
 }
+
+#: Policies that read time: their factories also take ``clock=`` (seconds).
+CLOCKED: frozenset[str] = frozenset({"chain"})
 
 #: The store's policy unless configured otherwise (best on the Mooncake trace).
 DEFAULT_POLICY: str = "s3fifo"
 
 
-def make_policy(name: str, capacity_hint: int) -> EvictionPolicy[Any]:
+@runtime_checkable
+class Signalled(Protocol):
+    """Optional capability: a policy that takes serving-path signals on a chain.
+
+    ``kind`` is one of :data:`~dscache_sidecar.chain.SIGNAL_KINDS`; ``keys`` a chain,
+    root first. Returns how many held blocks the signal marked.
+    """
+
+    def signal(self, keys: Sequence[Any], kind: str, ttl_s: float = 60.0) -> int: ...
+
+
+def make_policy(
+    name: str, capacity_hint: int, clock: Callable[[], float] | None = None
+) -> EvictionPolicy[Any]:
     """Builds the policy called ``name``.
 
     Args:
         name: a key of :data:`POLICIES`.
         capacity_hint: the expected capacity in blocks (>= 0).
+        clock: seconds, monotonic, for the policies in :data:`CLOCKED` (the
+            store's clock; the replayer's trace time); None = ``time.monotonic``.
 
     Returns:
         A fresh, empty policy.
@@ -472,4 +497,6 @@ def make_policy(name: str, capacity_hint: int) -> EvictionPolicy[Any]:
     except KeyError:
         known = ", ".join(sorted(POLICIES))
         raise ValueError(f"unknown eviction policy {name!r}; known policies: {known}") from None
+    if name == "chain" and clock is not None:
+        return ChainPolicy(capacity_hint, clock=clock)
     return factory(capacity_hint)

@@ -104,6 +104,13 @@ class SidecarMetrics:
             "Blocks whose bytes did not match their checksum, by where it was found",
             "where",
         )
+        self.signals = counter(
+            "dscache_sidecar_signals_total",
+            "Serving-path signals received (Signal RPC), by kind (ended, expected, queued) "
+            "and whether the policy marked any stored block (marked, unmarked)",
+            "kind",
+            "result",
+        )
         self.stale_readers = counter(
             "dscache_sidecar_stale_readers_cleared_total",
             "Reader slots of the LMDB index freed because their process was gone",

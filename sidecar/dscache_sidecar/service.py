@@ -23,7 +23,7 @@ import grpc
 
 from dscache.v1 import kvcache_pb2 as pb
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
-from dscache_sidecar.blockstore import BlockSpec, BlockStore, Leasing, Reserving
+from dscache_sidecar.blockstore import BlockSpec, BlockStore, Leasing, Reserving, Signalling
 from dscache_sidecar.codec import DTYPE_NAMES, Codec
 from dscache_sidecar.config import SidecarSettings
 from dscache_sidecar.index import BlockRecord
@@ -31,6 +31,13 @@ from dscache_sidecar.metrics import SidecarMetrics
 from dscache_sidecar.shared import SharedTier
 
 _MAX_TENANT_CHARS = 256
+_SIGNALS = {
+    pb.SIGNAL_SESSION_ENDED: "ended",
+    pb.SIGNAL_NEXT_TURN_EXPECTED: "expected",
+    pb.SIGNAL_REQUEST_QUEUED: "queued",
+}
+#: How long a queued signal keeps a chain when the request names no TTL.
+_QUEUED_TTL_S = 60.0
 
 
 class BadRequestError(ValueError):
@@ -74,6 +81,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.shared = shared
         self._leasing = store if isinstance(store, Leasing) else None
         self._reserving = store if isinstance(store, Reserving) else None
+        self._signalling = store if isinstance(store, Signalling) else None
 
     def _leases(self) -> Leasing:
         if self._leasing is None:
@@ -240,6 +248,16 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self, request: pb.ClearTenantRequest, context: grpc.ServicerContext
     ) -> pb.ClearTenantResponse:
         return pb.ClearTenantResponse(deleted=self.store.clear_tenant(self._tenant(request.tenant)))
+
+    def Signal(self, request: pb.SignalRequest, context: grpc.ServicerContext) -> pb.SignalResponse:
+        kind = _SIGNALS.get(request.kind)
+        if kind is None:
+            raise BadRequestError(f"unknown signal kind {request.kind}")
+        tenant, keys = self._tenant(request.tenant), self._keys(request.keys)
+        ttl_s = request.ttl_ms / 1000 if request.ttl_ms else _QUEUED_TTL_S
+        marked = self._signalling.signal(tenant, keys, kind, ttl_s) if self._signalling else 0
+        self.metrics.signals.labels(kind=kind, result="marked" if marked else "unmarked").inc()
+        return pb.SignalResponse(marked_blocks=marked)
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         # Every gauge but free_bytes is a Stats field of the same name.

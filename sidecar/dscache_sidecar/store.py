@@ -20,6 +20,8 @@ Contract:
     * Evicting a block also evicts its cached descendants (they can never hit
       without it); hits touch the chain deepest-first so parents stay fresher.
     * A store that cannot make room raises ``StoreFullError``; reads go on.
+    * ``signal`` hands serving-path hints to the policy: no I/O, no error for keys
+      not stored, nothing for a policy without signals.
     * Counts (evictions, checksum failures) live only in :class:`SidecarMetrics`.
     * One store per data directory: ``open`` takes its exclusive lock
       (:mod:`dscache_sidecar.dirlock`) before it touches anything in it, and
@@ -394,6 +396,15 @@ class KVStore:
     def put(self, tenant: str, spec: BlockSpec, data: bytes, client_sum: int) -> tuple[bool, bool]:
         """Stores one block from bytes received over the wire: (stored, existed)."""
         return self._writes.put(tenant, spec, data, client_sum)
+
+    # ------------------------------------------------------------------ signals
+
+    def signal(self, tenant: str, keys: Sequence[bytes], kind: str, ttl_s: float) -> int:
+        """Passes a serving-path signal on ``tenant``'s stored chain to the policy
+        (``Signalling``); returns blocks marked, 0 for a policy without signals."""
+        tid = tenant_bytes(tenant)
+        with self._lock:
+            return self._catalog.signal(keys, tid, kind, ttl_s)
 
     # ------------------------------------------------------------------ removal
 

@@ -112,8 +112,8 @@ def test_chain_touched_deepest_first_leaves_deepest_first(name: str) -> None:
     """The prefix rule under the callers' protocol: children go before parents."""
     policy = make_policy(name, 100)
     chain = [f"b{i}" for i in range(6)]
-    for key in reversed(chain):  # admitted deepest first
-        policy.admit(key)
+    for i in reversed(range(len(chain))):  # admitted deepest first, with their parents
+        policy.admit(chain[i], 1, chain[i - 1] if i else None)
     for key in reversed(chain):  # then a hit on the whole chain, deepest first
         policy.access(key)
     victims = [policy.victim() for _ in chain]

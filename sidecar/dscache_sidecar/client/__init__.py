@@ -53,6 +53,12 @@ from dscache_sidecar.mapped import MappedSegments
 
 log = logging.getLogger(__name__)
 
+_SIGNAL_KINDS = {
+    "ended": pb.SIGNAL_SESSION_ENDED,
+    "expected": pb.SIGNAL_NEXT_TURN_EXPECTED,
+    "queued": pb.SIGNAL_REQUEST_QUEUED,
+}
+
 __all__ = [
     "BlockData",
     "Codec",
@@ -103,6 +109,7 @@ class SidecarClient:
             self._conn, self._segments, codec if codec is not None else CodecPolicy()
         )
         self._shared: bool | None = None  # the daemon has a shared tier (None: not asked)
+        self._signals = True  # False once the daemon answered Signal with UNIMPLEMENTED
         self._shared_asked = 0.0
         # lease id -> (TTL asked, monotonic time asked), until the grant is mapped
         self._asked: dict[str, tuple[float, float]] = {}
@@ -253,6 +260,32 @@ class SidecarClient:
         return self._writer.store(tenant, blocks, compress, codec, level)
 
     # -- admin
+
+    def signal(self, tenant: str, keys: Sequence[bytes], kind: str, ttl_ms: int = 0) -> int:
+        """Tells the eviction policy about a chain (``Signal``): ``kind`` is ``ended``
+        (the session is over), ``expected`` (its next turn will come) or ``queued``
+        (a request for it waits; kept ``ttl_ms``, 0 = the daemon's 60 s).
+
+        Best effort: returns the blocks marked, 0 when the daemon is older than the
+        RPC (UNIMPLEMENTED, remembered: no more calls) or its policy takes no
+        signals. Other failures raise ``SidecarError`` as every call does.
+
+        Raises:
+            ValueError: on an unknown ``kind``.
+        """
+        code = _SIGNAL_KINDS.get(kind)
+        if code is None:
+            raise ValueError(f"unknown signal {kind!r}; known: {', '.join(_SIGNAL_KINDS)}")
+        if not keys or not self._signals:
+            return 0
+        request = pb.SignalRequest(tenant=tenant, keys=list(keys), kind=code, ttl_ms=ttl_ms)
+        try:
+            return int(call(self._conn.stub.Signal, request, self._conn.timeout_s).marked_blocks)
+        except SidecarError as exc:
+            if str(exc).startswith("UNIMPLEMENTED"):
+                self._signals = False
+                return 0
+            raise
 
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Removes blocks (and their cached descendants); returns how many."""
