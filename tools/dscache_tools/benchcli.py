@@ -18,24 +18,7 @@ def register(sub: Commands, bench: Commands) -> None:
         "replay",
         help="replay a request trace against eviction policies (hit ratios, Belady bound)",
     )
-    r.add_argument("--trace", required=True, help="Mooncake JSONL trace or a dscache request log")
-    r.add_argument(
-        "--capacity-blocks",
-        default="16384",
-        help="comma-separated cache capacities in blocks (default 16384)",
-    )
-    r.add_argument(
-        "--policy",
-        default=None,
-        help="comma-separated policies, or 'all' (default: the store's default policy and lru)",
-    )
-    r.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
-    r.add_argument("--png", dest="png_out", default=None, help="write a hit-ratio chart here")
-    r.add_argument(
-        "--no-belady",
-        action="store_true",
-        help="skip the offline-optimal bound (slow on big traces)",
-    )
+    _replay_arguments(r)
     r.set_defaults(handler=_run_replay)
 
     bs = bench.add_parser(
@@ -231,6 +214,68 @@ def _run_bench_codec(args: argparse.Namespace) -> int:
     from dscache_tools.bench.codec import run_cli
 
     return run_cli(args)
+
+
+def _replay_arguments(r: argparse.ArgumentParser) -> None:
+    """``dscache replay``'s arguments."""
+    r.add_argument(
+        "--trace",
+        required=True,
+        help="Mooncake JSONL trace, a dscache request log, or a built-in workload: "
+        "finance, chat (ShareGPT-style)",
+    )
+    r.add_argument(
+        "--capacity-blocks",
+        default="16384",
+        help="comma-separated cache capacities in blocks, or N%% of the trace's distinct "
+        "blocks (default 16384)",
+    )
+    r.add_argument(
+        "--signals",
+        default="",
+        help="comma-separated serving-path signals (ended, expected, queued) for a second "
+        "run of each policy that takes them (default: none)",
+    )
+    r.add_argument(
+        "--signal-coverage",
+        type=float,
+        default=1.0,
+        help="share of requests whose client sends ended/expected (default 1)",
+    )
+    r.add_argument(
+        "--queue-s",
+        type=float,
+        default=2.0,
+        help="queued: requests arriving within this many seconds wait in the queue (2)",
+    )
+    r.add_argument(
+        "--sessions",
+        type=int,
+        default=0,
+        help="built-in traces: sessions (finance 1000, chat 4000)",
+    )
+    r.add_argument(
+        "--block-tokens", type=int, default=16, help="built-in traces: tokens per block (16)"
+    )
+    r.add_argument(
+        "--arrivals",
+        default="poisson",
+        choices=["poisson", "sequential"],
+        help="built-in traces: interleaved sessions (poisson) or one after another",
+    )
+    r.add_argument("--seed", type=int, default=0, help="built-in traces and signals: seed")
+    r.add_argument(
+        "--policy",
+        default=None,
+        help="comma-separated policies, or 'all' (default: the store's default policy and lru)",
+    )
+    r.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    r.add_argument("--png", dest="png_out", default=None, help="write a hit-ratio chart here")
+    r.add_argument(
+        "--no-belady",
+        action="store_true",
+        help="skip the offline-optimal bound (slow on big traces)",
+    )
 
 
 def _run_replay(args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ def format_table(report: ReplayReport) -> str:
             rows.append(
                 (
                     str(capacity),
-                    r.policy,
+                    r.label,
                     f"{tok:.4f}",
                     f"{r.ratios.block_hit_ratio:.4f}",
                     _ratio(tok, bound.token_hit_ratio if bound else None, "{:.1%}"),
@@ -88,11 +88,11 @@ def write_png(report: ReplayReport, path: str | Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     try:
-        for name in dict.fromkeys(r.policy for r in report.results):
+        for name in dict.fromkeys(r.label for r in report.results):
             points = sorted(
                 (r.capacity_blocks, r.ratios.token_hit_ratio)
                 for r in report.results
-                if r.policy == name
+                if r.label == name
             )
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
         if report.belady:

@@ -15,6 +15,16 @@ Contract:
   that part). Evicting a block cascades to its cached descendants, so the
   cache always holds whole prefixes (a cached block's parent is cached). A
   request longer than the capacity stores only its first ``capacity`` blocks.
+  Every ``admit`` names the block's parent.
+* A chain-aware policy (``chain_aware``, the ``chain`` policy) sees the calls in
+  the live store's order instead: the hit blocks accessed deepest first (the
+  Lease), then the new blocks admitted deepest first (the Commit), nothing
+  more (the store skips its ancestor touch for it). Its clock is the trace's
+  time (:class:`TraceClock`), so it runs the same code as the store.
+* Signals (:mod:`~dscache_tools.replay.signals`), when given, reach a policy
+  that takes them (:class:`~dscache_sidecar.eviction.Signalled`): ``queued``
+  before a request is served, for the requests arriving within the queue
+  window; ``ended``/``expected`` after it, on its chain.
 * Bounds at the same capacity: the infinite-cache *ideal* (a block hits if its
   whole prefix was seen before) and the offline-optimal *Belady* bound: on
   every insertion, the block whose next use is furthest in the future goes,
@@ -32,8 +42,9 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dscache_sidecar.eviction import EvictionPolicy, make_policy
+from dscache_sidecar.eviction import CLOCKED, EvictionPolicy, Signalled, make_policy
 
+from dscache_tools.replay.signals import SignalPlan
 from dscache_tools.replay.trace import Trace
 
 logger = logging.getLogger(__name__)
@@ -92,10 +103,29 @@ def _leading_hits(ids: list[int], cached: Container[int]) -> int:
     return h
 
 
+class TraceClock:
+    """The replay's time for time-aware policies: the current request's ``time_s``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def simulate(
-    trace: Trace, policy: EvictionPolicy[int], capacity: int, tick: Tick | None = None
+    trace: Trace,
+    policy: EvictionPolicy[int],
+    capacity: int,
+    tick: Tick | None = None,
+    *,
+    clock: TraceClock | None = None,
+    signals: SignalPlan | None = None,
 ) -> HitRatios:
     """Replays ``trace`` through a cache of ``capacity`` blocks run by ``policy``.
+
+    ``clock``: set to each request's time before it is served (give the same one
+    to the policy). ``signals``: delivered to a policy that takes them.
 
     Raises:
         ValueError: if ``capacity`` < 1.
@@ -106,7 +136,7 @@ def simulate(
         raise ValueError(f"capacity must be >= 1 block, got {capacity}")
     cached: set[int] = set()
     children = trace.children
-    admit, access, remove, victim = policy.admit, policy.access, policy.remove, policy.victim
+    remove, victim = policy.remove, policy.victim
     hit_tokens = hit_blocks = evictions = cascaded = 0
 
     def evict_one() -> None:
@@ -128,21 +158,28 @@ def simulate(
                     cascaded += 1
                     stack.append(child)
 
-    for done, req in enumerate(trace.requests, start=1):
+    store_order = bool(getattr(policy, "chain_aware", False))
+    signal = policy.signal if signals is not None and isinstance(policy, Signalled) else None
+    requests = trace.requests
+    for done, req in enumerate(requests, start=1):
+        if clock is not None:
+            clock.now = req.time_s
         ids = req.blocks
         n = len(ids)
+        if signal is not None:
+            assert signals is not None
+            for u in signals.before[done - 1]:
+                signal(requests[u].blocks, "queued")
         h = _leading_hits(ids, cached)
         hit_blocks += h
         hit_tokens += req.prefix_tokens(h)
-        # One sweep, deepest first: new blocks admitted, hit ones accessed, so
-        # every parent ends up fresher than its children.
-        for i in range(min(n, capacity) - 1, -1, -1):
-            b = ids[i]
-            if i >= h and b not in cached:
-                cached.add(b)
-                admit(b)
-            else:
-                access(b)
+        stored = min(n, capacity)
+        _touch(ids, h, stored, cached, policy, store_order=store_order)
+        if signal is not None:
+            assert signals is not None
+            kind = signals.after[done - 1]
+            if kind:
+                signal(ids[:stored], kind)
         while len(cached) > capacity:
             evict_one()
         _progress(tick, done)
@@ -152,6 +189,37 @@ def simulate(
             f"policy {policy.name!r} holds {len(policy)} blocks, the cache {len(cached)}"
         )
     return _ratios(trace, hit_tokens, hit_blocks, evictions, cascaded)
+
+
+def _touch(
+    ids: list[int],
+    h: int,
+    stored: int,
+    cached: set[int],
+    policy: EvictionPolicy[int],
+    *,
+    store_order: bool,
+) -> None:
+    """Tells ``policy`` of one request: ``h`` hit blocks, new ones up to ``stored``."""
+    admit, access = policy.admit, policy.access
+    if store_order:
+        for i in range(min(h, stored) - 1, -1, -1):
+            access(ids[i])
+        for i in range(stored - 1, h - 1, -1):
+            b = ids[i]
+            if b not in cached:
+                cached.add(b)
+                admit(b, 1, ids[i - 1] if i else None)
+        return
+    # One sweep, deepest first: new blocks admitted, hit ones accessed, so
+    # every parent ends up fresher than its children.
+    for i in range(stored - 1, -1, -1):
+        b = ids[i]
+        if i >= h and b not in cached:
+            cached.add(b)
+            admit(b, 1, ids[i - 1] if i else None)
+        else:
+            access(b)
 
 
 def simulate_ideal(trace: Trace) -> HitRatios:
@@ -254,11 +322,17 @@ def simulate_belady(trace: Trace, capacity: int, tick: Tick | None = None) -> Hi
 
 @dataclass(frozen=True, slots=True)
 class PolicyResult:
-    """One policy at one capacity."""
+    """One policy at one capacity (``signals``: the serving-path signals it got)."""
 
     policy: str
     capacity_blocks: int
     ratios: HitRatios
+    signals: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The policy's name, with ``+signals`` when it got any."""
+        return f"{self.policy}+signals" if self.signals else self.policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +359,12 @@ class ReplayReport:
             "trace": self.trace,
             "requests": self.requests,
             "results": [
-                {"policy": r.policy, "capacity_blocks": r.capacity_blocks, **r.ratios.as_json()}
+                {
+                    "policy": r.label,
+                    "capacity_blocks": r.capacity_blocks,
+                    **r.ratios.as_json(),
+                    "signals": list(r.signals),
+                }
                 for r in self.results
             ],
             "ideal": self.ideal.as_json(),
@@ -295,8 +374,9 @@ class ReplayReport:
         }
 
     def result(self, policy: str, capacity: int) -> HitRatios | None:
+        """The ratios of ``policy`` (a label: ``chain+signals`` for the signalled run)."""
         for r in self.results:
-            if r.policy == policy and r.capacity_blocks == capacity:
+            if r.label == policy and r.capacity_blocks == capacity:
                 return r.ratios
         return None
 
@@ -307,6 +387,10 @@ class ReplayReport:
         return None
 
 
+def _takes_signals(name: str) -> bool:
+    return isinstance(make_policy(name, 1), Signalled)
+
+
 def replay(
     trace: Trace,
     policies: Sequence[str],
@@ -314,24 +398,37 @@ def replay(
     *,
     belady: bool = True,
     tick: Tick | None = None,
+    signals: SignalPlan | None = None,
 ) -> ReplayReport:
-    """Runs every policy at every capacity, plus the ideal and (optionally) Belady."""
+    """Runs every policy at every capacity, plus the ideal and (optionally) Belady.
+
+    With ``signals``, each policy that takes signals runs a second time with them
+    (reported as ``<name>+signals``).
+    """
     results: list[PolicyResult] = []
     bounds: list[BeladyResult] = []
     for capacity in capacities:
         for name in policies:
-            policy: EvictionPolicy[int] = make_policy(name, capacity)
-            ratios = simulate(trace, policy, capacity, tick)
-            logger.debug(
-                "%s @ %d blocks: token %.4f block %.4f (%d evictions, %d cascaded)",
-                name,
-                capacity,
-                ratios.token_hit_ratio,
-                ratios.block_hit_ratio,
-                ratios.evictions,
-                ratios.cascaded,
-            )
-            results.append(PolicyResult(name, capacity, ratios))
+            runs: list[SignalPlan | None] = [None]
+            if signals is not None and signals.kinds and _takes_signals(name):
+                runs.append(signals)
+            for plan in runs:
+                clock = TraceClock()
+                policy: EvictionPolicy[int] = make_policy(
+                    name, capacity, clock if name in CLOCKED else None
+                )
+                ratios = simulate(trace, policy, capacity, tick, clock=clock, signals=plan)
+                logger.debug(
+                    "%s @ %d blocks: token %.4f block %.4f (%d evictions, %d cascaded)",
+                    name,
+                    capacity,
+                    ratios.token_hit_ratio,
+                    ratios.block_hit_ratio,
+                    ratios.evictions,
+                    ratios.cascaded,
+                )
+                kinds = plan.kinds if plan is not None else ()
+                results.append(PolicyResult(name, capacity, ratios, kinds))
         if belady:
             bounds.append(BeladyResult(capacity, simulate_belady(trace, capacity, tick)))
     return ReplayReport(

@@ -10,8 +10,12 @@ Contract:
     block holds 512 tokens except the last, which holds
     ``input_length - 512 * (len(hash_ids) - 1)``.
   - dscache request log: ``{"block_keys": [hex, ...], "prompt_tokens": int,
-    "block_tokens": int}``; every key is a full block; tokens past the last
-    full block count in the denominator only (they are never cached).
+    "block_tokens": int}`` and an optional ``"timestamp"`` (milliseconds); every
+    key is a full block; tokens past the last full block count in the
+    denominator only (they are never cached).
+
+  A request's time (``time_s``) is its timestamp, or one second after the
+  previous request's when the line has none (time-aware policies read it).
 
   Keys are chained ids (a key names its whole prefix), so a block's parent is
   the block before it in any request that holds it.
@@ -21,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable
@@ -45,12 +50,19 @@ class Request:
         block_tokens: tokens in every block but the last.
         last_tokens: tokens in the last block (``block_tokens`` if it is full).
         prompt_tokens: all input tokens of the request (the ratio's denominator).
+        time_s: when it arrived, seconds (see the module's contract).
     """
 
     blocks: list[int]
     block_tokens: int
     last_tokens: int
     prompt_tokens: int
+    time_s: float = 0.0
+
+    @property
+    def last_full(self) -> int:
+        """Index of the last full block (-1 when there is none)."""
+        return len(self.blocks) - (1 if self.last_tokens < self.block_tokens else 0) - 1
 
     def prefix_tokens(self, n_blocks: int) -> int:
         """Tokens in the first ``n_blocks`` blocks."""
@@ -123,6 +135,7 @@ def parse_trace(lines: Iterable[str], source: str) -> list[Request]:
     """
     intern: dict[object, int] = {}
     requests: list[Request] = []
+    last_time = -1.0
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -134,14 +147,22 @@ def parse_trace(lines: Iterable[str], source: str) -> list[Request]:
         if not isinstance(obj, dict):
             raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         if "hash_ids" in obj:
-            requests.append(_mooncake_request(obj, intern, where))
+            req = _mooncake_request(obj, intern, where)
         elif "block_keys" in obj:
-            requests.append(_dscache_request(obj, intern, where))
+            req = _dscache_request(obj, intern, where)
         else:
             raise TraceError(
                 f"{where}: neither a Mooncake record (hash_ids) nor a dscache "
                 "request log record (block_keys)"
             )
+        if "timestamp" in obj:
+            stamp = obj["timestamp"]
+            if not isinstance(stamp, int | float) or isinstance(stamp, bool) or stamp < 0:
+                raise TraceError(f"{where}: 'timestamp' must be a number >= 0 (ms), got {stamp!r}")
+            last_time = stamp / 1000.0
+        else:
+            last_time += 1.0
+        requests.append(dataclasses.replace(req, time_s=max(last_time, 0.0)))
     return requests
 
 
