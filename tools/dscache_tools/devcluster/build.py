@@ -2,7 +2,8 @@
 
 Contract:
     * ``ensure_built()`` returns paths to kube-apiserver, kube-controller-manager,
-      kube-scheduler, kubectl, kubelet, kube-proxy, etcd, kwok and helm at the
+      kube-scheduler, kubectl, kubelet, kube-proxy, etcd, kwok, helm and
+      kube-router (the real nodes' NetworkPolicy controller) at the
       versions pinned in :mod:`dscache_tools.devcluster.versions`, building
       whatever is missing (:mod:`.gobuild` does one part).
     * Release versions are stamped through ``-ldflags -X`` (component-base and
@@ -61,6 +62,8 @@ class Binaries:
     #: The node agents of real (not simulated) nodes.
     kubelet: Path
     kube_proxy: Path
+    #: The NetworkPolicy controller of real nodes (kube-router's firewall).
+    netpol: Path
 
     @property
     def tool_dirs(self) -> tuple[Path, ...]:
@@ -69,7 +72,7 @@ class Binaries:
 
     def missing(self, with_node_agents: bool = True) -> list[Path]:
         """The executables that are not there (the node agents only when asked)."""
-        node_agents = () if with_node_agents else (self.kubelet, self.kube_proxy)
+        node_agents = () if with_node_agents else (self.kubelet, self.kube_proxy, self.netpol)
         return [
             p for p in self.all_executables() if p not in node_agents and not os.access(p, os.X_OK)
         ]
@@ -86,6 +89,7 @@ class Binaries:
             self.helm,
             self.kubelet,
             self.kube_proxy,
+            self.netpol,
         )
 
 
@@ -157,6 +161,18 @@ def _parts(versions: Versions) -> list[Part]:
             packages={"helm.sh/helm/v3/cmd/helm": "helm"},
             ldflags=tuple(helm_ldflags),
         ),
+        Part(
+            name="kube-router",
+            version=versions.netpol,
+            module="github.com/cloudnativelabs/kube-router/v2",
+            packages={"github.com/cloudnativelabs/kube-router/v2/cmd/kube-router": "kube-router"},
+            ldflags=(
+                "-s",
+                "-w",
+                "-X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version="
+                + versions.netpol,
+            ),
+        ),
     ]
 
 
@@ -176,6 +192,7 @@ def locate(versions: Versions = PINNED, root: Path | None = None) -> Binaries:
         kwok_stages=base / "kwok" / versions.kwok / "stages",
         kubelet=node / "kubelet",
         kube_proxy=node / "kube-proxy",
+        netpol=base / "kube-router" / versions.netpol / "bin" / "kube-router",
     )
 
 

@@ -326,7 +326,8 @@ class DevCluster(ClusterAccess):
         plans = realnodes.plan(len(self.real_nodes), self.state_dir, cache_root())
         if plans:
             nodeagents.drain_real_nodes(self, plans)
-            self.supervisor.stop({"kube-proxy", *(f"kubelet-{p.name}" for p in plans)})
+            agents = [f"{kind}-{p.name}" for p in plans for kind in ("kubelet", "netpol")]
+            self.supervisor.stop({"kube-proxy", *agents})
             for plan in plans:
                 if plan.containerd_socket.exists():
                     realnodes.purge_containers(plan.containerd_socket)

@@ -12,10 +12,16 @@ Contract:
       would leave through an interface other than the node bridges.
     * KUBE-* chains a kubelet or kube-proxy created (absent before the cluster)
       are removed; ones that existed before are left alone.
+    * The NetworkPolicy controller's (kube-router's) iptables chains are KUBE-*
+      chains, removed as above (their rules' quoted comments included); the
+      ipsets made after :func:`remember_ipsets` are destroyed once no rule uses
+      them. (``kube-router --cleanup-config`` leaves its top chains and then
+      crashes on a kernel without IPVS, so it is not relied on.)
 """
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -97,7 +103,8 @@ def _remove_new_kube_chains(record: HostRecord) -> None:
             continue
         rules = run(tool, "-w", "-t", table, "-S", check=False).stdout.splitlines()
         for line in rules:
-            parts = line.split()
+            # shlex: a rule's comment is quoted and may hold spaces (kube-router's do).
+            parts = shlex.split(line)
             if parts[:1] == ["-A"] and "-j" in parts and parts[parts.index("-j") + 1] in new:
                 run(tool, "-w", "-t", table, "-D", *parts[1:], check=False)
         for chain in new:
@@ -155,6 +162,25 @@ def _as_check(rule: list[str]) -> list[str]:
     return [*table, "-C", chain, *rest]
 
 
+def _ipsets() -> list[str]:
+    done = run("ipset", "list", "-n", check=False) if find("ipset") else None
+    return done.stdout.split() if done is not None and done.returncode == 0 else []
+
+
+def remember_ipsets(record: HostRecord) -> None:
+    """Records the ipsets that exist now (the NetworkPolicy controller adds its own)."""
+    if record.ipsets_before is None:
+        record.ipsets_before = _ipsets()
+    record.save()
+
+
+def _undo_netpol_sets(record: HostRecord) -> None:
+    # After the rules that referenced them are gone (a set in use cannot go).
+    if record.ipsets_before is not None:
+        for name in set(_ipsets()) - set(record.ipsets_before):
+            run("ipset", "destroy", name, check=False)
+
+
 def undo(record: HostRecord, log: Callable[[str], None]) -> None:
     """Takes back the network changes in ``record`` (after the processes stopped)."""
     if record.kube_proxy and Path(record.kube_proxy).exists():
@@ -171,6 +197,7 @@ def undo(record: HostRecord, log: Callable[[str], None]) -> None:
         table, _, chain = entry.rpartition("/")
         for op in ("-F", "-X"):
             run("iptables", "-w", "-t", table or "filter", op, chain, check=False)
+    _undo_netpol_sets(record)
     for bridge in record.bridges:
         run("ip", "link", "delete", bridge, check=False)
     for name, value in record.sysctls.items():

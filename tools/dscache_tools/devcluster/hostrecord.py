@@ -52,6 +52,9 @@ class HostRecord:
     #: cluster; the kubelet's own chains (KUBE-FIREWALL, ...) that were not
     #: there are removed by :func:`undo`
     kube_chains_before: dict[str, list[str]] = field(default_factory=dict)
+    #: ipsets that existed before the controller started (None: never started);
+    #: others are destroyed by :func:`undo`
+    ipsets_before: list[str] | None = None
     #: pid + executable of processes whose death frees the host (liveness)
     owners: list[tuple[int, str]] = field(default_factory=list)
 

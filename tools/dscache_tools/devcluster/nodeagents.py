@@ -3,9 +3,10 @@
 :mod:`.realnodes` says what a real node is (paths, addresses, config texts) and
 :mod:`.host` what it changes on the machine; this module starts and drains
 the processes of a running cluster (anything shaped as :class:`NodeHost`, which
-:class:`.cluster.DevCluster` is; this module never imports it): one containerd and
-one kubelet per real node, one kube-proxy, and Prometheus with its pod
-discovery loop (:mod:`.podsd`).
+:class:`.cluster.DevCluster` is; this module never imports it): one containerd,
+one kubelet and one NetworkPolicy controller (kube-router's firewall alone:
+policies are enforced on real nodes) per real node, one kube-proxy, and Prometheus with its
+pod discovery loop (:mod:`.podsd`).
 
 Contract:
     * :func:`prepare_host` claims the host and records every change before
@@ -21,6 +22,7 @@ Contract:
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import sys
 import time
@@ -104,6 +106,8 @@ def start_real_nodes(
         host.add_cgroup(record, plan.cgroup_name)
         _start_kubelet(cluster, plan, material)
     _start_kube_proxy(cluster, plans[0], material)
+    for plan in plans:
+        _start_netpol(cluster, plan, record)
     _record_owners(cluster, record)
     return import_s
 
@@ -190,6 +194,141 @@ def _start_kube_proxy(cluster: NodeHost, plan: realnodes.NodePlan, material: Pki
     cluster.supervisor.launch(
         "kube-proxy", [str(cluster.binaries.kube_proxy), f"--config={proxy_conf}"]
     )
+
+
+#: The NetworkPolicy controller's RBAC: reads only (kube-router's informers also
+#: watch Services and endpoints, even with its service proxy off).
+_NETPOL_RULES = [
+    {
+        "apiGroups": [""],
+        "resources": ["pods", "namespaces", "nodes", "services", "endpoints"],
+        "verbs": ["get", "list", "watch"],
+    },
+    {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["list", "watch"],
+    },
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": ["get", "list", "watch"],
+    },
+]
+NETPOL_NAME = "dscache-netpol"
+
+
+def _netpol_token(cluster: NodeHost) -> str:
+    """A ServiceAccount token for the controller (its account, role and binding created)."""
+    api = admin_client(cluster.server, cluster.state_dir / "pki")
+    if api is None:
+        raise ClusterError("no admin credentials for the NetworkPolicy controller's account")
+    ns = "kube-system"
+    objects = [
+        (f"/api/v1/namespaces/{ns}/serviceaccounts", {"metadata": {"name": NETPOL_NAME}}),
+        (
+            "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+            {"metadata": {"name": NETPOL_NAME}, "rules": _NETPOL_RULES},
+        ),
+        (
+            "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+            {
+                "metadata": {"name": NETPOL_NAME},
+                "roleRef": {
+                    "apiGroup": "rbac.authorization.k8s.io",
+                    "kind": "ClusterRole",
+                    "name": NETPOL_NAME,
+                },
+                "subjects": [{"kind": "ServiceAccount", "name": NETPOL_NAME, "namespace": ns}],
+            },
+        ),
+    ]
+    for path, body in objects:
+        reply = api.post(path, body)
+        if reply.status not in (201, 409):
+            raise ClusterError(f"creating {path}: HTTP {reply.status} {reply.body}")
+    request = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 7 * 86400},
+    }
+    path = f"/api/v1/namespaces/{ns}/serviceaccounts/{NETPOL_NAME}/token"
+    reply = api.post(path, request)
+    token = (reply.body or {}).get("status", {}).get("token") if reply.status == 201 else None
+    if not token:
+        raise ClusterError(f"a token for {NETPOL_NAME}: HTTP {reply.status} {reply.body}")
+    return str(token)
+
+
+def _start_netpol(cluster: NodeHost, plan: realnodes.NodePlan, record: host.HostRecord) -> None:
+    """Starts kube-router's firewall alone for ``plan``'s node: NetworkPolicies are enforced.
+
+    It programs iptables (KUBE-ROUTER-* and KUBE-NWPLCY-* chains, undone with the
+    other KUBE-* chains) and ipsets (those made after it starts are destroyed by
+    :func:`host.undo`); its routing and service proxy stay off (the bridge and
+    kube-proxy do those). It lets the node's own traffic through (kubelet probes,
+    Prometheus on the host). Without the ``ipset`` tool the node runs without it and
+    says so: NetworkPolicies are then not enforced.
+    """
+    if host.find("ipset") is None:
+        logger.warning(
+            "NetworkPolicies are not enforced on %s: the NetworkPolicy controller needs the "
+            "ipset tool (apt-get install ipset)",
+            plan.name,
+        )
+        return
+    creds = plan.directory / "netpol"
+    creds.mkdir(parents=True, exist_ok=True)
+    config = creds / "kubeconfig"
+    config.touch(mode=0o600)
+    config.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "dev",
+                        "cluster": {
+                            "server": cluster.server,
+                            "certificate-authority": str(cluster.state_dir / "pki" / "ca.crt"),
+                        },
+                    }
+                ],
+                "users": [{"name": NETPOL_NAME, "user": {"token": _netpol_token(cluster)}}],
+                "contexts": [{"name": "dev", "context": {"cluster": "dev", "user": NETPOL_NAME}}],
+                "current-context": "dev",
+            }
+        )
+    )
+    # kube-router finds its node by name at start: wait for the kubelet to register it.
+    api = admin_client(cluster.server, cluster.state_dir / "pki")
+    cluster.supervisor.wait(
+        f"kubelet-{plan.name}",
+        lambda: api is not None and api.get(f"/api/v1/nodes/{plan.name}").status == 200,
+        time.monotonic() + 120,
+    )
+    host.remember_ipsets(record)
+    health = free_port()
+    name = f"netpol-{plan.name}"
+    cluster.supervisor.launch(
+        name,
+        [
+            str(cluster.binaries.netpol),
+            "--run-firewall=true",
+            "--run-router=false",
+            "--run-service-proxy=false",
+            "--run-loadbalancer=false",
+            f"--kubeconfig={config}",
+            f"--hostname-override={plan.name}",
+            f"--health-port={health}",
+            "--metrics-port=0",
+            "--enable-ipv6=false",
+            "--v=1",
+        ],
+    )
+    url = f"http://127.0.0.1:{health}/healthz"
+    cluster.supervisor.wait(name, functools.partial(http_ok, url), time.monotonic() + 90)
 
 
 def start_prometheus(cluster: NodeHost, binary: str, address: str) -> None:

@@ -27,6 +27,11 @@ ETCD_VERSION = "v3.6.16"
 KWOK_VERSION = "v0.8.0"
 #: Helm 3.20 is built against the Kubernetes 1.35 client libraries.
 HELM_VERSION = "v3.20.2"
+#: kube-router, run as its NetworkPolicy firewall alone (iptables + ipset) on real
+#: nodes. The only version the module proxy offers; a dev-cluster tool, never shipped.
+#: (sigs.k8s.io/kube-network-policies builds too, but needs the nftables queue
+#: statement, which this kernel lacks: see docs/security.md.)
+NETPOL_VERSION = "v2.1.0"
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class Versions:
     etcd: str = ETCD_VERSION
     kwok: str = KWOK_VERSION
     helm: str = HELM_VERSION
+    netpol: str = NETPOL_VERSION
 
     @property
     def kubernetes_minor(self) -> tuple[str, str]:

@@ -1,0 +1,30 @@
+"""The NetworkPolicy controller's host changes are taken back (its ipsets; its KUBE-* chains
+go with kube-proxy's). Needs root and the ipset tool, as the real nodes do."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+from dscache_tools.devcluster import hostnet
+from dscache_tools.devcluster.hostrecord import HostRecord, run
+
+
+def test_ipsets_made_after_the_record_are_destroyed_and_older_ones_kept(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("ipset") is None:
+        pytest.skip("needs root and ipset (apt-get install ipset), as the real nodes do")
+    older, newer = f"dscache-old-{uuid.uuid4().hex[:6]}", f"KUBE-SRC-{uuid.uuid4().hex[:6]}"
+    run("ipset", "create", older, "hash:ip")
+    try:
+        record = HostRecord(state_dir=str(tmp_path))
+        hostnet.remember_ipsets(record)
+        run("ipset", "create", newer, "hash:ip")
+        hostnet.undo(record, log=lambda line: None)
+        names = run("ipset", "list", "-n").stdout.split()
+        assert newer not in names and older in names
+    finally:
+        run("ipset", "destroy", older, check=False)
+        run("ipset", "destroy", newer, check=False)
