@@ -117,6 +117,13 @@ def test_invalid_resources_are_rejected_by_the_api_server(
         ),
         ({"model": {"preset": "a"}, "bogus": 1}, 'unknown field "spec.bogus"'),
         (
+            {
+                "model": {"preset": "a"},
+                "cache": {"volume": {"type": "persistentVolumeClaim", "claimName": "kv"}},
+            },
+            "use cache.volume.claimTemplate",
+        ),
+        (
             {"model": {"preset": "a"}, "cache": {"shared": {"enabled": True}}},
             "cache.shared.secretRef is required when cache.shared.enabled is true",
         ),
