@@ -188,6 +188,10 @@ class Reconciler:
             maxsize=10000, ttl=settings.reapply_seconds, timer=time.monotonic
         )
         self._router_pods_at: LRUCache[str, str] = LRUCache(maxsize=10000)  # uid -> config hash
+        # (owner uid, kind, name) of children applied lately: theirs is ours.
+        self._owned_recently: TTLCache[tuple[str, str, str], bool] = TTLCache(
+            maxsize=10000, ttl=max(60.0, 10 * settings.reapply_seconds), timer=time.monotonic
+        )
 
     def _lock(self, uid: str) -> threading.Lock:
         with self._locks_guard:
@@ -275,13 +279,16 @@ class Reconciler:
             return
         # Never adopt: a forced apply would take over an object of that name that
         # someone else made (and its deletion would follow ours). Only objects that
-        # carry our ownerReference, or none yet, are applied.
-        existing = self.kube.get(obj["kind"], owner.namespace, meta["name"])
-        if existing is not None and not owned_by(existing, owner.uid):
-            self._conflict(owner, obj["kind"], meta["name"])
-            return
+        # carry our ownerReference, or none yet, are applied; one seen to be ours is
+        # not read again for a while (an object's owner does not change under us).
+        if not self._owned_recently.get(key):
+            existing = self.kube.get(obj["kind"], owner.namespace, meta["name"])
+            if existing is not None and not owned_by(existing, owner.uid):
+                self._conflict(owner, obj["kind"], meta["name"])
+                return
         self.kube.apply(obj)
         self._applied[key] = digest
+        self._owned_recently[key] = True
 
     def _conflict(self, owner: Owner, kind: str, name: str) -> None:
         what = f"{kind} {name}"
