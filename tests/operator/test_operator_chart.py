@@ -15,6 +15,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from dscache_operator.settings import OperatorSettings
 from dscache_tools.devcluster import ensure_built, locate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -255,3 +256,46 @@ def test_every_value_is_documented_and_in_the_schema() -> None:
         )
         assert lines[idx - 1].strip().startswith("# --"), key
         cursor = idx + 1
+
+
+@pytest.mark.cluster  # the dev cluster's pinned helm
+def test_the_chart_hands_the_operator_its_policy(helm: str) -> None:
+    """The chart's policy values reach the operator's settings as the admin wrote them,
+    and its NetworkPolicy admits only the metrics peers to the operator's pods."""
+    text = _helm(
+        helm,
+        "template",
+        "dscache",
+        str(CHART),
+        "--set-json",
+        'operator.policy.hostPathRoots=["/mnt/nvme","/srv/kv"]',
+        "--set-json",
+        'operator.policy.prometheusUrls=["http://prom.a:9090"]',
+        "--set-json",
+        'networkPolicy.metricsFrom=[{"ipBlock":{"cidr":"10.0.0.0/8"}}]',
+    )
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    env = {
+        e["name"]: e["value"]
+        for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]
+        if "value" in e
+    }
+    operator_env = {k: v for k, v in env.items() if k.startswith("DSCACHE_OPERATOR_")}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in operator_env.items():
+            mp.setenv(name, value)
+        policy = OperatorSettings().policy()
+    assert policy.host_path_roots == ("/mnt/nvme", "/srv/kv")
+    assert policy.prometheus_allowed("http://prom.a:9090/")
+    assert policy.metrics_peers == ({"ipBlock": {"cidr": "10.0.0.0/8"}},)
+    assert policy.cache_owner_image.reference == "ghcr.io/dscache/dscache-core:0.1.0"
+    assert policy.max_cache_bytes == 1 << 40 and not policy.allow_keyless_tolerations
+    (np,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert np["spec"]["ingress"] == [
+        {
+            "from": [{"ipBlock": {"cidr": "10.0.0.0/8"}}],
+            "ports": [{"protocol": "TCP", "port": 9090}],
+        }
+    ]
+    assert np["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
