@@ -74,6 +74,8 @@ _UNIT_S = 0.05
 _PER_OCTAVE = 4.0
 #: A branch point with this many held children is shared (a template), not a conversation.
 _SHARED_FANOUT = 3
+#: Who chose a victim: the density ranking, the recency ranking, or both agreed.
+_DENSITY, _RECENCY, _BOTH = 0, 1, 2
 #: Two touches closer than this are one request (the store's lease, then its commit).
 _SAME_REQUEST_S = 1.0
 
@@ -194,7 +196,7 @@ class ChainPolicy(Generic[K]):
         capacity_hint: int = 0,
         *,
         clock: Callable[[], float] = time.monotonic,
-        samples: int = 24,
+        samples: int = 32,
         seed: int = 29,
         decay: float = 0.9,
         ghost_factor: int = 8,
@@ -213,7 +215,11 @@ class ChainPolicy(Generic[K]):
         self._pending_parent: object = None
         self._run_key: object = None  # the key the current chain walk touches next
         self._run_turn = 1
-        self._ghost: OrderedDict[K, tuple[int, float]] = OrderedDict()
+        # key -> (class, last use, which ranking evicted it, when)
+        self._ghost: OrderedDict[K, tuple[int, float, int, float]] = OrderedDict()
+        self._share = 0.5
+        self._shadow: OrderedDict[K, None] = OrderedDict()
+        self._hits = [0.0, 0.0]  # this policy's, the shadow LRU's (decayed)
         self.model = ReuseModel()
         self._events = 0
         self._decay = decay
@@ -224,6 +230,7 @@ class ChainPolicy(Generic[K]):
         hint = max(1, capacity_hint)
         self._ghost_max = min(2**21, max(self._ghost_factor * hint, 65536))
         self._refresh_every = max(256, hint // 4)
+        self._shadow_max = hint
 
     def resize(self, capacity_hint: int) -> None:
         """Follows the store's capacity estimate (ghost size, refresh period)."""
@@ -232,6 +239,8 @@ class ChainPolicy(Generic[K]):
         self._set_sizes(capacity_hint)
         while len(self._ghost) > self._ghost_max:
             self._ghost.popitem(last=False)
+        while len(self._shadow) > self._shadow_max:
+            self._shadow.popitem(last=False)
 
     # ------------------------------------------------------------------ membership
 
@@ -242,8 +251,10 @@ class ChainPolicy(Generic[K]):
         now = self._clock()
         ghost = self._ghost.pop(key, None)
         if ghost is not None:  # it came back after all
-            self.model.never(ghost[0], -1.0)
-            self._learn(ghost[0], now - ghost[1])
+            cls, last, _, _ = ghost
+            self.model.never(cls, -1.0)
+            self._learn(cls, now - last)
+        self._shadow_touch(key)
         rec = _Block(parent, now)
         rec.kids = self._waiting.pop(key, 0)
         self._blocks[key] = rec
@@ -294,6 +305,8 @@ class ChainPolicy(Generic[K]):
             return
         now = self._clock()
         age = now - rec.last
+        self._hits[0] += 1.0
+        self._shadow_touch(key)
         if age >= _SAME_REQUEST_S:
             self._learn(self._cls(rec), age)
             rec.gap = age
@@ -324,20 +337,44 @@ class ChainPolicy(Generic[K]):
         now = self._clock()
         density = self.model.density
         rand = self._rng.randrange
-        best: K | None = None
-        best_score = (math.inf, math.inf)
+        by_density: K | None = None
+        by_recency: K | None = None
+        best_d = best_r = (math.inf, math.inf)
         for _ in range(min(self._samples, n)):
             key = leaves[rand(n)]
             rec = self._blocks[key]
-            d = math.inf if rec.until > now else density(self._cls(rec), now - rec.last)
-            score = (d, rec.last)
-            if score < best_score:
-                best, best_score = key, score
-        assert best is not None
+            if rec.until > now:  # queued: kept
+                d = r = math.inf
+            else:
+                d = density(self._cls(rec), now - rec.last)
+                r = 0.0 if rec.signal == _ENDED else 1.0
+            if (d, rec.last) < best_d:
+                by_density, best_d = key, (d, rec.last)
+            if (r, rec.last) < best_r:
+                by_recency, best_r = key, (r, rec.last)
+        assert by_density is not None and by_recency is not None
+        if by_density == by_recency:
+            best, expert = by_density, _BOTH
+        elif self._rng.random() < self.density_share():
+            best, expert = by_density, _DENSITY
+        else:
+            best, expert = by_recency, _RECENCY
         rec = self._blocks.pop(best)
-        self._remember(best, rec)
+        self._remember(best, rec, expert, now)
         self._gone(rec)
         return best
+
+    def density_share(self) -> float:
+        """How often the density ranking decides when the two rankings disagree.
+
+        A shadow LRU (keys only, as many as the capacity hint) counts the hits
+        plain LRU would have had; every refresh the share moves a step towards
+        density while this policy's own hits keep up with the shadow's, and
+        towards recency when they fall behind (within 1%), so a workload where the learned
+        model does not pay (short chats, recency-friendly) ends up ranked by
+        recency among leaves.
+        """
+        return self._share
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -388,6 +425,17 @@ class ChainPolicy(Generic[K]):
 
     # ------------------------------------------------------------------ internals
 
+    def _shadow_touch(self, key: K) -> None:
+        """The shadow LRU sees every admit and hit; counts the hits it would have had."""
+        shadow = self._shadow
+        if key in shadow:
+            self._hits[1] += 1.0
+            shadow.move_to_end(key)
+            return
+        shadow[key] = None
+        if len(shadow) > self._shadow_max:
+            shadow.popitem(last=False)
+
     def _cls(self, rec: _Block) -> int:
         parent = self._blocks.get(rec.parent) if rec.parent is not None else None
         return rec.cls(parent is not None and parent.last > rec.last + _SAME_REQUEST_S)
@@ -399,11 +447,15 @@ class ChainPolicy(Generic[K]):
             self._events = 0
             self.model.refresh()
             self.model.decay(self._decay)
+            own, lru = self._hits
+            step = 0.1 if own > 1.01 * lru else -0.1
+            self._share = min(1.0, max(0.0, self._share + step))
+            self._hits = [own * 0.5, lru * 0.5]
 
-    def _remember(self, key: K, rec: _Block) -> None:
+    def _remember(self, key: K, rec: _Block, expert: int, now: float) -> None:
         ghost = self._ghost
         cls = self._cls(rec)
-        ghost[key] = (cls, rec.last)
+        ghost[key] = (cls, rec.last, expert, now)
         # Counted as unused now, taken back if it returns: waiting for the ghost
         # list to forget it would leave the first minutes without any "never".
         self.model.never(cls)
