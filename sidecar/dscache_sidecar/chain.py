@@ -28,14 +28,21 @@ Contract (beyond :mod:`dscache_sidecar.eviction`'s, which it honours):
   the best, over how much longer it is kept, of expected hits over expected
   block-seconds held (Beckmann et al.'s LHD, NSDI 2018, here over wall time
   with the ghost list so that reuses longer than the cache's own lifetime are
-  seen). The victim is the leaf of lowest density among ``samples`` leaves
-  drawn at random (seeded); ties go to the oldest.
+  seen). Victims come from ``samples`` leaves drawn at random (seeded), or
+  from all leaves when there are no more than that.
 * Signals from the serving path (:meth:`ChainPolicy.signal`, optional): ``ended``
-  and ``expected`` set the class of a conversation's own blocks (its chain up
-  to the first block with three or more held children, a shared template);
-  ``queued`` keeps a chain out of eviction until it is used or ``ttl_s`` pass.
-  A block's next use clears ``ended``/``expected``. Without signals the policy
-  works on structure and time alone.
+  and ``expected`` mark a conversation's own blocks (its chain up to the first
+  block with three or more held children, a shared template): ``ended`` blocks
+  are the first victims (oldest first), ``expected`` ones are a class of their
+  own (the density ranking learns what they are worth; the recency ranking
+  takes them last); ``queued`` keeps a chain out of eviction until it is used
+  or ``ttl_s`` pass. A block's next use clears its signal. Without signals the
+  policy works on structure and time alone.
+* Two rankings, one victim: among the sampled leaves, the lowest density and
+  the least recent; when they differ, the density one wins with a share set by
+  comparing the policy's own hits with those of a shadow LRU (keys only, as
+  many as the capacity hint): up while it does better than LRU by more than
+  1%, down otherwise, so a recency-friendly workload ends up ranked by recency.
 * Time comes from the injected ``clock`` (seconds, monotonic; the store's clock,
   or the trace's timestamps in the replayer).
 * Cost: ``admit``, ``access`` and ``remove`` are O(1); ``victim`` looks at
@@ -125,6 +132,9 @@ class _Block:
         return ((min(self.turn, _TURNS) - 1) * _GAPS + self.gapc) * _SIGNALS + signal
 
 
+_PRIOR_TABLES: dict[tuple[int, int], list[list[float]]] = {}
+
+
 class ReuseModel:
     """Per-class reuse-age histograms and the hit-density tables derived from them.
 
@@ -142,10 +152,16 @@ class ReuseModel:
         # Prior: one pseudo-reuse spread evenly over the log bins (a reuse rate
         # falling with age, so an unknown class ranks like LRU) and one never.
         self._prior = np.full(bins, 1.0 / bins)
+        self._upto = np.triu(np.ones((bins, bins), dtype=bool))[None, :, :]  # j >= i
         self.hist = np.zeros((classes, bins))
         self.unused = np.zeros(classes)
-        self._table: list[list[float]] = [[0.0] * bins for _ in range(classes)]
-        self.refresh()
+        key = (classes, bins)
+        prior = _PRIOR_TABLES.get(key)
+        if prior is None:  # the same for every new model: computed once
+            self._table: list[list[float]] = []
+            self.refresh()
+            prior = _PRIOR_TABLES[key] = self._table
+        self._table = [list(row) for row in prior]
 
     def observe(self, cls: int, age_s: float) -> None:
         self.hist[cls, _age_bin(age_s)] += 1.0
@@ -162,25 +178,22 @@ class ReuseModel:
 
     def refresh(self) -> None:
         """Recomputes every class's hit density per age bin from the histograms."""
-        edges, mid, n = self._edges, self._mid, self._bins
+        edges, mid = self._edges, self._mid
         start = edges[:-1]  # age at the start of each bin
-        upto = np.triu(np.ones((n, n), dtype=bool))  # j >= i
-        tables = []
-        for cls in range(self.hist.shape[0]):
-            p = self.hist[cls] + self._prior
-            never = self.unused[cls] + 1.0
-            c = np.concatenate(([0.0], np.cumsum(p)))
-            cm = np.concatenate(([0.0], np.cumsum(p * mid)))
-            # hits[i, j]: reuses in bins i..j; held[i, j]: expected block-seconds
-            # from age start[i] until the reuse or the end of bin j.
-            hits = c[None, 1:] - c[:-1, None]
-            reuse_time = (cm[None, 1:] - cm[:-1, None]) - start[:, None] * hits
-            alive = (c[-1] + never) - c[:-1, None] - hits
-            held = reuse_time + alive * (edges[None, 1:] - start[:, None])
-            with np.errstate(divide="ignore", invalid="ignore"):
-                ratio = np.where(upto & (held > 0), hits / held, 0.0)
-            tables.append(ratio.max(axis=1).tolist())
-        self._table = tables
+        p = self.hist + self._prior  # (classes, bins)
+        never = self.unused + 1.0
+        zero = np.zeros((p.shape[0], 1))
+        c = np.concatenate((zero, np.cumsum(p, axis=1)), axis=1)
+        cm = np.concatenate((zero, np.cumsum(p * mid, axis=1)), axis=1)
+        # [class, i, j]: reuses in bins i..j, and the expected block-seconds from
+        # age start[i] until the reuse or the end of bin j.
+        hits = c[:, None, 1:] - c[:, :-1, None]
+        reuse_time = (cm[:, None, 1:] - cm[:, :-1, None]) - start[None, :, None] * hits
+        alive = (c[:, -1] + never)[:, None, None] - c[:, :-1, None] - hits
+        held = reuse_time + alive * (edges[None, None, 1:] - start[None, :, None])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(self._upto & (held > 0), hits / held, 0.0)
+        self._table = ratio.max(axis=2).tolist()
 
 
 class ChainPolicy(Generic[K]):
@@ -340,14 +353,16 @@ class ChainPolicy(Generic[K]):
         by_density: K | None = None
         by_recency: K | None = None
         best_d = best_r = (math.inf, math.inf)
-        for _ in range(min(self._samples, n)):
-            key = leaves[rand(n)]
+        sample = leaves if n <= self._samples else [leaves[rand(n)] for _ in range(self._samples)]
+        for key in sample:
             rec = self._blocks[key]
             if rec.until > now:  # queued: kept
                 d = r = math.inf
+            elif rec.signal == _ENDED:  # the client closed it: first to go
+                d = r = -1.0
             else:
                 d = density(self._cls(rec), now - rec.last)
-                r = 0.0 if rec.signal == _ENDED else 1.0
+                r = 2.0 if rec.signal == _EXPECTED else 1.0
             if (d, rec.last) < best_d:
                 by_density, best_d = key, (d, rec.last)
             if (r, rec.last) < best_r:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from dscache_sidecar.chain import ChainPolicy, ReuseModel
 from dscache_sidecar.eviction import (
     DEFAULT_POLICY,
     POLICIES,
@@ -198,3 +199,135 @@ def test_s3fifo_resizes_its_queues_to_the_capacity_estimate() -> None:
     # size and its oldest never-hit block (1) leaves while 0 is protected.
     assert first_victim(None) == 0
     assert first_victim(10) == 1
+
+
+# -- the chain policy: structure, signals, learning
+
+
+class FakeClock:
+    """A settable clock for time-aware policies (fakes only time, nothing else)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def admit_chain(policy: Any, keys: list[str], parent: str | None = None) -> None:
+    """Admits a chain deepest first, as the store's commit does."""
+    for i in reversed(range(len(keys))):
+        policy.admit(keys[i], 1, keys[i - 1] if i else parent)
+
+
+def test_chain_policy_never_evicts_a_parent_before_its_children() -> None:
+    clock = FakeClock()
+    policy: ChainPolicy[str] = ChainPolicy(100, clock=clock)
+    admit_chain(policy, ["r", "a1", "a2", "a3"])
+    clock.now += 500
+    admit_chain(policy, ["b1", "b2"], parent="r")  # newer branch under the old root
+    clock.now += 500
+    held = {"r", "a1", "a2", "a3", "b1", "b2"}
+    children = {"r": {"a1", "b1"}, "a1": {"a2"}, "a2": {"a3"}, "b1": {"b2"}}
+    order = []
+    while (v := policy.victim()) is not None:
+        assert not children.get(v, set()) & held, f"{v} left before its children"
+        held.discard(v)
+        order.append(v)
+    assert order[-1] == "r" and len(order) == 6
+
+
+def test_chain_policy_ended_conversation_goes_first_and_queued_stays() -> None:
+    clock = FakeClock()
+    policy: ChainPolicy[str] = ChainPolicy(100, clock=clock)
+    admit_chain(policy, ["sys"])
+    for conv in ("a", "b", "c"):
+        admit_chain(policy, [f"{conv}{i}" for i in range(4)], parent="sys")
+        clock.now += 1
+    # Signals change the order: b ended (its own blocks, not the shared "sys"),
+    # a's next request is queued.
+    assert policy.signal(["sys", "b0", "b1", "b2", "b3"], "ended") == 4
+    assert policy.signal(["sys", "a0", "a1", "a2", "a3"], "queued", ttl_s=30) == 5
+    victims = [policy.victim() for _ in range(8)]
+    assert victims[:4] == ["b3", "b2", "b1", "b0"]
+    assert set(victims[4:]) == {"c3", "c2", "c1", "c0"}
+    # Only the queued chain (and its shared root) is left; once its window ran out
+    # it can go.
+    clock.now += 31
+    assert policy.victim() == "a3"
+
+
+def test_chain_policy_queued_chain_is_released_by_its_use() -> None:
+    clock = FakeClock()
+    policy: ChainPolicy[str] = ChainPolicy(100, clock=clock)
+    admit_chain(policy, ["x0", "x1"])
+    admit_chain(policy, ["y0", "y1"])
+    policy.signal(["x0", "x1"], "queued")
+    assert policy.victim() == "y1"
+    clock.now += 5
+    policy.access("x1")  # the queued request was served
+    policy.access("x0")
+    assert [policy.victim(), policy.victim()] == ["y0", "x1"]
+
+
+def test_chain_policy_rejects_unknown_signals() -> None:
+    policy: ChainPolicy[str] = ChainPolicy(10)
+    with pytest.raises(ValueError, match="unknown signal 'bye'"):
+        policy.signal(["a"], "bye")
+    with pytest.raises(ValueError, match="ttl_s"):
+        policy.signal(["a"], "queued", ttl_s=-1)
+    assert policy.signal(["not-held"], "ended") == 0
+
+
+def test_reuse_model_ranks_a_class_that_comes_back_above_one_that_does_not() -> None:
+    model = ReuseModel(classes=2)
+    assert model.density(0, 1.0) > model.density(0, 100.0) > 0  # the prior: LRU-like
+    for _ in range(200):
+        model.observe(0, 90.0)  # class 0: back after about 90 s
+        model.never(1)  # class 1: never back
+    model.refresh()
+    assert model.density(0, 30.0) > 10 * model.density(1, 30.0)
+
+
+forest_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "access", "remove", "victim", "tick"]),
+        st.integers(0, 20),
+        st.integers(-1, 20),
+    ),
+    max_size=200,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=forest_ops)
+def test_chain_policy_victims_are_always_leaves(ops: list[tuple[str, int, int]]) -> None:
+    """Any admit order, removals and time: a victim never has a held child."""
+    clock = FakeClock()
+    policy: ChainPolicy[int] = ChainPolicy(8, clock=clock, samples=4)
+    parent_of: dict[int, int | None] = {}
+    held: set[int] = set()
+    for op, key, parent in ops:
+        if op == "admit" and key not in held:
+            p = parent if 0 <= parent != key else None
+            parent_of[key] = p
+            policy.admit(key, 1, p)
+            held.add(key)
+        elif op == "access":
+            policy.access(key)
+        elif op == "remove":
+            policy.remove(key)
+            held.discard(key)
+        elif op == "tick":
+            clock.now += key
+        else:
+            v = policy.victim()
+            if not held:
+                assert v is None
+                continue
+            assert v in held
+            kids = {k for k in held if parent_of.get(k) == v and k != v}
+            # a child admitted after its parent (or while it was held) is a leaf first
+            assert not kids or all(parent_of.get(v) == k for k in kids), (v, kids)
+            held.discard(v)
+        assert len(policy) == len(held)
