@@ -21,6 +21,8 @@ from dscache_tools.replay import (
     simulate_belady,
     simulate_ideal,
 )
+from dscache_tools.replay.signals import continues, derive
+from dscache_tools.replay.simulate import TraceClock
 
 REPO = Path(__file__).resolve().parents[2]
 MOONCAKE = REPO / "tests" / "data" / "traces" / "mooncake" / "mooncake_conversation_trace.jsonl"
@@ -47,6 +49,13 @@ def cli_args(trace: Path, **overrides: Any) -> argparse.Namespace:
         "json_out": None,
         "png_out": None,
         "no_belady": False,
+        "signals": "",
+        "signal_coverage": 1.0,
+        "queue_s": 2.0,
+        "sessions": 0,
+        "block_tokens": 16,
+        "arrivals": "poisson",
+        "seed": 0,
     }
     values.update(overrides)
     return argparse.Namespace(**values)
@@ -206,7 +215,14 @@ def test_cli_on_the_real_trace_writes_the_documented_json(
         (p, c) for p in (DEFAULT_POLICY, "lru") for c in (512, 2048)
     }
     for r in data["results"]:
-        assert set(r) == {"policy", "capacity_blocks", "token_hit_ratio", "block_hit_ratio"}
+        assert set(r) == {
+            "policy",
+            "capacity_blocks",
+            "token_hit_ratio",
+            "block_hit_ratio",
+            "signals",
+        }
+        assert r["signals"] == []
     assert set(data["ideal"]) == {"token_hit_ratio", "block_hit_ratio"}
     bound = {b["capacity_blocks"]: b for b in data["belady"]}
     assert set(bound) == {512, 2048}
@@ -229,3 +245,130 @@ def test_cli_policy_all_runs_every_policy(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert [r["policy"] for r in data["results"]] == list(POLICIES)
     assert data["belady"] == []
+
+
+# -- the chain policy and signals in the replay
+
+
+def timed_mooncake(path: Path, requests: list[tuple[int, int, list[int]]]) -> Path:
+    """(timestamp ms, input_length, hash_ids) per request."""
+    with path.open("w") as f:
+        for stamp, input_length, hash_ids in requests:
+            record = {
+                "timestamp": stamp,
+                "input_length": input_length,
+                "output_length": 1,
+                "hash_ids": hash_ids,
+            }
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def test_request_times_and_conversations_are_read_from_the_trace(tmp_path: Path) -> None:
+    trace = load_trace(
+        timed_mooncake(
+            tmp_path / "t.jsonl",
+            [
+                (0, 1100, [1, 2, 3]),  # conversation A: partial last block 3
+                (500, 600, [9, 8]),  # B, never continued
+                (1500, 1600, [1, 2, 4, 5]),  # A's next turn: resends up to block 2
+                (9000, 2048, [1, 2, 4, 5]),  # A again, all full: the same prompt
+            ],
+        )
+    )
+    assert [r.time_s for r in trace.requests] == [0.0, 0.5, 1.5, 9.0]
+    assert continues(trace) == [True, False, False, False]
+    plan = derive(trace, ["ended", "expected", "queued"], queue_s=1.0)
+    assert plan.after == ["expected", "ended", "ended", "ended"]
+    # Within 1 s of request 0: request 1 is queued; of request 1: request 2.
+    assert plan.before == [[1], [2], [], []]
+    assert derive(trace, ["ended"], coverage=0.0).after == ["", "", "", ""]
+    with pytest.raises(ValueError, match="unknown signal"):
+        derive(trace, ["bye"])
+
+
+def test_chain_policy_with_ended_signals_keeps_the_conversation_that_goes_on(
+    tmp_path: Path,
+) -> None:
+    # Two conversations of 3 full blocks; the one that ended is written last, so
+    # recency would keep it and lose the one that comes back.
+    trace = load_trace(
+        timed_mooncake(
+            tmp_path / "t.jsonl",
+            [
+                (0, 1536, [1, 2, 3]),
+                (1000, 1536, [7, 8, 9]),
+                (60_000, 2048, [1, 2, 3, 4]),
+            ],
+        )
+    )
+    lru = simulate(trace, make_policy("lru", 4), 4)
+    assert lru.hit_blocks == 1  # only its first block was left
+    plan = derive(trace, ["ended"])
+    clock = TraceClock()
+    chain = simulate(trace, make_policy("chain", 4, clock), 4, clock=clock, signals=plan)
+    assert chain.hit_blocks == 3
+    clock = TraceClock()
+    plain = simulate(trace, make_policy("chain", 4, clock), 4, clock=clock)
+    assert plain.hit_blocks < 3  # without the signal it cannot know
+
+
+@pytest.mark.slow
+def test_cli_runs_the_chain_policy_beside_the_others_with_and_without_signals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert MOONCAKE.exists()
+    head = tmp_path / "head.jsonl"
+    with MOONCAKE.open() as src:
+        head.write_text("".join(itertools.islice(src, 1500)))
+    out = tmp_path / "r.json"
+    args = cli_args(
+        head, capacity_blocks="512,5%", policy="lru,chain", json_out=str(out), signals="ended"
+    )
+    assert run_cli(args) == 0
+    table = capsys.readouterr().out
+    assert "chain+signals" in table
+    data = json.loads(out.read_text())
+    distinct = len({b for r in load_trace(head).requests for b in r.blocks})
+    caps = sorted({r["capacity_blocks"] for r in data["results"]})
+    assert caps == sorted({512, distinct * 5 // 100})
+    labels = {(r["policy"], tuple(r["signals"])) for r in data["results"]}
+    assert labels == {("lru", ()), ("chain", ()), ("chain+signals", ("ended",))}
+    by = {(r["policy"], r["capacity_blocks"]): r["token_hit_ratio"] for r in data["results"]}
+    for cap in caps:
+        assert by[("chain+signals", cap)] >= by[("lru", cap)]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"capacity_blocks": "0%"}, "capacity-blocks"),
+        ({"signals": "ended,bye"}, "unknown signal"),
+        ({"signals": "ended", "signal_coverage": 1.5}, "coverage"),
+    ],
+)
+def test_cli_refuses_bad_signal_and_capacity_arguments(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    overrides: dict[str, Any],
+    message: str,
+) -> None:
+    trace = write_mooncake(tmp_path / "t.jsonl", [full([1, 2])])
+    assert run_cli(cli_args(trace, **overrides)) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_builtin_chat_trace_is_keyed_like_the_server_and_interleaved() -> None:
+    from dscache_tools.replay.workloads import WorkloadTrace, build
+
+    trace = build(WorkloadTrace("chat", sessions=40, block_tokens=16))
+    again = build(WorkloadTrace("chat", sessions=40, block_tokens=16))
+    assert [r.blocks for r in trace.requests] == [r.blocks for r in again.requests]
+    times = [r.time_s for r in trace.requests]
+    assert times == sorted(times)
+    ideal = simulate_ideal(trace)
+    assert 0.3 < ideal.token_hit_ratio < 1.0  # follow-ups reuse their history
+    sequential = build(WorkloadTrace("chat", sessions=40, arrivals="sequential"))
+    assert len(sequential.requests) == len(trace.requests)
