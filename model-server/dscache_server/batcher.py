@@ -301,6 +301,8 @@ class Batcher:
         self._count_hits(req, restored.admitted, a.hit_tokens, restored.hit_blocks)
         self.cache.observe(len(req.token_ids), restored, a.compute_s)
         self.cache.store_async(req.chain, req.token_ids, seq, restored.hit_blocks)
+        if req.next_turn:
+            self.cache.signal_async(req.chain, req.token_ids, req.next_turn)
         m = self.metrics
         m.prompt_tokens.labels(source="reused", tenant=req.tenant_label).inc(a.hit_tokens)
         m.prompt_tokens.labels(source="recomputed", tenant=req.tenant_label).inc(

@@ -16,6 +16,8 @@ Contract:
       is skipped for ``cooldown_s`` (``circuit_open``) and the client is rebuilt, so a
       dead sidecar costs one timeout, not one per request, and a restarted one is
       reached at once instead of after gRPC's reconnect backoff.
+    * ``Signalling`` (optional; ``SidecarBlockStore`` has it): serving-path signals
+      on a chain for the sidecar's eviction policy, best effort.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from dscache_sidecar import client as sidecar
@@ -116,6 +118,16 @@ class KVBlockStore(Protocol):
 
     def close(self) -> None:
         """Frees connections and mappings."""
+        ...
+
+
+@runtime_checkable
+class Signalling(Protocol):
+    """Optional capability of a store: serving-path signals reach its eviction policy."""
+
+    def signal(self, tenant: str, keys: Sequence[bytes], kind: str, ttl_s: float = 0.0) -> int:
+        """Marks the chain ``keys`` (``ended``, ``expected``, ``queued``); raises
+        ``CacheError`` on a failure."""
         ...
 
 
@@ -241,6 +253,15 @@ class SidecarBlockStore:
                 codec=_CODECS[codec.codec],
                 level=codec.level,
             )
+        except Exception as exc:
+            raise self._failed(exc) from exc
+
+    def signal(self, tenant: str, keys: Sequence[bytes], kind: str, ttl_s: float = 0.0) -> int:
+        """Tells the sidecar's eviction policy about a chain (``ended``, ``expected``,
+        ``queued``); returns the blocks it marked (0 from an older sidecar)."""
+        client = self._get_client()
+        try:
+            return client.signal(tenant, keys, kind, int(ttl_s * 1000))
         except Exception as exc:
             raise self._failed(exc) from exc
 

@@ -25,6 +25,9 @@ Contract:
       full store queue drops the job (counted) rather than delaying any response.
     * The store is a ``blockstore.KVBlockStore``; the sidecar's is
       ``blockstore.SidecarBlockStore``.
+    * Signals for the sidecar's eviction policy (``signal``: now, for ``queued``;
+      ``signal_async``: behind the request's store, for ``ended``/``expected``)
+      never raise and never delay a response.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from dataclasses import KW_ONLY, InitVar, dataclass, field
 
 from dscache.keys import KeyChain
 from dscache_server.admission import Admission, CostModel
-from dscache_server.blockstore import CacheError, KVBlockStore, Loaded
+from dscache_server.blockstore import CacheError, KVBlockStore, Loaded, Signalling
 from dscache_server.kv import LayoutAdapter, SequenceKV
 from dscache_server.metrics import ServerMetrics
 from dscache_server.storecodec import StorePolicy
@@ -313,6 +316,32 @@ class PrefixCache:
             return False
         ids = list(token_ids[: last * self.block_tokens])
         return self._writer.submit(chain, ids, seq, first_block, last)
+
+    def signal_async(self, chain: KeyChain, token_ids: Sequence[int], kind: str) -> bool:
+        """Queues a signal (``ended``/``expected``) on the prompt's full blocks behind
+        its store; never blocks. True when queued."""
+        blocks = len(token_ids) // self.block_tokens
+        if self._writer is None or blocks == 0:
+            return False
+        ids = list(token_ids[: blocks * self.block_tokens])
+        return self._writer.submit_signal(chain, ids, kind)
+
+    def signal(self, chain: KeyChain, token_ids: Sequence[int], kind: str) -> int:
+        """Sends a signal (``queued``) on the prompt's full blocks now; never raises.
+        Returns the blocks the sidecar marked (0 on any failure or without a store)."""
+        store = self.store
+        blocks = len(token_ids) // self.block_tokens
+        if not isinstance(store, Signalling) or blocks == 0:
+            return 0
+        try:
+            keys = chain.keys(token_ids[: blocks * self.block_tokens])
+            marked = store.signal(chain.tenant, keys, kind)
+        except CacheError as exc:
+            self.metrics.signals_sent.labels(kind=kind, result="failed").inc()
+            log.debug("signal %s failed (%s): %s", kind, exc.reason, exc)
+            return 0
+        self.metrics.signals_sent.labels(kind=kind, result="sent").inc()
+        return marked
 
     def wait_stored(self, timeout_s: float = 30.0) -> bool:
         """Blocks until no store job is pending (tests, prewarm, shutdown)."""

@@ -16,6 +16,10 @@ Contract:
     * A parsed request's prompt is counted by the live template miner
       (``Runtime.record_template``, its session as its conversation) before it waits
       for a slot.
+    * The next-turn header (``next_turn_header``: ``expected`` or ``ended``; anything
+      else is a 400 ``invalid_next_turn``) becomes a signal to the sidecar's
+      eviction policy once the prompt's blocks are stored; a request that has to
+      wait for a slot first tells the sidecar its prefix is ``queued``.
     * The session header is read, logged and echoed on every answer, errors included;
       every answer is counted in ``requests_total{endpoint, code, tenant}`` once the
       model is loaded (a bug counts as 500; a refused request as tenant ``other``).
@@ -74,6 +78,23 @@ async def handle_completion(request: Request, endpoint: Endpoint, state: AppStat
         rt.metrics.requests.labels(endpoint=endpoint, code=code, tenant=tenant).inc()
 
 
+_NEXT_TURNS = ("expected", "ended")
+
+
+def _next_turn(value: str | None) -> str:
+    """The next-turn header's value: "expected", "ended" or "" (absent)."""
+    if not value:
+        return ""
+    v = value.strip().lower()
+    if v not in _NEXT_TURNS:
+        raise APIError(
+            400,
+            f"next-turn header must be one of {', '.join(_NEXT_TURNS)}, got {value[:64]!r}",
+            code="invalid_next_turn",
+        )
+    return v
+
+
 def _echo(response: Response, header: str, session_id: str | None) -> Response:
     if session_id:
         response.headers[header] = session_id
@@ -91,6 +112,7 @@ async def _answer(
 ) -> Response:
     rt, scheduler, parsers = serving
     settings = rt.settings
+    next_turn = _next_turn(request.headers.get(settings.next_turn_header.lower()))
     body = await read_json(request, settings.max_request_bytes)
     session = tenant_session(principal.tenant, session_id)
 
@@ -99,6 +121,7 @@ async def _answer(
         parsed = parse_request(rt, endpoint, body, principal, started)
         parsed.generation.timings["tokenize"] = time.perf_counter() - t0
         parsed.generation.session_id = session
+        parsed.generation.next_turn = next_turn
         rt.record_template(parsed.generation, principal.tenant)
         return parsed
 
@@ -112,6 +135,11 @@ async def _answer(
         len(parsed.generation.token_ids),
     )
     headers = {settings.session_header: session_id} if session_id else {}
+    if scheduler.active >= scheduler.max_concurrency or scheduler.waiting > 0:
+        gen = parsed.generation  # it will wait: keep its prefix until it is served
+        await anyio.to_thread.run_sync(
+            rt.cache.signal, gen.chain, gen.token_ids, "queued", limiter=parsers
+        )
     async with AsyncExitStack() as slot:
         try:
             waited = await slot.enter_async_context(scheduler.slot(session))

@@ -73,6 +73,11 @@ class ServerSettings(BaseSettings):
         default=4096, ge=1, description="largest max_tokens a request may ask for"
     )
     session_header: str = Field(default="X-Session-ID", description="session id header")
+    next_turn_header: str = Field(
+        default="X-Dscache-Next-Turn",
+        description="header in which a client says its session's next turn is 'expected' or "
+        "that the session 'ended' (passed to the sidecar's eviction policy)",
+    )
     tenant_header: str = Field(
         default="X-Dscache-Tenant",
         description="tenant header; trusted only with the gateway token (gateway_secret)",

@@ -55,6 +55,8 @@ class GenerationRequest:
     chain: KeyChain
     session_id: str | None = None
     tenant_label: str = "default"  # the metrics' tenant label (dscache_server.auth)
+    #: What the client said of its session's next turn: "ended", "expected" or "".
+    next_turn: str = ""
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     #: Seconds per phase (``dscache.metricnames.PHASES``); the HTTP layer fills in

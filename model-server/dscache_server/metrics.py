@@ -163,6 +163,13 @@ _SPECS: dict[str, _Spec] = {
         ("result",),
         "Blocks written to the cache in the background, by result.",
     ),
+    "signals_sent": _Spec(
+        Counter,
+        P + "cache_signals_total",
+        ("kind", "result"),
+        "Signals sent to the sidecar's eviction policy (ended, expected, queued), by result "
+        "(sent, failed).",
+    ),
     "store_codec": _Spec(
         Counter,
         P + "store_codec_total",
@@ -240,6 +247,7 @@ class ServerMetrics:
     decode_batch: Histogram
     lookups: Counter
     blocks_stored: Counter
+    signals_sent: Counter
     store_codec: Counter
     templates_recorded: Counter
     templates_tracked: Gauge

@@ -9,6 +9,9 @@ Contract:
       by result: ``stored`` (new), ``existing``, ``dropped`` or ``failed``; a failed
       store is logged, never raised.
     * ``store_backlog`` is the number of jobs pending; ``wait_idle`` waits for zero.
+    * ``submit_signal`` queues a serving-path signal for the sidecar's eviction
+      policy behind the stores before it (so it marks the blocks they publish),
+      counted in ``dscache_server_cache_signals_total``; never raised.
     * With ``nice`` > 0 the thread runs at that niceness (Linux sets it per thread),
       so on a busy machine its copies and writes take only the CPU the request
       threads leave; each job's duration is the ``store`` phase of its request.
@@ -23,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dscache.keys import KeyChain
-from dscache_server.blockstore import CacheError, KVBlockStore, NewBlock
+from dscache_server.blockstore import CacheError, KVBlockStore, NewBlock, Signalling
 from dscache_server.kv import LayoutAdapter, SequenceKV
 from dscache_server.metrics import ServerMetrics
 from dscache_server.storecodec import StorePolicy
@@ -103,6 +106,32 @@ class BlockWriter:
             with self._idle:
                 self._pending -= 1
                 self._metrics.store_backlog.set(self._pending)
+                self._idle.notify_all()
+
+    def submit_signal(self, chain: KeyChain, ids: list[int], kind: str) -> bool:
+        """Queues a signal on the chain of ``ids`` (full blocks) behind the stores
+        queued before it, so it reaches the blocks they publish; False if dropped."""
+        with self._idle:
+            if self._pending >= self._limit:
+                return False
+            self._pending += 1
+        self._executor.submit(self._signal_job, chain, ids, kind)
+        return True
+
+    def _signal_job(self, chain: KeyChain, ids: list[int], kind: str) -> None:
+        try:
+            if isinstance(self._store, Signalling):
+                self._store.signal(chain.tenant, chain.keys(ids), kind)
+                self._metrics.signals_sent.labels(kind=kind, result="sent").inc()
+        except CacheError as exc:
+            self._metrics.signals_sent.labels(kind=kind, result="failed").inc()
+            log.debug("signal %s failed (%s): %s", kind, exc.reason, exc)
+        except Exception:
+            self._metrics.signals_sent.labels(kind=kind, result="failed").inc()
+            log.exception("signal %s failed", kind)
+        finally:
+            with self._idle:
+                self._pending -= 1
                 self._idle.notify_all()
 
     def wait_idle(self, timeout_s: float) -> bool:
