@@ -47,7 +47,8 @@ Contract (beyond :mod:`dscache_sidecar.eviction`'s, which it honours):
   or the trace's timestamps in the replayer).
 * Cost: ``admit``, ``access`` and ``remove`` are O(1); ``victim`` looks at
   ``samples`` leaves; the density tables are recomputed (numpy, classes x
-  age bins squared) every ``max(256, capacity_hint // 4)`` learning events.
+  age bins squared, for the classes that saw anything) every
+  ``max(1024, capacity_hint // 2)`` learning events.
   The ghost list holds ``max(8 x capacity_hint, 65,536)`` keys, at most 2**21.
 """
 
@@ -75,10 +76,10 @@ _SIGNALS = 4  # none, ended, expected, passed over (its parent was used without 
 _CLASSES = _TURNS * _GAPS * _SIGNALS
 _ENDED, _EXPECTED, _PASSED = 1, 2, 3
 
-#: Age bins: four per doubling of ``_UNIT_S``; the last one is "older".
-_BINS = 96
+#: Age bins: three per doubling of ``_UNIT_S`` (0.05 s to 4 days); the last one is "older".
+_BINS = 64
 _UNIT_S = 0.05
-_PER_OCTAVE = 4.0
+_PER_OCTAVE = 3.0
 #: A branch point with this many held children is shared (a template), not a conversation.
 _SHARED_FANOUT = 3
 #: Who chose a victim: the density ranking, the recency ranking, or both agreed.
@@ -157,8 +158,8 @@ class ReuseModel:
         self.unused = np.zeros(classes)
         key = (classes, bins)
         prior = _PRIOR_TABLES.get(key)
+        self._table: list[list[float]] = []
         if prior is None:  # the same for every new model: computed once
-            self._table: list[list[float]] = []
             self.refresh()
             prior = _PRIOR_TABLES[key] = self._table
         self._table = [list(row) for row in prior]
@@ -172,6 +173,11 @@ class ReuseModel:
     def density(self, cls: int, age_s: float) -> float:
         return self._table[cls][_age_bin(age_s)]
 
+    @property
+    def table(self) -> list[list[float]]:
+        """Density per class and age bin (read-only by contract; rebuilt on refresh)."""
+        return self._table
+
     def decay(self, factor: float) -> None:
         self.hist *= factor
         self.unused *= factor
@@ -180,8 +186,14 @@ class ReuseModel:
         """Recomputes every class's hit density per age bin from the histograms."""
         edges, mid = self._edges, self._mid
         start = edges[:-1]  # age at the start of each bin
-        p = self.hist + self._prior  # (classes, bins)
-        never = self.unused + 1.0
+        # Only classes that saw anything: the others keep the prior's table.
+        active = np.flatnonzero((self.hist.sum(axis=1) + self.unused) > 0)
+        if not self._table or len(self._table) != self.hist.shape[0]:
+            active = np.arange(self.hist.shape[0])
+        if active.size == 0:
+            return
+        p = self.hist[active] + self._prior  # (classes, bins)
+        never = self.unused[active] + 1.0
         zero = np.zeros((p.shape[0], 1))
         c = np.concatenate((zero, np.cumsum(p, axis=1)), axis=1)
         cm = np.concatenate((zero, np.cumsum(p * mid, axis=1)), axis=1)
@@ -193,7 +205,12 @@ class ReuseModel:
         held = reuse_time + alive * (edges[None, None, 1:] - start[None, :, None])
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(self._upto & (held > 0), hits / held, 0.0)
-        self._table = ratio.max(axis=2).tolist()
+        rows = ratio.max(axis=2).tolist()
+        if len(self._table) != self.hist.shape[0]:
+            self._table = rows
+            return
+        for cls, row in zip(active.tolist(), rows, strict=True):
+            self._table[cls] = row
 
 
 class ChainPolicy(Generic[K]):
@@ -242,7 +259,7 @@ class ChainPolicy(Generic[K]):
     def _set_sizes(self, capacity_hint: int) -> None:
         hint = max(1, capacity_hint)
         self._ghost_max = min(2**21, max(self._ghost_factor * hint, 65536))
-        self._refresh_every = max(256, hint // 4)
+        self._refresh_every = max(1024, hint // 2)
         self._shadow_max = hint
 
     def resize(self, capacity_hint: int) -> None:
@@ -348,25 +365,12 @@ class ChainPolicy(Generic[K]):
                 return key
             return None
         now = self._clock()
-        density = self.model.density
-        rand = self._rng.randrange
-        by_density: K | None = None
-        by_recency: K | None = None
-        best_d = best_r = (math.inf, math.inf)
-        sample = leaves if n <= self._samples else [leaves[rand(n)] for _ in range(self._samples)]
-        for key in sample:
-            rec = self._blocks[key]
-            if rec.until > now:  # queued: kept
-                d = r = math.inf
-            elif rec.signal == _ENDED:  # the client closed it: first to go
-                d = r = -1.0
-            else:
-                d = density(self._cls(rec), now - rec.last)
-                r = 2.0 if rec.signal == _EXPECTED else 1.0
-            if (d, rec.last) < best_d:
-                by_density, best_d = key, (d, rec.last)
-            if (r, rec.last) < best_r:
-                by_recency, best_r = key, (r, rec.last)
+        if n <= self._samples:
+            sample = leaves
+        else:
+            rnd = self._rng.random
+            sample = [leaves[int(rnd() * n)] for _ in range(self._samples)]
+        by_density, by_recency = self._rank(sample, now)
         assert by_density is not None and by_recency is not None
         if by_density == by_recency:
             best, expert = by_density, _BOTH
@@ -378,6 +382,42 @@ class ChainPolicy(Generic[K]):
         self._remember(best, rec, expert, now)
         self._gone(rec)
         return best
+
+    def _rank(self, sample: list[K], now: float) -> tuple[K | None, K | None]:
+        """The sampled leaf of lowest density, and the least recent one.
+
+        The class and age bin are computed inline (as ``_cls`` and ``_age_bin``):
+        this loop is most of the policy's cost.
+        """
+        blocks, table = self._blocks, self.model.table
+        by_density: K | None = None
+        by_recency: K | None = None
+        best_d = best_r = (math.inf, math.inf)
+        log2, unit, per_octave, last_bin = math.log2, _UNIT_S, _PER_OCTAVE, _BINS - 1
+        for key in sample:
+            rec = blocks[key]
+            last = rec.last
+            signal = rec.signal
+            if rec.until > now:  # queued: kept
+                d = r = math.inf
+            elif signal == _ENDED:  # the client closed it: first to go
+                d = r = -1.0
+            else:
+                r = 2.0 if signal == _EXPECTED else 1.0
+                if signal == 0 and rec.parent is not None:
+                    parent = blocks.get(rec.parent)
+                    if parent is not None and parent.last > last + _SAME_REQUEST_S:
+                        signal = _PASSED
+                turn = rec.turn if rec.turn < _TURNS else _TURNS
+                cls = ((turn - 1) * _GAPS + rec.gapc) * _SIGNALS + signal
+                age = now - last
+                b = int(log2(1.0 + age / unit) * per_octave) if age > 0.0 else 0
+                d = table[cls][b if b < last_bin else last_bin]
+            if (d, last) < best_d:
+                by_density, best_d = key, (d, last)
+            if (r, last) < best_r:
+                by_recency, best_r = key, (r, last)
+        return by_density, by_recency
 
     def density_share(self) -> float:
         """How often the density ranking decides when the two rankings disagree.

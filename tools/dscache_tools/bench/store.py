@@ -14,6 +14,11 @@ reached over its real unix socket. Lookups are timed both ways on a 32-block
 prefix: over gRPC (``lookup_p99_ms``) and as the model server does them, reading
 the daemon's LMDB index in this process without a round trip
 (``direct_lookup_p99_ms``).
+
+``eviction``: each eviction policy's cost per block access, in the store's own hot
+path (lease, release, put; real LMDB and segment files) and alone
+(:mod:`dscache_tools.bench.evictioncost`), as a ratio to LRU's in the same run
+(``ratios.chain_store_access_vs_lru``; the target is 2x at most).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import numpy as np
 from dscache_sidecar.client import BlockData, LoadedBlocks, SidecarClient
 
 from dscache.keys import KeyChain, KVLayout, LayoutKind, ModelFingerprint, tenant_salt
+from dscache_tools.bench import evictioncost
 from dscache_tools.sidecarproc import SidecarProcess
 
 LAYOUT = KVLayout(
@@ -255,6 +261,7 @@ def run(tokens: int, repeat: int, data_dir: Path) -> dict[str, Any]:
         "repeat": repeat,
         **_baselines(arrays, repeat, data_dir),
         **_dscache(arrays, tokens, repeat, data_dir),
+        "eviction": evictioncost.measure(data_dir, min(repeat, 3)),
     }
     r["ratios"] = {
         "write_vs_torch_save": r["torch_save_s"] / r["write_s"],
@@ -264,6 +271,7 @@ def run(tokens: int, repeat: int, data_dir: Path) -> dict[str, Any]:
         "stream_get_vs_torch_load": r["torch_load_s"] / r["stream_get_s"],
         "zero_copy_read_vs_memcpy": r["memcpy_s"] / r["zero_copy_read_s"],
         "direct_lookup_p99_vs_rpc": r["lookup_p99_ms"] / r["direct_lookup_p99_ms"],
+        "chain_store_access_vs_lru": r["eviction"]["policies"]["chain"]["store_access_vs_lru"],
     }
     return r
 
@@ -302,6 +310,18 @@ def format_table(r: dict[str, Any]) -> str:
         f"p50 {r['direct_lookup_p50_ms']:.4f} ms, p99 {r['direct_lookup_p99_ms']:.4f} ms "
         f"({r['ratios']['direct_lookup_p99_vs_rpc']:.0f}x faster at p99)"
     )
+    ev = r["eviction"]
+    lines.append(
+        f"Eviction cost per block access ({ev['requests']} requests through a "
+        f"{ev['store_blocks']}-block store, best of runs):"
+    )
+    for name, v in ev["policies"].items():
+        alone_us = v["policy_access_ns"] / 1000
+        lines.append(
+            f"  {name:<8} store {v['store_access_us']:7.1f} us "
+            f"({v['store_access_vs_lru']:.2f}x lru)  policy alone {alone_us:7.2f} us "
+            f"({v['policy_access_vs_lru']:.1f}x lru)"
+        )
     return "\n".join(lines)
 
 
