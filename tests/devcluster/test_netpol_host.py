@@ -13,6 +13,7 @@ from dscache_tools.devcluster import hostnet
 from dscache_tools.devcluster.hostrecord import HostRecord, run
 
 
+@pytest.mark.slow  # changes the host (ipsets), and undoes it
 def test_ipsets_made_after_the_record_are_destroyed_and_older_ones_kept(tmp_path: Path) -> None:
     if os.geteuid() != 0 or shutil.which("ipset") is None:
         pytest.skip("needs root and ipset (apt-get install ipset), as the real nodes do")

@@ -145,6 +145,7 @@ def _check_refs(obj: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # 300 generated resources, each rendered whole: seconds
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(raw=specs)
 def test_generated_specs_never_escape_the_admins_policy(raw: dict[str, Any]) -> None:
