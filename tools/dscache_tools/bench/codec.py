@@ -22,7 +22,7 @@ variant's blocks into a fresh sequence, then
 * perplexity of the window's next tokens, teacher-forced, relative to the
   reference variant's (``perplexity_delta`` 0.01 = +1%);
 * greedy agreement: the reference generates 256 tokens greedily after the
-  prefix; the variant is fed the same tokens and its argmax compared at every
+  prefix (64 with ``--quick``); the variant is fed the same tokens and its argmax compared at every
   position (share equal; a free-running comparison would count every token after
   the first difference as lost).
 
@@ -67,7 +67,6 @@ VARIANTS: dict[str, tuple[str, str, str]] = {
 }
 #: Names the command contract promises in ``codecs``.
 CONTRACT_NAMES = ("fp32", "bf16", "int8", "zstd")
-GREEDY_TOKENS = 256
 #: Training steps of the quick run's models (the full run trains each recipe's own).
 QUICK_STEPS_GQA = 40
 QUICK_STEPS_MLA = 30
@@ -85,6 +84,7 @@ class Profile:
         prefix_blocks: blocks restored per window.
         block_tokens: tokens per block.
         scored_tokens: teacher-forced tokens scored per window.
+        greedy_tokens: greedy tokens compared per window and variant.
         sessions: finance workload sessions of the working-set replay.
     """
 
@@ -93,6 +93,7 @@ class Profile:
     prefix_blocks: int
     block_tokens: int
     scored_tokens: int
+    greedy_tokens: int
     sessions: int
 
 
@@ -107,10 +108,17 @@ QUICK = Profile(
     prefix_blocks=4,
     block_tokens=32,
     scored_tokens=96,
+    greedy_tokens=64,
     sessions=60,
 )
 FULL = Profile(
-    train_steps={}, windows=8, prefix_blocks=2, block_tokens=64, scored_tokens=128, sessions=300
+    train_steps={},
+    windows=8,
+    prefix_blocks=2,
+    block_tokens=64,
+    scored_tokens=128,
+    greedy_tokens=256,
+    sessions=300,
 )
 
 
@@ -207,6 +215,8 @@ def _score(
     blocks: Sequence[np.ndarray],
     cont: Sequence[int],
     greedy: Sequence[int] | None,
+    *,
+    greedy_tokens: int,
     scores: _Scores | None = None,
 ) -> list[int]:
     """Teacher-forced NLL of ``cont[1:]`` after the restored prefix, then the greedy
@@ -222,7 +232,7 @@ def _score(
     seq = _restored(engine, blocks)
     token = cont[0]
     made: list[int] = []
-    for i in range(GREEDY_TOKENS):
+    for i in range(greedy_tokens):
         logits = engine.decode([seq], [token])[0]
         best = int(torch.argmax(logits))
         if greedy is None:
@@ -301,7 +311,13 @@ def measure_model(preset: str, profile: Profile, work: Path) -> dict[str, Any]:
         )
         fp32_bytes += sum(b.nbytes for b in exported["float32"])
         greedy_of = {  # the references' own greedy tokens
-            name: _score(engines[VARIANTS[name][0]], exported[VARIANTS[name][0]], cont, None)
+            name: _score(
+                engines[VARIANTS[name][0]],
+                exported[VARIANTS[name][0]],
+                cont,
+                None,
+                greedy_tokens=profile.greedy_tokens,
+            )
             for name in ("fp32", "bf16")
         }
         for name, (dtype, codec, ref) in VARIANTS.items():
@@ -315,7 +331,14 @@ def measure_model(preset: str, profile: Profile, work: Path) -> dict[str, Any]:
             # A reference is scored too: its agreement with its own greedy tokens
             # is 1.0 unless the restored path is not deterministic.
             decoded = _decode(payloads, dtype, codec, blocks[0].shape)
-            _score(engines[dtype], decoded, cont, greedy_of[ref], t.scores)
+            _score(
+                engines[dtype],
+                decoded,
+                cont,
+                greedy_of[ref],
+                greedy_tokens=profile.greedy_tokens,
+                scores=t.scores,
+            )
     disk_bps = disk_read_bytes_per_s(work / f"disk-{preset}.bin", 256 << 20)
     tokens = len(starts) * prefix_tokens
     variants = {
@@ -336,7 +359,7 @@ def measure_model(preset: str, profile: Profile, work: Path) -> dict[str, Any]:
         "windows": len(starts),
         "prefix_tokens": prefix_tokens,
         "scored_tokens_per_window": profile.scored_tokens,
-        "greedy_tokens": GREEDY_TOKENS,
+        "greedy_tokens": profile.greedy_tokens,
         "trained": {
             "path": str(trained.path),
             "steps": trained.steps,
