@@ -16,20 +16,23 @@ Contract (beyond :mod:`dscache_sidecar.eviction`'s, which it honours):
   cascade on deletes). Blocks may be admitted deepest first (the store and the
   replayer do) or root first.
 * Prediction (analytic, learned online): every block has a *class*: the
-  conversation turn that wrote it (1, 2, 3, 4+: a new segment under a block
+  conversation turn that wrote it (1 to 5, 6+: a new segment under a block
   with at most two held children continues that block's conversation; under a
-  busier block, a template, it starts one), the conversation's last gap
-  between turns (none, < 30 s, < 2 min, < 10 min, longer) and the last serving
-  signal (none, ``ended``, ``expected``). Per class the policy learns how long
-  after its last use a block is used again, or that it is not: a histogram
-  over log-spaced ages of the reuses it sees (hits, and re-admissions of keys
-  it evicted, remembered in a bounded ghost list), plus the blocks that left
-  the ghost list unused. From it, the *hit density* of a block of age ``a``:
-  the best, over how much longer it is kept, of expected hits over expected
-  block-seconds held (Beckmann et al.'s LHD, NSDI 2018, here over wall time
-  with the ghost list so that reuses longer than the cache's own lifetime are
-  seen). Victims come from ``samples`` leaves drawn at random (seeded), or
-  from all leaves when there are no more than that.
+  busier block, a template, it starts one; a hit walk up the chain raises its
+  blocks to the turn), the conversation's last gap between turns (none,
+  < 30 s, < 2 min, < 10 min, longer), and the last serving signal (none,
+  ``ended``, ``expected``) or *passed over* (its parent was used since,
+  without it: a branch its conversation left). Per class the policy learns how
+  long after its last use a block is used again, or that it is not: a
+  histogram over log-spaced ages of the reuses it sees (hits, and
+  re-admissions of keys it evicted, remembered in a bounded ghost list), and
+  every eviction counted as "not reused" until the key comes back. From it,
+  the *hit density* of a block of age ``a``: the best, over how much longer it
+  is kept, of expected hits over expected block-seconds held (Beckmann et
+  al.'s LHD, NSDI 2018, here over wall time and with the ghost list, so that
+  reuses longer than the cache's own lifetime are seen). Victims come from
+  ``samples`` leaves drawn at random (seeded), or from all leaves when there
+  are no more than that.
 * Signals from the serving path (:meth:`ChainPolicy.signal`, optional): ``ended``
   and ``expected`` mark a conversation's own blocks (its chain up to the first
   block with three or more held children, a shared template): ``ended`` blocks
@@ -38,22 +41,26 @@ Contract (beyond :mod:`dscache_sidecar.eviction`'s, which it honours):
   takes them last); ``queued`` keeps a chain out of eviction until it is used
   or ``ttl_s`` pass. A block's next use clears its signal. Without signals the
   policy works on structure and time alone.
-* Two rankings, one victim: among the sampled leaves, the lowest density and
-  the least recent; when they differ, the density one wins with a share set by
-  comparing the policy's own hits with those of a shadow LRU (keys only, as
-  many as the capacity hint): up while it does better than LRU by more than
-  1%, down otherwise, so a recency-friendly workload ends up ranked by recency.
+* Two rankings, one victim: the sampled leaf of lowest density, and the least
+  recently used leaf of all (a lazy heap); when they differ, the density one
+  wins with a share set by comparing the policy's own hits with those of a
+  shadow LRU (keys only, as many as the capacity hint), judged every 2,048
+  hits (sooner at first): up while it does better than LRU by more than 1%,
+  down when it does worse by more than 1%, so a recency-friendly workload
+  ends up ranked mostly by recency (LRU's order among leaves).
 * Time comes from the injected ``clock`` (seconds, monotonic; the store's clock,
   or the trace's timestamps in the replayer).
-* Cost: ``admit``, ``access`` and ``remove`` are O(1); ``victim`` looks at
-  ``samples`` leaves; the density tables are recomputed (numpy, classes x
-  age bins squared, for the classes that saw anything) every
-  ``max(1024, capacity_hint // 2)`` learning events.
-  The ghost list holds ``max(8 x capacity_hint, 65,536)`` keys, at most 2**21.
+* Cost: ``admit`` and ``remove`` are O(1), ``access`` O(log n) for a leaf (the
+  heap); ``victim`` looks at ``samples`` leaves; the density tables are
+  recomputed (numpy, classes x age bins squared, for the classes that saw
+  anything) every ``max(1024, capacity_hint // 2)`` learning events. The ghost
+  list holds ``max(8 x capacity_hint, 65,536)`` keys, at most 2**21.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import random
 import time
@@ -82,6 +89,8 @@ _UNIT_S = 0.05
 _PER_OCTAVE = 3.0
 #: A branch point with this many held children is shared (a template), not a conversation.
 _SHARED_FANOUT = 3
+#: Hits (the policy's plus the shadow LRU's) between two judgements of the share.
+_JUDGE_EVERY = 2048
 #: Who chose a victim: the density ranking, the recency ranking, or both agreed.
 _DENSITY, _RECENCY, _BOTH = 0, 1, 2
 #: Two touches closer than this are one request (the store's lease, then its commit).
@@ -247,8 +256,11 @@ class ChainPolicy(Generic[K]):
         self._run_turn = 1
         # key -> (class, last use, which ranking evicted it, when)
         self._ghost: OrderedDict[K, tuple[int, float, int, float]] = OrderedDict()
-        self._share = 0.5
+        self._share = 1.0
+        self._judged = 0
         self._shadow: OrderedDict[K, None] = OrderedDict()
+        self._by_age: list[tuple[float, int, K]] = []  # leaves by last use (lazy heap)
+        self._seq = itertools.count()
         self._hits = [0.0, 0.0]  # this policy's, the shadow LRU's (decayed)
         self.model = ReuseModel()
         self._events = 0
@@ -284,7 +296,7 @@ class ChainPolicy(Generic[K]):
             cls, last, _, _ = ghost
             self.model.never(cls, -1.0)
             self._learn(cls, now - last)
-        self._shadow_touch(key)
+        self._shadow_touch(key, parent)
         rec = _Block(parent, now)
         rec.kids = self._waiting.pop(key, 0)
         self._blocks[key] = rec
@@ -336,7 +348,8 @@ class ChainPolicy(Generic[K]):
         now = self._clock()
         age = now - rec.last
         self._hits[0] += 1.0
-        self._shadow_touch(key)
+        self._shadow_touch(key, rec.parent)
+        self._judge()
         if age >= _SAME_REQUEST_S:
             self._learn(self._cls(rec), age)
             rec.gap = age
@@ -349,6 +362,8 @@ class ChainPolicy(Generic[K]):
         rec.signal = 0
         rec.until = 0.0
         rec.last = now
+        if rec.leaf >= 0:
+            heapq.heappush(self._by_age, (now, next(self._seq), key))
 
     def remove(self, key: K) -> None:
         rec = self._blocks.pop(key, None)
@@ -372,6 +387,10 @@ class ChainPolicy(Generic[K]):
             sample = [leaves[int(rnd() * n)] for _ in range(self._samples)]
         by_density, by_recency = self._rank(sample, now)
         assert by_density is not None and by_recency is not None
+        if self._blocks[by_recency].signal != _ENDED:  # else an ended leaf goes first
+            oldest = self._oldest_leaf()
+            if oldest is not None and self._blocks[oldest].until <= now:
+                by_recency = oldest
         if by_density == by_recency:
             best, expert = by_density, _BOTH
         elif self._rng.random() < self.density_share():
@@ -422,12 +441,11 @@ class ChainPolicy(Generic[K]):
     def density_share(self) -> float:
         """How often the density ranking decides when the two rankings disagree.
 
-        A shadow LRU (keys only, as many as the capacity hint) counts the hits
-        plain LRU would have had; every refresh the share moves a step towards
-        density while this policy's own hits keep up with the shadow's, and
-        towards recency when they fall behind (within 1%), so a workload where the learned
+        Starts at 1. A shadow LRU (keys only, as many as the capacity hint)
+        counts the hits plain LRU would have had, and :meth:`_judge` moves the
+        share towards whichever does better, so a workload where the learned
         model does not pay (short chats, recency-friendly) ends up ranked by
-        recency among leaves.
+        recency among leaves, which is LRU's order.
         """
         return self._share
 
@@ -480,11 +498,13 @@ class ChainPolicy(Generic[K]):
 
     # ------------------------------------------------------------------ internals
 
-    def _shadow_touch(self, key: K) -> None:
-        """The shadow LRU sees every admit and hit; counts the hits it would have had."""
+    def _shadow_touch(self, key: K, parent: Any) -> None:
+        """The shadow LRU sees every admit and hit; counts the hits it would have had
+        (a key whose parent it no longer holds would not have hit: prefix rule)."""
         shadow = self._shadow
         if key in shadow:
-            self._hits[1] += 1.0
+            if parent is None or parent in shadow:
+                self._hits[1] += 1.0
             shadow.move_to_end(key)
             return
         shadow[key] = None
@@ -502,10 +522,21 @@ class ChainPolicy(Generic[K]):
             self._events = 0
             self.model.refresh()
             self.model.decay(self._decay)
-            own, lru = self._hits
-            step = 0.1 if own > 1.01 * lru else -0.1
-            self._share = min(1.0, max(0.0, self._share + step))
-            self._hits = [own * 0.5, lru * 0.5]
+
+    def _judge(self) -> None:
+        """Every ``_JUDGE_EVERY`` hits (own or the shadow's; 256, 512, ... at
+        first): the share moves a quarter towards density when the policy's hits
+        beat the shadow LRU's by more than 1%, a quarter towards recency when
+        they fall behind by more than 1%."""
+        own, lru = self._hits
+        if own + lru < min(_JUDGE_EVERY, 256 << self._judged):
+            return
+        self._judged += 1
+        if own > 1.01 * lru:
+            self._share = min(1.0, self._share + 0.25)
+        elif own < 0.99 * lru:
+            self._share = max(0.0, self._share - 0.25)
+        self._hits = [own * 0.5, lru * 0.5]
 
     def _remember(self, key: K, rec: _Block, expert: int, now: float) -> None:
         ghost = self._ghost
@@ -520,6 +551,22 @@ class ChainPolicy(Generic[K]):
     def _add_leaf(self, key: K, rec: _Block) -> None:
         rec.leaf = len(self._leaves)
         self._leaves.append(key)
+        heapq.heappush(self._by_age, (rec.last, next(self._seq), key))
+
+    def _oldest_leaf(self) -> K | None:
+        """The least recently used leaf (exact: a heap of leaves by last use, stale
+        entries dropped as they surface and the heap rebuilt when mostly stale)."""
+        heap, blocks = self._by_age, self._blocks
+        if len(heap) > 4 * len(self._leaves) + 1024:
+            self._by_age = heap = [(blocks[k].last, next(self._seq), k) for k in self._leaves]
+            heapq.heapify(heap)
+        while heap:
+            last, _, key = heap[0]
+            rec = blocks.get(key)
+            if rec is not None and rec.leaf >= 0 and rec.last == last:
+                return key
+            heapq.heappop(heap)
+        return None
 
     def _drop_leaf(self, rec: _Block) -> None:
         leaves, i = self._leaves, rec.leaf
