@@ -375,6 +375,11 @@ class CacheSpec(SpecModel):
         "over it evicts its own least recently used blocks, never another tenant's; "
         "1 = no quota.",
     )
+    eviction: Literal["", "chain", "lru", "fifo", "clock", "slru", "s3fifo", "arc"] = Field(
+        default="",
+        description="The sidecar's eviction policy (chain, lru, fifo, clock, slru, s3fifo, "
+        "arc; the README's trace replay compares them); empty: the sidecar's default.",
+    )
     direct_lookup: bool = Field(
         default=True,
         description="The model server reads the sidecar's LMDB index itself (no RPC per "

@@ -330,6 +330,9 @@ def _sidecar_container(owner: Owner, src: RevisionSource, capacity: int) -> Obj:
     if src.cache.tenant_quota < 1.0:
         # Only when set: pod templates of resources without a quota stay as they were.
         args += ["--tenant-quota", repr(src.cache.tenant_quota)]
+    if src.cache.eviction:
+        # Only when set: pod templates of resources without one stay as they were.
+        args += ["--policy", src.cache.eviction]
     env = _shared_tier_env(src) + internal_token_env(
         owner, src.tenant_salt.source, "DSCACHE_SIDECAR_INTERNAL_TOKEN"
     )
