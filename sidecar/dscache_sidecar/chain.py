@@ -22,7 +22,7 @@ Contract (beyond :mod:`dscache_sidecar.eviction`'s, which it honours):
   blocks to the turn), the conversation's last gap between turns (none,
   < 30 s, < 2 min, < 10 min, longer), and the last serving signal (none,
   ``ended``, ``expected``) or *passed over* (its parent was used since,
-  without it: a branch its conversation left). Per class the policy learns how
+  without it: a branch its conversation left, expected or not). Per class the policy learns how
   long after its last use a block is used again, or that it is not: a
   histogram over log-spaced ages of the reuses it sees (hits, and
   re-admissions of keys it evicted, remembered in a bounded ghost list), and
@@ -45,8 +45,9 @@ Contract (beyond :mod:`dscache_sidecar.eviction`'s, which it honours):
   recently used leaf of all (a lazy heap); when they differ, the density one
   wins with a share set by comparing the policy's own hits with those of a
   shadow LRU (keys only, as many as the capacity hint), judged every 2,048
-  hits (sooner at first): up while it does better than LRU by more than 1%,
-  down when it does worse by more than 1%, so a recency-friendly workload
+  hits (sooner at first): up while it does better than LRU by more than 3%
+  (leaf order alone can beat plain LRU by a little), down when it does worse
+  by more than 1%, so a recency-friendly workload
   ends up ranked mostly by recency (LRU's order among leaves).
 * Time comes from the injected ``clock`` (seconds, monotonic; the store's clock,
   or the trace's timestamps in the replayer).
@@ -138,7 +139,7 @@ class _Block:
         self.orphan = False  # admitted while its parent was not held
 
     def cls(self, passed: bool = False) -> int:
-        signal = _PASSED if passed and self.signal == 0 else self.signal
+        signal = _PASSED if passed and self.signal != _ENDED else self.signal
         return ((min(self.turn, _TURNS) - 1) * _GAPS + self.gapc) * _SIGNALS + signal
 
 
@@ -422,11 +423,13 @@ class ChainPolicy(Generic[K]):
             elif signal == _ENDED:  # the client closed it: first to go
                 d = r = -1.0
             else:
-                r = 2.0 if signal == _EXPECTED else 1.0
-                if signal == 0 and rec.parent is not None:
+                if rec.parent is not None:
+                    # Passed over: its conversation went on without it (an expected
+                    # turn came, took another branch): no longer expected either.
                     parent = blocks.get(rec.parent)
                     if parent is not None and parent.last > last + _SAME_REQUEST_S:
                         signal = _PASSED
+                r = 2.0 if signal == _EXPECTED else 1.0
                 turn = rec.turn if rec.turn < _TURNS else _TURNS
                 cls = ((turn - 1) * _GAPS + rec.gapc) * _SIGNALS + signal
                 age = now - last
@@ -526,13 +529,13 @@ class ChainPolicy(Generic[K]):
     def _judge(self) -> None:
         """Every ``_JUDGE_EVERY`` hits (own or the shadow's; 256, 512, ... at
         first): the share moves a quarter towards density when the policy's hits
-        beat the shadow LRU's by more than 1%, a quarter towards recency when
+        beat the shadow LRU's by more than 3%, a quarter towards recency when
         they fall behind by more than 1%."""
         own, lru = self._hits
         if own + lru < min(_JUDGE_EVERY, 256 << self._judged):
             return
         self._judged += 1
-        if own > 1.01 * lru:
+        if own > 1.03 * lru:
             self._share = min(1.0, self._share + 0.25)
         elif own < 0.99 * lru:
             self._share = max(0.0, self._share - 0.25)

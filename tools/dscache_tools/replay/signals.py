@@ -14,8 +14,8 @@ This module derives it, and the assumptions are the contract:
   coverage of 1 is an upper bound on what these signals can give.
 * ``queued``: a request that arrives within ``queue_s`` seconds after the one
   being served is waiting in the server's queue, and the server tells the
-  sidecar about its prefix then (the router and the server know their queue:
-  no hindsight).
+  sidecar about its prefix then, kept until it is served (its window plus a
+  second at most; the router and the server know their queue: no hindsight).
 
 :func:`derive` returns, per request, the signals to deliver before it is
 served (queued) and after (ended/expected); the simulation applies them to
@@ -42,6 +42,7 @@ class SignalPlan:
     kinds: tuple[str, ...]
     before: list[list[int]] = field(default_factory=list)
     after: list[str] = field(default_factory=list)
+    queue_s: float = 2.0
 
     @property
     def label(self) -> str:
@@ -110,4 +111,4 @@ def derive(
             while nxt < n and reqs[nxt].time_s <= reqs[t].time_s + queue_s:
                 before[t].append(nxt)
                 nxt += 1
-    return SignalPlan(tuple(dict.fromkeys(kinds)), before, after)
+    return SignalPlan(tuple(dict.fromkeys(kinds)), before, after, queue_s)

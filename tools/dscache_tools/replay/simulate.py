@@ -169,7 +169,7 @@ def simulate(
         if signal is not None:
             assert signals is not None
             for u in signals.before[done - 1]:
-                signal(requests[u].blocks, "queued")
+                signal(requests[u].blocks, "queued", signals.queue_s + 1.0)
         h = _leading_hits(ids, cached)
         hit_blocks += h
         hit_tokens += req.prefix_tokens(h)
