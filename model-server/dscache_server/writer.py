@@ -12,8 +12,8 @@ Contract:
     * ``submit_signal`` queues a serving-path signal for the sidecar's eviction
       policy behind the stores before it (so it marks the blocks they publish),
       counted in ``dscache_server_cache_signals_total``; never raised.
-    * With ``nice`` > 0 the thread runs at that niceness (Linux sets it per thread),
-      so on a busy machine its copies and writes take only the CPU the request
+    * With ``nice`` > 0 the thread runs that much nicer than the process (Linux sets
+      it per thread; a server started niced keeps the gap), so on a busy machine its copies and writes take only the CPU the request
       threads leave; each job's duration is the ``store`` phase of its request.
 """
 
@@ -42,7 +42,7 @@ class BlockWriter:
         adapter: exports blocks from a sequence.
         metrics: where results and the backlog are counted.
         queue: jobs pending at most; more are dropped.
-        nice: niceness of the store thread (0: unchanged).
+        nice: how much nicer than the process the store thread runs (0: unchanged).
         policy: chooses each job's codec on the store thread (None: the store's
             default).
     """
@@ -145,10 +145,12 @@ class BlockWriter:
 
 
 def _renice(nice: int) -> None:
-    """Sets the calling thread's niceness (Linux: per thread); best effort."""
+    """Makes the calling thread ``nice`` nicer than the process (Linux: per thread);
+    best effort."""
     if nice <= 0:
         return
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), min(19, base + nice))
     except OSError as exc:
         log.debug("could not renice the store thread: %s", exc)
