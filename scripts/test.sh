@@ -138,8 +138,10 @@ else
   # Neither needs the Debian packages: they start at once.
   build dev-cluster scripts/build-dev-cluster.sh
   build vllm scripts/setup-vllm.sh
-  # Real nodes: containerd, runc, CNI plugins, iptables; images: docker.io, debootstrap.
-  node_pkgs=(containerd runc containernetworking-plugins iptables conntrack iproute2 docker.io debootstrap)
+  # Real nodes: containerd, runc, CNI plugins, iptables, ipset (the NetworkPolicy
+  # controller's); images: docker.io, debootstrap.
+  node_pkgs=(containerd runc containernetworking-plugins iptables ipset conntrack iproute2
+    docker.io debootstrap)
   bash scripts/setup.sh nginx-light libnginx-mod-http-ndk libnginx-mod-http-lua prometheus \
     redis-server "${node_pkgs[@]}"
   # The host as the tests find it (the image build's private engine, which starts next,

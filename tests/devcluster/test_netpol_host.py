@@ -4,19 +4,20 @@ go with kube-proxy's). Needs root and the ipset tool, as the real nodes do."""
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from pathlib import Path
 
 import pytest
 from dscache_tools.devcluster import hostnet
 from dscache_tools.devcluster.hostrecord import HostRecord, run
+from needs import missing, need_binary
 
 
 @pytest.mark.slow  # changes the host (ipsets), and undoes it
 def test_ipsets_made_after_the_record_are_destroyed_and_older_ones_kept(tmp_path: Path) -> None:
-    if os.geteuid() != 0 or shutil.which("ipset") is None:
-        pytest.skip("needs root and ipset (apt-get install ipset), as the real nodes do")
+    if os.geteuid() != 0:
+        missing("needs root, as the real nodes do")
+    need_binary("ipset", "ipset")
     older, newer = f"dscache-old-{uuid.uuid4().hex[:6]}", f"KUBE-SRC-{uuid.uuid4().hex[:6]}"
     run("ipset", "create", older, "hash:ip")
     try:
