@@ -2,7 +2,7 @@
 
 ``scripts/test.sh`` runs it before and after the cluster tests: the two outputs
 must be equal, because ``DevCluster.stop`` undoes every change (sysctls, links,
-iptables rules and chains, mounts, network namespaces, cgroups). Standard
+iptables rules and chains, ipsets, mounts, network namespaces, cgroups). Standard
 library only (the sysctl list comes from the dev cluster's own
 :mod:`dscache_tools.devcluster.hostnet`, which is too); counters and timestamps
 are left out so only real changes show. It also lists the dev cluster's kinds
@@ -77,6 +77,11 @@ def _iptables() -> list[str]:
     return out
 
 
+def _ipsets() -> list[str]:
+    """The host's ipsets by name (the dev cluster's NetworkPolicy controller makes some)."""
+    return [f"ipset {name}" for name in _lines("ipset", "list", "-n") if name.strip()]
+
+
 def _mounts_netns_cgroups() -> list[str]:
     mounts = Path("/proc/self/mountinfo").read_text().splitlines()
     out = [f"mount {m.split()[4]}" for m in mounts]
@@ -102,7 +107,16 @@ def _processes() -> list[str]:
 
 def snapshot() -> list[str]:
     """Every line of the snapshot, sorted."""
-    return sorted([*_sysctls(), *_links(), *_iptables(), *_mounts_netns_cgroups(), *_processes()])
+    return sorted(
+        [
+            *_sysctls(),
+            *_links(),
+            *_iptables(),
+            *_ipsets(),
+            *_mounts_netns_cgroups(),
+            *_processes(),
+        ]
+    )
 
 
 if __name__ == "__main__":
