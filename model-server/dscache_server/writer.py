@@ -13,8 +13,9 @@ Contract:
       policy behind the stores before it (so it marks the blocks they publish),
       counted in ``dscache_server_cache_signals_total``; never raised.
     * With ``nice`` > 0 the thread runs that much nicer than the process (Linux sets
-      it per thread; a server started niced keeps the gap), so on a busy machine its copies and writes take only the CPU the request
-      threads leave; each job's duration is the ``store`` phase of its request.
+      it per thread; a server started niced keeps the gap), so on a busy machine its
+      copies and writes take only the CPU the request threads leave; each job's
+      duration is the ``store`` phase of its request.
 """
 
 from __future__ import annotations
