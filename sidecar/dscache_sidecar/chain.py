@@ -54,8 +54,10 @@ Contract (beyond :mod:`dscache_sidecar.eviction`'s, which it honours):
 * Cost: ``admit`` and ``remove`` are O(1), ``access`` O(log n) for a leaf (the
   heap); ``victim`` looks at ``samples`` leaves; the density tables are
   recomputed (numpy, classes x age bins squared, for the classes that saw
-  anything) every ``max(1024, capacity_hint // 2)`` learning events. The ghost
-  list holds ``max(8 x capacity_hint, 65,536)`` keys, at most 2**21.
+  anything) every ``max(1024, capacity_hint // 2)`` learning events. Memory:
+  the ghost list holds ``max(8 x capacity_hint, 65,536)`` keys, at most 2**20;
+  the shadow LRU as many as the capacity hint, at most 2**18 (a hashed sample
+  of the keys beyond that).
 """
 
 from __future__ import annotations
@@ -88,12 +90,13 @@ _ENDED, _EXPECTED, _PASSED = 1, 2, 3
 _BINS = 64
 _UNIT_S = 0.05
 _PER_OCTAVE = 3.0
+#: At most this many keys in the ghost list, and in the shadow LRU (sampled beyond).
+_MAX_HISTORY = 2**20
+_MAX_SHADOW = 2**18
 #: A branch point with this many held children is shared (a template), not a conversation.
 _SHARED_FANOUT = 3
 #: Hits (the policy's plus the shadow LRU's) between two judgements of the share.
 _JUDGE_EVERY = 2048
-#: Who chose a victim: the density ranking, the recency ranking, or both agreed.
-_DENSITY, _RECENCY, _BOTH = 0, 1, 2
 #: Two touches closer than this are one request (the store's lease, then its commit).
 _SAME_REQUEST_S = 1.0
 
@@ -255,8 +258,8 @@ class ChainPolicy(Generic[K]):
         self._pending_parent: object = None
         self._run_key: object = None  # the key the current chain walk touches next
         self._run_turn = 1
-        # key -> (class, last use, which ranking evicted it, when)
-        self._ghost: OrderedDict[K, tuple[int, float, int, float]] = OrderedDict()
+        # key -> (class, last use)
+        self._ghost: OrderedDict[K, tuple[int, float]] = OrderedDict()
         self._share = 1.0
         self._judged = 0
         self._shadow: OrderedDict[K, None] = OrderedDict()
@@ -271,9 +274,13 @@ class ChainPolicy(Generic[K]):
 
     def _set_sizes(self, capacity_hint: int) -> None:
         hint = max(1, capacity_hint)
-        self._ghost_max = min(2**21, max(self._ghost_factor * hint, 65536))
+        self._ghost_max = min(_MAX_HISTORY, max(self._ghost_factor * hint, 65536))
         self._refresh_every = max(1024, hint // 2)
-        self._shadow_max = hint
+        # A big store's shadow LRU follows a sample of the keys (1 in ``_sample``,
+        # by hash) in a proportionally smaller LRU, as SHARDS does (Waldspurger et
+        # al., ATC 2017), and compares its hits with this policy's on the same keys.
+        self._sample = max(1, hint // _MAX_SHADOW)
+        self._shadow_max = max(1, hint // self._sample)
 
     def resize(self, capacity_hint: int) -> None:
         """Follows the store's capacity estimate (ghost size, refresh period)."""
@@ -294,10 +301,11 @@ class ChainPolicy(Generic[K]):
         now = self._clock()
         ghost = self._ghost.pop(key, None)
         if ghost is not None:  # it came back after all
-            cls, last, _, _ = ghost
+            cls, last = ghost
             self.model.never(cls, -1.0)
             self._learn(cls, now - last)
-        self._shadow_touch(key, parent)
+        if self._sample == 1 or hash(key) % self._sample == 0:
+            self._shadow_touch(key, parent)
         rec = _Block(parent, now)
         rec.kids = self._waiting.pop(key, 0)
         self._blocks[key] = rec
@@ -348,8 +356,9 @@ class ChainPolicy(Generic[K]):
             return
         now = self._clock()
         age = now - rec.last
-        self._hits[0] += 1.0
-        self._shadow_touch(key, rec.parent)
+        if self._sample == 1 or hash(key) % self._sample == 0:
+            self._hits[0] += 1.0
+            self._shadow_touch(key, rec.parent)
         self._judge()
         if age >= _SAME_REQUEST_S:
             self._learn(self._cls(rec), age)
@@ -392,14 +401,12 @@ class ChainPolicy(Generic[K]):
             oldest = self._oldest_leaf()
             if oldest is not None and self._blocks[oldest].until <= now:
                 by_recency = oldest
-        if by_density == by_recency:
-            best, expert = by_density, _BOTH
-        elif self._rng.random() < self.density_share():
-            best, expert = by_density, _DENSITY
+        if by_density == by_recency or self._rng.random() < self.density_share():
+            best = by_density
         else:
-            best, expert = by_recency, _RECENCY
+            best = by_recency
         rec = self._blocks.pop(best)
-        self._remember(best, rec, expert, now)
+        self._remember(best, rec)
         self._gone(rec)
         return best
 
@@ -506,7 +513,8 @@ class ChainPolicy(Generic[K]):
         (a key whose parent it no longer holds would not have hit: prefix rule)."""
         shadow = self._shadow
         if key in shadow:
-            if parent is None or parent in shadow:
+            sampled_parent = self._sample == 1 or hash(parent) % self._sample == 0
+            if parent is None or parent in shadow or not sampled_parent:
                 self._hits[1] += 1.0
             shadow.move_to_end(key)
             return
@@ -541,10 +549,10 @@ class ChainPolicy(Generic[K]):
             self._share = max(0.0, self._share - 0.25)
         self._hits = [own * 0.5, lru * 0.5]
 
-    def _remember(self, key: K, rec: _Block, expert: int, now: float) -> None:
+    def _remember(self, key: K, rec: _Block) -> None:
         ghost = self._ghost
         cls = self._cls(rec)
-        ghost[key] = (cls, rec.last, expert, now)
+        ghost[key] = (cls, rec.last)
         # Counted as unused now, taken back if it returns: waiting for the ghost
         # list to forget it would leave the first minutes without any "never".
         self.model.never(cls)

@@ -331,3 +331,14 @@ def test_chain_policy_victims_are_always_leaves(ops: list[tuple[str, int, int]])
             assert not kids or all(parent_of.get(v) == k for k in kids), (v, kids)
             held.discard(v)
         assert len(policy) == len(held)
+
+
+def test_chain_policy_history_is_bounded_for_a_big_store() -> None:
+    """A 4 TB store of 1 MiB blocks: the ghost list and the shadow LRU stay bounded
+    (the shadow follows a hashed sample of the keys), whatever the hint."""
+    policy: ChainPolicy[int] = ChainPolicy(4 * 2**20)
+    assert policy._ghost_max == 2**20
+    assert policy._shadow_max * policy._sample == 4 * 2**20
+    assert policy._shadow_max == 2**18
+    policy.resize(1000)
+    assert policy._sample == 1 and policy._shadow_max == 1000
