@@ -518,6 +518,7 @@ _NESTED_ADDED_LATER: tuple[tuple[tuple[str, ...], str], ...] = (
     (("cache",), "direct_lookup"),
     (("server",), "dtype"),
     (("cache", "volume"), "claim_template"),
+    (("cache",), "eviction"),
 )
 
 

@@ -35,6 +35,7 @@ ADDED_SINCE_RELEASE: tuple[tuple[str, ...], ...] = (
     ("cache", "directLookup"),
     ("cache", "shared"),
     ("cache", "volume", "claimTemplate"),
+    ("cache", "eviction"),
     ("server", "dtype"),
 )
 
