@@ -96,6 +96,7 @@ def test_a_float32_block_never_serves_a_bfloat16_engine(sidecar: SidecarDaemon) 
     writer.close()
 
 
+@pytest.mark.slow
 def test_the_engine_refuses_a_kv_dtype_it_cannot_keep() -> None:
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_engine("tiny-gqa", dtype="int8")

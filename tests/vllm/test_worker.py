@@ -140,6 +140,7 @@ def test_layer_by_layer_loads_and_saves_round_trip(daemon: SidecarProcess) -> No
     loader.close()
 
 
+@pytest.mark.slow
 def test_a_failed_load_drops_that_requests_saves_of_the_step(daemon: SidecarProcess) -> None:
     saver, _ = worker(daemon, kv(fill=True))
     save_all(saver)
