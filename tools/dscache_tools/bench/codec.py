@@ -104,7 +104,7 @@ class Profile:
 # model's), at a fraction of the full recipe's steps.
 QUICK = Profile(
     train_steps={"mini-gqa": QUICK_STEPS_GQA, "tiny-deepseek-v3": QUICK_STEPS_MLA},
-    windows=2,
+    windows=1,
     prefix_blocks=4,
     block_tokens=32,
     scored_tokens=96,
