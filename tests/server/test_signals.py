@@ -110,7 +110,8 @@ def test_a_request_that_waits_for_a_slot_marks_its_prefix_queued(
     body = chat(tokenizer, 4)
     httpx.post(url, json=body, timeout=60).raise_for_status()  # its blocks are stored
     assert srv.runtime.cache.wait_stored(30)
-    holder = {**chat(tokenizer, 5), "stream": True, "max_tokens": 8}
+    # Long enough that it still holds the slot when the second request arrives.
+    holder = {**chat(tokenizer, 5), "stream": True, "max_tokens": 64}
     done = threading.Event()
     with httpx.stream("POST", url, json=holder, timeout=60) as stream:
         chunks = stream.iter_lines()
