@@ -423,11 +423,11 @@ def working_set(profile: Profile, ratios: dict[str, float], seed: int = 0) -> di
     The cache holds ``capacity`` float32 blocks; a variant whose blocks take
     ``ratio`` of the bytes holds ``capacity / ratio`` of them (extents included).
     """
-    from dscache_sidecar.eviction import DEFAULT_POLICY, make_policy
+    from dscache_sidecar.eviction import CLOCKED, DEFAULT_POLICY, make_policy
     from dscache_sidecar.segments import extent_bytes
 
     from dscache.keys import KeyChain, KVLayout, LayoutKind, ModelFingerprint
-    from dscache_tools.replay.simulate import simulate, simulate_ideal
+    from dscache_tools.replay.simulate import TraceClock, simulate, simulate_ideal
     from dscache_tools.replay.trace import Request, build_trace
     from dscache_tools.workload import WorkloadConfig, generate, load_server_tokenizer
     from dscache_tools.workload.ideal import prompt_ids
@@ -465,7 +465,10 @@ def working_set(profile: Profile, ratios: dict[str, float], seed: int = 0) -> di
     }
     for name, ratio in ratios.items():
         blocks_fit = int(capacity_bytes // extent_bytes(round(fp32_block * ratio)))
-        hit = simulate(trace, make_policy(DEFAULT_POLICY, blocks_fit), blocks_fit)
+        clock = TraceClock()  # the replay's time, as dscache replay gives a clocked policy
+        timed = clock if DEFAULT_POLICY in CLOCKED else None
+        policy = make_policy(DEFAULT_POLICY, blocks_fit, timed)
+        hit = simulate(trace, policy, blocks_fit, clock=clock)
         out["variants"][name] = {
             "blocks_fit": blocks_fit,
             "token_hit_ratio": hit.token_hit_ratio,
