@@ -92,6 +92,16 @@ def test_a_new_resource_gets_its_own_random_tenant_salt(rig: Rig) -> None:
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
     ref = env["DSCACHE_SERVER_TENANT_SECRET"]["valueFrom"]["secretKeyRef"]
     assert ref == {"name": "salted-tenant-salt", "key": "salt"}
+    # The internal token (key info, template and holdings filters) comes with it: the
+    # server, its sidecar and the router's picker read the same key of that Secret.
+    assert len(secret["data"]["internal-token"]) > 40
+    token = {"name": "salted-tenant-salt", "key": "internal-token", "optional": True}
+    sidecar = {e["name"]: e for e in pod["containers"][1]["env"]}
+    assert env["DSCACHE_SERVER_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"] == token
+    assert sidecar["DSCACHE_SIDECAR_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"] == token
+    router = rig.deployment("salted-router")["spec"]["template"]["spec"]["containers"]
+    picker = {e["name"]: e for c in router for e in c.get("env", [])}
+    assert picker["DSCACHE_PICKER_INTERNAL_TOKEN"]["valueFrom"]["secretKeyRef"] == token
 
 
 # ----------------------------------------------------------------------------- enforcement
