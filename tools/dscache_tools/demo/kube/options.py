@@ -22,6 +22,12 @@ EXAMPLE_VLLM = ROOT / "examples" / "07-vllm-dev-cluster" / "deepseekcachedeploym
 EXAMPLES = {"reference": EXAMPLE, "vllm": EXAMPLE_VLLM}
 
 Engine = Literal["reference", "vllm"]
+#: The images a started dev cluster's node gets for each engine's demo (the other
+#: engine's model image is several GB the demo never runs).
+IMAGES = {
+    "reference": ("pause", "router", "core", "server"),
+    "vllm": ("pause", "router", "core", "vllm"),
+}
 
 
 CHART = ROOT / "charts" / "dscache"

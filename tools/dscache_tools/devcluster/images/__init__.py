@@ -1,7 +1,7 @@
 """Builds dscache's container images without any registry and caches them as archives.
 
-``ensure_images()`` returns, for each of ``server``, ``core``, ``router`` and
-``pause`` (:data:`IMAGES`), an :class:`ImageArchive`: a ``docker save``
+``ensure_images()`` returns, for each of ``server``, ``core``, ``router``,
+``pause`` and ``vllm`` (:data:`IMAGES`), an :class:`ImageArchive`: a ``docker save``
 archive under ``<cache>/images/archives/`` (``<cache>`` is
 :func:`dscache_tools.devcluster.versions.cache_root`, so
 ``DSCACHE_DEVCLUSTER_CACHE`` moves it), building what is missing or stale;

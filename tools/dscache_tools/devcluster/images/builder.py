@@ -53,7 +53,7 @@ from dscache_tools.devcluster.versions import cache_root
 
 logger = logging.getLogger(__name__)
 
-#: Below this much free space a build warns: a cold build of all four takes about 17 GiB.
+#: Below this much free space a build warns: a cold build of all five takes about 25 GiB.
 _LOW_DISK_BYTES = 12 * 2**30
 
 

@@ -43,7 +43,6 @@ _PYTHON_INPUTS = (
     "tools",
     "vllm-connector",
 )
-#: Below this much free space a build warns: a cold build of all four takes about 17 GiB.
 
 
 class ImageError(RuntimeError):
@@ -95,6 +94,14 @@ IMAGES: dict[str, ImageSpec] = {
             "server",
             "server",
             f"ghcr.io/dscache/dscache:{__version__}",
+            ("images", *_PYTHON_INPUTS),
+        ),
+        # vLLM's CPU build with the connector (spec.engine: vllm); the operator's
+        # default spec.vllm.image.
+        ImageSpec(
+            "vllm",
+            "vllm",
+            f"ghcr.io/dscache/dscache-vllm:{__version__}",
             ("images", *_PYTHON_INPUTS),
         ),
     )
