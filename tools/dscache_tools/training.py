@@ -157,9 +157,9 @@ HALF_WIDTH_DEEPSEEK_V3: dict[str, Any] = {
 #: The recipe of each trainable preset.
 #: Their step counts are about three minutes each on two idle cores.
 RECIPES: dict[str, Recipe] = {
-    "mini-gqa": Recipe(batch=4, peak_lr=4e-3, steps=150),
+    "mini-gqa": Recipe(batch=4, peak_lr=4e-3, steps=500),
     "tiny-deepseek-v3": Recipe(
-        overrides=HALF_WIDTH_DEEPSEEK_V3, batch=4, peak_lr=3e-3, balance_rate=1e-3, steps=60
+        overrides=HALF_WIDTH_DEEPSEEK_V3, batch=4, peak_lr=3e-3, balance_rate=1e-3, steps=200
     ),
 }
 
