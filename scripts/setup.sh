@@ -5,6 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
+# uv installs the pinned dependencies: it links them from its cache
+# (~/.cache/uv) instead of copying, so a second clone's .venv costs seconds and
+# almost no disk (torch and its CUDA libraries are about 6 GB); setup-vllm.sh
+# uses the same uv.
+UV_VERSION=0.13.9
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 log() { printf '[setup] %s\n' "$*"; }
@@ -21,8 +26,8 @@ fi
 stamp=.venv/.dscache-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log "installing dscache and its pinned dependencies into .venv (torch is large: minutes the first time)"
-  .venv/bin/pip install -q --upgrade pip==26.3
-  .venv/bin/pip install -q -e '.[all]'
+  .venv/bin/pip install -q --upgrade pip==26.3 "uv==${UV_VERSION}"
+  .venv/bin/uv pip install -q --python .venv/bin/python -e '.[all]'
   touch "$stamp"
 fi
 log "ready: $(.venv/bin/dscache --version)"
