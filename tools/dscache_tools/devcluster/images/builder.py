@@ -121,10 +121,9 @@ def ensure_images(
         say(f"building {', '.join(s.name for s in stale)} (private dockerd in {work / 'docker'})")
         free = shutil.disk_usage(work).free
         if free < _LOW_DISK_BYTES:
-            # A rebuilt server archive is written next to the old one before replacing it.
             say(
                 f"warning: {mib(free)} free in {work}; building the server image can "
-                f"take {mib(_LOW_DISK_BYTES)} (layers, pip cache, a second archive meanwhile)"
+                f"take {mib(_LOW_DISK_BYTES)} (layers, pip cache, its archive)"
             )
         base_arg = os.environ.get(BASE_ENV) or None
         tarball = None if base_arg else ensure_rootfs(base_root, say)
@@ -241,6 +240,9 @@ def _build_one(
     else:
         say(f"{spec.name}: docker save -> {target}")
         stamp_path(root, spec.name).unlink(missing_ok=True)
+        # The stale archive goes first: the server's and vllm's are 5-6 GiB each,
+        # and a second copy beside the first is what filled small disks.
+        target.unlink(missing_ok=True)
         partial = target.with_suffix(".tar.partial")
         partial.unlink(missing_ok=True)
         t0 = time.monotonic()
