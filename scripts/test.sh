@@ -46,20 +46,31 @@ free_bytes() { df -B1 --output=avail "$1" | tail -n 1 | tr -d ' '; }
 used_bytes() { df -B1 --output=used "$1" | tail -n 1 | tr -d ' '; }
 
 # -- free space first: what the caches still to be built need, plus the run's peak.
+# Measured here: a venv is linked from uv's cache (7 GiB the first time, for the
+# torch build it pins; almost nothing after); the Kubernetes binaries take 8 GiB
+# with Go's caches; the images 35 GiB (the private Docker's layers 13, their
+# archives 12, the dev cluster node's containerd 10: the reference engine's
+# images); the vLLM test models 4; the tests themselves at most RUN_PEAK_GIB more.
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/dscache"
+uv_torch="${XDG_CACHE_HOME:-$HOME/.cache}/uv/wheels-v8/pypi/torch"
+RUN_PEAK_GIB=10
+venv_cost() { # venv_cost TORCH_VERSION: GiB a new venv takes
+  compgen -G "$uv_torch/$1-*" >/dev/null && echo 1 || echo 7
+}
 need=$((2 << 30))
-[ -f .venv/.dscache-installed ] || need=$((need + (9 << 30)))
+[ -f .venv/.dscache-installed ] || need=$((need + ($(venv_cost 2.15.0) << 30)))
 if [ "$fast" -eq 0 ]; then
-  need=$((need + (20 << 30)))
-  [ -f .venv-vllm/.dscache-installed ] || need=$((need + (8 << 30)))
-  [ -d "$cache/k8s" ] || need=$((need + (6 << 30)))
-  [ -d "$cache/images" ] || need=$((need + (14 << 30)))
+  need=$((need + (RUN_PEAK_GIB << 30)))
+  [ -f .venv-vllm/.dscache-installed ] || need=$((need + ($(venv_cost 2.13.0) << 30)))
+  [ -d "$cache/k8s" ] || need=$((need + (8 << 30)))
+  [ -d "$cache/vllm-models" ] || need=$((need + (4 << 30)))
+  [ -d "$cache/images/archives" ] || need=$((need + (35 << 30)))
 fi
 for where in . "${TMPDIR:-/tmp}"; do
   have=$(free_bytes "$where")
   if [ "$have" -lt "$need" ]; then
     echo "scripts/test.sh needs about $(gib "$need") GiB free on the file system of $where" \
-      "(the caches it still has to build, and $([ "$fast" -eq 1 ] && echo 2 || echo 20) GiB" \
+      "(the caches it still has to build, and $([ "$fast" -eq 1 ] && echo 2 || echo $((RUN_PEAK_GIB + 2))) GiB" \
       "while the tests run); $(gib "$have") GiB is free" >&2
     exit 1
   fi

@@ -67,7 +67,16 @@ def dev_cluster(
     # beside one that holds the host's real node (tests that run pods then fail);
     # its pods run no process, so it needs no images either.
     real_nodes = int(os.environ.get("DSCACHE_TEST_REAL_NODES", "1"))
-    loader = image_loader(progress=_terminal_progress(request.config)) if real_nodes else None
+    from dscache_tools.demo.kube.options import IMAGES as DEMO_IMAGES  # matplotlib: lazily
+
+    # The reference engine's images only: no test here runs a vLLM pod (the vllm
+    # image runs in the private Docker, tests/images), and it would be 12 GiB more
+    # in the node's containerd.
+    loader = (
+        image_loader(progress=_terminal_progress(request.config), names=DEMO_IMAGES["reference"])
+        if real_nodes
+        else None
+    )
     prometheus = shutil.which("prometheus") or shutil.which("prometheus", path="/usr/bin")
     if prometheus is None:
         pytest.fail("the cluster tests need Debian's Prometheus: apt-get install prometheus")
