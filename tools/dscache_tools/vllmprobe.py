@@ -107,6 +107,10 @@ class VllmProbe:
         """Waits until the connector's queued saves are written."""
         return bool(self._send({"op": "flush", "timeout_s": timeout_s})["idle"])
 
+    def memcpy(self, nbytes: int, repeat: int = 5) -> float:
+        """Median seconds of one plain copy of ``nbytes`` in the engine's process."""
+        return float(self._send({"op": "memcpy", "bytes": nbytes, "repeat": repeat})["seconds"])
+
     def metrics(self) -> dict[str, float]:
         """The connector's counters in the engine process."""
         return {k: float(v) for k, v in self._send({"op": "metrics"}).items()}

