@@ -57,6 +57,7 @@ def test_latent_part_is_attention_with_shared_keys() -> None:
     assert float((lse - torch.logsumexp(q @ latent.t() * 0.3, -1)).abs().max()) < 1e-5
 
 
+@pytest.mark.slow
 def test_engine_matches_transformers_forward_and_blocks_round_trip() -> None:
     engine = engine_for("mini-gqa")
     ids = [int(t) for t in np.random.default_rng(3).integers(2, 100_000, size=75)]
