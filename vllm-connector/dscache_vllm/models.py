@@ -112,6 +112,20 @@ def _llama_config(size: str) -> Any:
     )
 
 
+#: Marks a checkpoint directory whose every file was written.
+COMPLETE = ".complete"
+
+
+def _begun(out: Path) -> bool:
+    """True when ``out`` already holds a complete checkpoint; else readies it (the
+    directory and the tokenizer's files) for a builder, which marks it ``COMPLETE``."""
+    if (out / COMPLETE).exists():
+        return True
+    out.mkdir(parents=True, exist_ok=True)
+    _tokenizer_files(out)
+    return False
+
+
 def build_checkpoint(out: Path, size: str = "tiny", seed: int = 0) -> Path:
     """Saves a random-weight Llama of ``size`` with the DeepSeek tokenizer into ``out``."""
     import torch
@@ -119,15 +133,12 @@ def build_checkpoint(out: Path, size: str = "tiny", seed: int = 0) -> Path:
 
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(SIZES)}")
-    done = out / ".complete"
-    if done.exists():
+    if _begun(out):
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    _tokenizer_files(out)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(_llama_config(size))
     model.save_pretrained(out)
-    done.touch()
+    (out / COMPLETE).touch()
     return out
 
 
@@ -138,11 +149,8 @@ def build_mla_checkpoint(out: Path, size: str = "tiny", seed: int = 0) -> Path:
 
     if size not in MLA_SIZES:
         raise ValueError(f"unknown size {size!r}; expected one of {sorted(MLA_SIZES)}")
-    done = out / ".complete"
-    if done.exists():
+    if _begun(out):
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    _tokenizer_files(out)
     layers, hidden, heads, inter, experts = MLA_SIZES[size]
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(
@@ -176,7 +184,7 @@ def build_mla_checkpoint(out: Path, size: str = "tiny", seed: int = 0) -> Path:
         )
     )
     model.save_pretrained(out)
-    done.touch()
+    (out / COMPLETE).touch()
     return out
 
 
@@ -192,11 +200,8 @@ def build_vlm_checkpoint(out: Path, seed: int = 0) -> Path:
         LlavaProcessor,
     )
 
-    done = out / ".complete"
-    if done.exists():
+    if _begun(out):
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    _tokenizer_files(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     image_token_id = int(tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))  # type: ignore[arg-type]
     text = _llama_config("tiny")
@@ -234,7 +239,7 @@ def build_vlm_checkpoint(out: Path, seed: int = 0) -> Path:
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(out)
-    done.touch()
+    (out / COMPLETE).touch()
     return out
 
 
@@ -265,7 +270,7 @@ def build_lora(out: Path, size: str = "tiny", seed: int = 0, rank: int = 8) -> P
     import torch
     from safetensors.torch import save_file
 
-    done = out / ".complete"
+    done = out / COMPLETE
     if done.exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
