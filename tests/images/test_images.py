@@ -213,20 +213,30 @@ def _counter(text: str, name: str, **labels: str) -> float:
     return total
 
 
+#: The sidecar's flags in the two-container tests: a small store, metrics on loopback.
+POD_SIDECAR = ["--capacity", "256MiB", "--segment-size", "64MiB", "--metrics-host", "127.0.0.1"]
+
+
+def _pod(tmp_path: Path) -> list[str]:
+    """``docker run`` flags of one container of a model pod, as the operator renders it,
+    on the host's loopback, with the pod's cache volume at /cache (owned by the
+    containers' user, as the operator's cache-owner init container leaves it)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.chown(cache, 10001, 10001)
+    pod = ["run", "--detach", "--read-only", "--tmpfs", "/tmp", "--network", "host"]
+    pod += ["--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
+    return [*pod, "--volume", f"{cache}:/cache"]
+
+
 @pytest.mark.images
 def test_vllm_and_sidecar_images_share_the_cache_like_a_pod(
     docker: PrivateDocker, tmp_path: Path
 ) -> None:
     """core runs the sidecar, vllm runs `dscache vllm serve` with the connector: the second
     request's prefix comes from the sidecar's store (vLLM's own prefix cache is off)."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    os.chown(cache, 10001, 10001)  # what the operator's cache-owner init container does
     metrics_port, port = free_port(), free_port()
-    pod = ["run", "--detach", "--read-only", "--tmpfs", "/tmp", "--network", "host"]
-    pod += ["--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
-    pod += ["--volume", f"{cache}:/cache"]
-    sidecar = ["--capacity", "256MiB", "--segment-size", "64MiB", "--metrics-host", "127.0.0.1"]
+    pod, sidecar = _pod(tmp_path), POD_SIDECAR
     names = (f"dscache-sidecar-{metrics_port}", f"dscache-vllm-{port}")
     # As the operator runs it (examples/07-vllm-dev-cluster), on loopback.
     serve = ["vllm", "serve", "--socket", "/cache/sidecar.sock", "--data-dir", "/cache"]
@@ -305,14 +315,8 @@ def test_sidecar_and_server_images_share_the_cache_like_a_pod(
     docker: PrivateDocker, tmp_path: Path
 ) -> None:
     """core runs the sidecar, server the model server: the second request hits the cache."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    os.chown(cache, 10001, 10001)  # what the operator's cache-owner init container does
     metrics_port, server_port = free_port(), free_port()
-    pod = ["run", "--detach", "--read-only", "--tmpfs", "/tmp", "--network", "host"]
-    pod += ["--cap-drop", "ALL", "--security-opt", "no-new-privileges"]
-    pod += ["--volume", f"{cache}:/cache"]
-    sidecar = ["--capacity", "256MiB", "--segment-size", "64MiB", "--metrics-host", "127.0.0.1"]
+    pod, sidecar = _pod(tmp_path), POD_SIDECAR
     server = ["--model", "mini-gqa", "--host", "127.0.0.1", "--block-tokens", "64"]
     server += ["--min-cache-tokens", "64", "--no-calibrate", "--admission-refit", "0"]
     sock = ("--sidecar-socket", "/cache/sidecar.sock", "--sidecar-data-dir", "/cache")
