@@ -230,6 +230,7 @@ def _pod(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.images
+@pytest.mark.timeout(1500)  # vLLM's start on a loaded 2-core machine: the wait below fails first
 def test_vllm_and_sidecar_images_share_the_cache_like_a_pod(
     docker: PrivateDocker, tmp_path: Path
 ) -> None:
@@ -256,7 +257,7 @@ def test_vllm_and_sidecar_images_share_the_cache_like_a_pod(
             + [IMAGES["vllm"].ref, *serve]
         )
         base = f"http://127.0.0.1:{port}"
-        _wait_http(f"{base}/health", 600, lambda: docker.run(["logs", names[1]], check=False))
+        _wait_http(f"{base}/health", 1200, lambda: docker.run(["logs", names[1]], check=False))
         chat = {
             "messages": [{"role": "user", "content": "Summarise the annual report. " * 60}],
             "max_tokens": 4,

@@ -155,12 +155,14 @@ def docker_engine(
     """The image cache's private Docker engine, running for the ``with`` block.
 
     Holds the build lock meanwhile, so no builder starts a second engine on
-    the same data root. Tests use it to run the images.
+    the same data root. Tests use it to run the images: at normal priority
+    (a build's engine runs at ``nice 19``), as a kubelet runs pods.
     """
     say: Progress = progress or (lambda line: logger.info("%s", line))
     work = images_dir(root)
     work.mkdir(parents=True, exist_ok=True)
-    with exclusive_lock(work / ".build.lock", say), PrivateDocker(work / "docker", say) as docker:
+    engine = PrivateDocker(work / "docker", say, nice=0)
+    with exclusive_lock(work / ".build.lock", say), engine as docker:
         yield docker
 
 

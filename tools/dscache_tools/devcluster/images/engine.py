@@ -6,10 +6,11 @@ Contract:
       (``<cache>/images/docker/``); no bridge, no iptables rules, no IP
       forwarding or masquerading, and the client config is private too. Its
       data root persists, so rebuilds reuse Docker's layer cache.
-    * The daemons run under ``nice -n 19`` (and so do the build steps they
-      start), get SIGTERM if the builder dies (PR_SET_PDEATHSIG), and are
-      stopped when the ``with`` block ends, also on errors; a later start
-      stops any leftover of a killed run first.
+    * The daemons run under ``nice -n 19`` for builds (and so do the build
+      steps they start; ``nice=0`` for an engine that runs the images as a
+      kubelet's pods run, as the image tests do), get SIGTERM if the builder
+      dies (PR_SET_PDEATHSIG), and are stopped when the ``with`` block ends,
+      also on errors; a later start stops any leftover of a killed run first.
     * Needs root and Debian's ``docker.io`` (dockerd, containerd, runc and a
       client with BuildKit built in); a missing piece is an
       :class:`.specs.ImageError` naming the package.
@@ -66,7 +67,7 @@ class PrivateDocker(DockerClient):
     once it has stopped.
     """
 
-    def __init__(self, directory: Path, say: Progress | None = None) -> None:
+    def __init__(self, directory: Path, say: Progress | None = None, *, nice: int = 19) -> None:
         runtime = directory / "run"
         if len(str(runtime / "containerd" / "containerd.sock.ttrpc")) > _MAX_SOCKET_PATH:
             # A long cache path would overflow sun_path: keep sockets in a short private dir.
@@ -77,6 +78,7 @@ class PrivateDocker(DockerClient):
         self.containerd_socket = runtime / "containerd" / "containerd.sock"
         self._dockerd: subprocess.Popen[bytes] | None = None
         self._containerd: subprocess.Popen[bytes] | None = None
+        self._nice = nice
 
     # paths
     @property
@@ -225,7 +227,7 @@ class PrivateDocker(DockerClient):
     def _spawn(self, command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         with log_path.open("ab") as log:
             return subprocess.Popen(
-                ["nice", "-n", "19", *command],
+                ["nice", "-n", str(self._nice), *command],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
