@@ -79,6 +79,9 @@ done
 # -- one directory for everything temporary; the disk's peak is sampled beside it.
 run_dir=$(mktemp -d "${TMPDIR:-/tmp}/dst.XXXXXX")
 mkdir -p "$run_dir/tmp"
+# As /tmp is: tests run NGINX as nobody on files under TMPDIR (mktemp's 0700 hid them).
+chmod 0755 "$run_dir"
+chmod 1777 "$run_dir/tmp"
 disk_start=$(used_bytes .)
 (while :; do used_bytes . >>"$run_dir/disk"; sleep 2; done) &
 sampler_pid=$!
