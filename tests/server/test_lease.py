@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.slow
 
 TTL_S = 1.1  # the server's shortest lease
 PREFIX_TOKENS = 256  # 8 blocks of 32 tokens, 1 MiB of KV: a quarter of the store
+CHUNK_FLOOR_S = 0.02  # the warm server's least time per prefill chunk
 
 
 @pytest.fixture
@@ -64,7 +66,7 @@ def _churn(c: SidecarClient, until: threading.Event) -> int:
 
 
 def test_a_prefill_longer_than_the_lease_answers_as_a_cold_run(
-    small_sidecar: SidecarProcess, tokenizer: DeepSeekTokenizer
+    small_sidecar: SidecarProcess, tokenizer: DeepSeekTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prefix = random_text(tokenizer, PREFIX_TOKENS + 8, seed=1)
     prefix = tokenizer.decode(tokenizer.encode(prefix)[:PREFIX_TOKENS])
@@ -79,6 +81,16 @@ def test_a_prefill_longer_than_the_lease_answers_as_a_cold_run(
             min_cache_tokens=0,
         )
     )
+    # Each chunk takes at least CHUNK_FLOOR_S, so the suffix's ~250 chunks outlast
+    # 3 TTLs on any machine (a fast one prefilled them in under 3.3 s).
+    batcher = warm.runtime.batcher
+    prefill = batcher._prefill
+
+    def slow_prefill(a: Any, budget: int) -> int:
+        time.sleep(CHUNK_FLOOR_S)
+        return prefill(a, budget)
+
+    monkeypatch.setattr(batcher, "_prefill", slow_prefill)
     watcher = SidecarClient(small_sidecar.socket, data_dir=str(small_sidecar.data_dir))
     try:
         expected = _ask(cold, prefix + suffix)
