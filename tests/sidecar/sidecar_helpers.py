@@ -67,6 +67,10 @@ def settings(tmp: Path, **kw: Any) -> SidecarSettings:
     return SidecarSettings(**base)
 
 
+#: The helper client's deadline for lookups and leases (writes get 20x).
+CLIENT_TIMEOUT_S = 5.0
+
+
 class Sidecar:
     """An in-process daemon plus a client with the shared volume."""
 
@@ -79,7 +83,12 @@ class Sidecar:
 
     def start(self) -> None:
         self.running = create_server(settings(self.data_dir, **self.kw), SidecarMetrics())
-        self.client = SidecarClient(self.running.socket_path, data_dir=str(self.data_dir))
+        # A generous deadline: the daemon runs in this process (one GIL with the test's
+        # threads) and a lookup may wait on the shared tier; these tests check what is
+        # found, not how fast (the deadline tests make clients of their own).
+        self.client = SidecarClient(
+            self.running.socket_path, data_dir=str(self.data_dir), timeout_s=CLIENT_TIMEOUT_S
+        )
 
     def stop(self) -> None:
         if self.client is not None:
