@@ -132,7 +132,7 @@ run_pytest() {
   shift
   local base="$run_dir/$name"
   local rc=0
-  pytest -q -p no:cacheprovider --basetemp="$base" "$@" "${pytest_args[@]}" || rc=$?
+  pytest -q -p no:cacheprovider --durations=30 --basetemp="$base" "$@" "${pytest_args[@]}" || rc=$?
   [ "$rc" -eq 0 ] && rm -rf "$base"
   return "$rc"
 }
@@ -232,7 +232,7 @@ lane_pid=$!
 # -- the local lane, in the foreground.
 stage "local lane: pytest, everything but the cluster, image and vLLM engine tests"
 local_rc=0
-nice -n 5 pytest -q -p no:cacheprovider --basetemp="$run_dir/local" \
+nice -n 5 pytest -q -p no:cacheprovider --durations=30 --basetemp="$run_dir/local" \
   -m "not cluster and not images and not vllm" "${pytest_args[@]}" || local_rc=$?
 [ "$local_rc" -eq 0 ] && rm -rf "$run_dir/local"
 
