@@ -264,7 +264,12 @@ def prewarm_configmap(namespace: str, warm: Sequence[ChatRequest]) -> dict[str, 
 
 
 def install(cluster: Cluster, opts: KubeDemoOptions, say: Callable[[str], None]) -> None:
-    """Helm install (or upgrade) of the operator, then the demo namespace's objects."""
+    """Helm install (or upgrade) of the operator, then the demo namespace's objects.
+
+    An operator already installed keeps the values it was installed with (its
+    admin's policy: host-path roots, Prometheus allow-list, ...); the demo sets
+    only its Prometheus URL and tick on top (``--reset-then-reuse-values``).
+    """
     say("helm install: the operator as a pod")
     cluster.run(
         "helm",
@@ -275,6 +280,7 @@ def install(cluster: Cluster, opts: KubeDemoOptions, say: Callable[[str], None])
         "--namespace",
         opts.operator_namespace,
         "--create-namespace",
+        "--reset-then-reuse-values",
         "--set",
         f"operator.prometheusUrl={cluster.prometheus_url}",
         "--set",
