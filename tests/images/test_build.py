@@ -257,3 +257,41 @@ def test_refs_follow_the_package_version_and_containerd_naming() -> None:
     assert containerd_name("dscache.local/pause:1.0") == "dscache.local/pause:1.0"
     assert containerd_name("busybox:1") == "docker.io/library/busybox:1"
     assert containerd_name("me/app:1") == "docker.io/me/app:1"
+
+
+def test_the_private_engines_cgroups_are_removed_in_every_hierarchy(tmp_path: Path) -> None:
+    """A fresh host kept dockerd's ``docker`` and ``docker/buildkit`` cgroups after a
+    build: the engine now works under a cgroup of its own and removes it. Plain
+    directories stand in for cgroupfs here; a busy group is one that cannot be removed
+    (a file in a plain directory, a process in a real group)."""
+    from dscache_tools.devcluster.images.engine import CGROUP_PARENT
+    from dscache_tools.devcluster.procs import remove_cgroup
+
+    root = tmp_path / "cgroup"
+    for hierarchy in ("memory", "cpu", "pids", "unified"):
+        (root / hierarchy / CGROUP_PARENT / "buildkit" / "step1").mkdir(parents=True)
+        (root / hierarchy / CGROUP_PARENT / "0123abcd").mkdir()
+        (root / hierarchy / "docker").mkdir()  # a real engine's: not ours
+    busy = root / "memory" / CGROUP_PARENT / "0123abcd"
+    (busy / "cgroup.procs").write_text("4242\n")
+    left = remove_cgroup(CGROUP_PARENT, root)
+    assert left == [busy, busy.parent]
+    kept = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_dir())
+    assert kept == sorted([
+        "cpu",
+        "cpu/docker",
+        "memory",
+        f"memory/{CGROUP_PARENT}",
+        f"memory/{CGROUP_PARENT}/0123abcd",
+        "memory/docker",
+        "pids",
+        "pids/docker",
+        "unified",
+        "unified/docker",
+    ])  # fmt: skip
+    (busy / "cgroup.procs").unlink()
+    assert remove_cgroup(CGROUP_PARENT, root) == []
+    assert not list(root.glob(f"*/{CGROUP_PARENT}"))
+    # cgroup v2 alone: the group sits at the root itself.
+    (root / CGROUP_PARENT / "buildkit").mkdir(parents=True)
+    assert remove_cgroup(CGROUP_PARENT, root) == [] and not (root / CGROUP_PARENT).exists()

@@ -42,6 +42,7 @@ from dscache_tools.devcluster.procs import (
     die_with_parent,
     mount_points,
     process_name,
+    remove_cgroup,
     tail,
     terminate,
 )
@@ -52,6 +53,10 @@ logger = logging.getLogger(__name__)
 _HEARTBEAT_S = 60.0
 #: Longest unix socket path (sun_path is 108 bytes with the terminating NUL).
 _MAX_SOCKET_PATH = 100
+#: The top-level cgroup the private engine's containers and build steps run under
+#: (dockerd's ``--cgroup-parent``; dockerd's default, ``docker``, may be a real
+#: engine's): removed in every hierarchy once the engine has stopped.
+CGROUP_PARENT = "dscache-image-builder"
 
 
 class PrivateDocker(DockerClient):
@@ -64,7 +69,7 @@ class PrivateDocker(DockerClient):
     containers run (their sockets under /run/containerd/s, runc state under
     /run/containerd/runc/moby); the mounts dockerd leaves behind (its data
     root bound onto itself, the default network namespace) are unmounted
-    once it has stopped.
+    once it has stopped, and so are the cgroups under :data:`CGROUP_PARENT`.
     """
 
     def __init__(self, directory: Path, say: Progress | None = None, *, nice: int = 19) -> None:
@@ -191,6 +196,7 @@ class PrivateDocker(DockerClient):
                 "--ip-forward=false",
                 "--ip-masq=false",
                 "--log-level=warn",
+                f"--cgroup-parent=/{CGROUP_PARENT}",
             ],
             self.directory / "dockerd.log",
         )
@@ -280,19 +286,23 @@ class PrivateDocker(DockerClient):
             pidfile.unlink(missing_ok=True)
         self._dockerd = None
         self._containerd = None
-        self._unmount_leftovers()
+        self._undo_leftovers()
 
-    def _unmount_leftovers(self) -> None:
-        """Unmounts what dockerd leaves mounted after it exits.
+    def _undo_leftovers(self) -> None:
+        """Unmounts what dockerd leaves mounted after it exits, removes its cgroups.
 
         dockerd bind-mounts its data root onto itself (to make it a private
         mount) and keeps the default network namespace mounted under its exec
-        root; neither is undone at shutdown, so the host would keep them.
+        root; neither is undone at shutdown, so the host would keep them. The
+        cgroups it and BuildKit made under :data:`CGROUP_PARENT` stay too (a
+        fresh host had ``docker`` and ``docker/buildkit`` groups after a build).
         """
         if self._alive_pidfile(self._dockerd_pidfile, "dockerd") is not None:
             return  # not ours to undo while some dockerd still runs on them
         for point in mount_points(self.directory, self.runtime):
             subprocess.run(["umount", point], capture_output=True, check=False)
+        for group in remove_cgroup(CGROUP_PARENT):
+            logger.warning("cgroup %s is still in use; left in place", group)
 
     def _alive_pidfile(self, pidfile: Path, name: str) -> int | None:
         """The pid in ``pidfile`` when it is a live ``name`` working in our directory."""
