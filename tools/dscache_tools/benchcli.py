@@ -82,6 +82,14 @@ def register(sub: Commands, bench: Commands) -> None:
         help="real vLLM restarted warm: dscache vs ExampleConnector vs recompute, lookups",
     )
     bv.add_argument("--context", default="8192", help="comma-separated prompt lengths (8192)")
+    bv.add_argument(
+        "--layout", default="gqa,mla", help="attention layouts: gqa (Llama), mla (DeepSeek-V3)"
+    )
+    bv.add_argument(
+        "--quick",
+        action="store_true",
+        help="one run per figure, no multi-turn sessions, 1000 lookups (2 cores: ~15 min)",
+    )
     bv.add_argument("--model", default="small", help="local checkpoint size: tiny or small (small)")
     bv.add_argument("--repeat", type=int, default=3, help="TTFT runs per figure, median (3)")
     bv.add_argument(
