@@ -45,6 +45,7 @@ PROCESS_FIXTURES = frozenset(
         "tests/operator::prometheus",  # Debian's Prometheus
         "tests/operator::operator",  # the operator process
         "tests/vllm::vllm_model",  # a checkpoint for a real vLLM
+        "tests/vllm/test_worker.py::daemon",  # a sidecar daemon process
     }
 )
 
