@@ -96,3 +96,32 @@ def test_unusable_layouts_are_refused() -> None:
         PagedKV([torch.zeros(4, 2, 128, 16, dtype=torch.int32)], 256, 128, 4)
     with pytest.raises(LayoutError, match="one shape"):
         PagedKV([*cpu_cache(4, 128), torch.zeros(4, 2, 128, 8)], 256, 128, 4)
+
+
+#: The devices vLLM's pages are tested on: the CPU always, and a CUDA GPU where this
+#: machine has one (no GPU: the CUDA case is not collected, so never counted).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pages_on_any_device_round_trip_through_host_blocks(
+    device: str, dtype: torch.dtype
+) -> None:
+    """A FlashAttention-style allocation on ``device``: whole blocks gathered into
+    host arrays (consecutive pages and scattered ones), scattered back into other
+    pages in another order, equal bit for bit; pages not given stay untouched."""
+    src = [t.to(dtype=dtype, device=device) for t in flash_cache(24, 32)]
+    r = 256 // 32
+    picked = [*range(r), 23, 3, 19, 9, 21, 12, 17, 14]  # a run, then scattered pages
+    blocks = PagedKV(src, 256, 32, 24).gather(picked)
+    assert len(blocks) == 2 and all(isinstance(b, np.ndarray) for b in blocks)
+    dst = [torch.full_like(t, -1.0) for t in src]
+    targets = [*range(16, 16 + r), *range(2 * r - 1, -1, -2)]  # a run, then every other
+    assert PagedKV(dst, 256, 32, 24).scatter(blocks, 0, 0, targets) == 2 * r
+    for s, d in zip(src, dst, strict=True):
+        assert d.device == s.device
+        for k, page in enumerate(targets):
+            assert torch.equal(d[:, page], s[:, picked[k]])
+        for page in sorted(set(range(24)) - set(targets)):
+            assert bool((d[:, page] == -1).all())

@@ -22,6 +22,9 @@ Contract:
       pages (the only copy on the hit path: the stored arrays are read-only views on
       the mapped segment files).
     * None ever writes a page it was not given.
+    * vLLM's pages may be on a GPU while stored blocks are host memory: every copy
+      crosses devices as torch does it (the index and source go where the pages
+      are), so the same code serves the CPU and CUDA backends.
     * A layout without a page dimension, with layers of differing shapes, or with
       pages that are not whole tokens is refused at start-up (``LayoutError``).
 """
@@ -154,11 +157,12 @@ class PagedKV:
             raise LayoutError(f"stored block of shape {block.shape}, not {g.block_shape}")
         return _as_tensor(block, g.dtype).view(g.num_layers, g.pages_per_block, *g.page_shape)
 
-    def _run(self, page_ids: Sequence[int]) -> slice | torch.Tensor:
+    def _run(self, page_ids: Sequence[int], device: torch.device) -> slice | torch.Tensor:
+        """Consecutive page ids as a slice, others as an index on the pages' device."""
         first = page_ids[0]
         if all(p == first + i for i, p in enumerate(page_ids)):
             return slice(first, first + len(page_ids))
-        return torch.tensor(list(page_ids), dtype=torch.long)
+        return torch.tensor(list(page_ids), dtype=torch.long, device=device)
 
     def copy_in(self, layer: int, block: torch.Tensor, first: int, page_ids: Sequence[int]) -> None:
         """Copies pages ``first .. first + len(page_ids) - 1`` of ``block``'s ``layer``
@@ -168,11 +172,11 @@ class PagedKV:
         d = self.geometry.page_dim
         src = block[layer, first : first + len(page_ids)].movedim(0, d)
         dst = self.layers[layer]
-        run = self._run(page_ids)
+        run = self._run(page_ids, dst.device)
         if isinstance(run, slice):
-            dst.narrow(d, run.start, run.stop - run.start).copy_(src)
-        else:
-            dst.index_copy_(d, run, src)
+            dst.narrow(d, run.start, run.stop - run.start).copy_(src)  # host to GPU too
+        else:  # index_copy_ wants its index and source where the pages are
+            dst.index_copy_(d, run, src.to(dst.device))
 
     def copy_out(
         self, layer: int, block: torch.Tensor, first: int, page_ids: Sequence[int]
@@ -183,7 +187,7 @@ class PagedKV:
             return
         d = self.geometry.page_dim
         src = self.layers[layer]
-        run = self._run(page_ids)
+        run = self._run(page_ids, src.device)
         pages = (
             src.narrow(d, run.start, run.stop - run.start)
             if isinstance(run, slice)
