@@ -29,12 +29,18 @@ TOKENS = list(range(3000, 3000 + 3 * BLOCK))
 KEYS = CHAIN.keys(TOKENS)
 
 
-def kv(fill: bool) -> list[torch.Tensor]:
+#: Where vLLM's pages are: the CPU always, a CUDA GPU where this machine has one (no
+#: GPU: those cases are not collected, so never counted).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def kv(fill: bool, device: str = "cpu") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return [
-        torch.randn(PAGES, 2, PAGE, 128, generator=g) if fill else torch.zeros(PAGES, 2, PAGE, 128)
+        (torch.randn(PAGES, 2, PAGE, 128, generator=g) if fill else torch.zeros(PAGES, 2, PAGE, 128))
+        .to(device)
         for _ in range(2)
-    ]
+    ]  # fmt: skip
 
 
 @pytest.fixture
@@ -117,8 +123,11 @@ def test_a_corrupt_block_checked_before_the_copy_is_never_copied(daemon: Sidecar
     loader.close()
 
 
-def test_layer_by_layer_loads_and_saves_round_trip(daemon: SidecarProcess) -> None:
-    src = kv(fill=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_by_layer_loads_and_saves_round_trip(daemon: SidecarProcess, device: str) -> None:
+    """Saves layer by layer out of vLLM's pages, loads into other pages, not consecutive,
+    on the copier thread; on a GPU too (the pages on CUDA, the blocks mapped host memory)."""
+    src = kv(fill=True, device=device)
     saver, reg = worker(daemon, src)
     spec = SaveSpec("r", CHAIN.tenant, tuple(KEYS), (b"", KEYS[0], KEYS[1]), tuple(range(6)))
     saver.begin_step()
@@ -128,7 +137,7 @@ def test_layer_by_layer_loads_and_saves_round_trip(daemon: SidecarProcess) -> No
     assert saver.settle() == set()
     assert saver.wait_idle(30)
     assert reg.get_sample_value("dscache_vllm_stored_blocks_total") == 3
-    dst = kv(fill=False)
+    dst = kv(fill=False, device=device)
     loader, _ = worker(daemon, dst)
     loader.begin_step()
     loader.start_loads([load_spec((9, 3, 4, 5, 14, 15))])  # pages need not be consecutive
