@@ -176,6 +176,10 @@ def test_demo_kubernetes_promotes_the_good_revision_and_rolls_back_the_bad_one(
         # 0.96 s). The hit-rate gate is what must tell the cold revision from
         # the warm one here; the bound stays, wide, so it is still exercised.
         max_ttft_p99_ratio=10.0,
+        # The cold revision reads 0.0; a warm canary once read 0.78 against stable's
+        # 0.94 in its first 10% window on this loaded host (a cluster stage run
+        # back to back), under the example's 0.9 ratio. 0.6 still tells them apart.
+        min_hit_rate_ratio=0.6,
     )
     report = run_kubernetes_demo(opts, say=lambda line: log.info("demo: %s", line))
     (tmp_path / "demo.json").write_text(json.dumps(report, indent=2))

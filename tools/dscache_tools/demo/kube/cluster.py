@@ -213,6 +213,8 @@ def resource(opts: KubeDemoOptions, revision: str, min_tokens: int | None = None
         spec["cache"]["minTokens"] = min_tokens
     if opts.max_ttft_p99_ratio is not None:
         spec["rollout"]["analysis"]["maxTtftP99Ratio"] = opts.max_ttft_p99_ratio
+    if opts.min_hit_rate_ratio is not None:
+        spec["rollout"]["analysis"]["minHitRateRatio"] = opts.min_hit_rate_ratio
     obj["metadata"]["namespace"] = opts.namespace
     return obj
 

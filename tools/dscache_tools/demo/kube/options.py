@@ -71,6 +71,11 @@ class KubeDemoOptions:
             behaviour on a shared machine widens it: the hit-rate gate is what
             tells a cold revision from a warm one, and a noisy 2-core host can
             double a P99 by itself.
+        min_hit_rate_ratio: the rollout gate's hit-rate bound, canary hit rate over
+            stable's (None: the example's 0.9). A test of the gate's behaviour on a
+            shared machine lowers it: a cold revision reads 0.0, a warm one on a
+            loaded 2-core host once read 0.78 against stable's 0.94 in its first
+            10% window.
     """
 
     quick: bool = False
@@ -86,6 +91,7 @@ class KubeDemoOptions:
     settle_s: float | None = None
     workdir: Path | None = None
     max_ttft_p99_ratio: float | None = None
+    min_hit_rate_ratio: float | None = None
 
     @property
     def step_interval_s(self) -> int:
@@ -114,4 +120,5 @@ def options_report(opts: KubeDemoOptions) -> dict[str, Any]:
         "settle_s": opts.settle,
         "warmup_s": opts.warmup_s,
         "max_ttft_p99_ratio": opts.max_ttft_p99_ratio,
+        "min_hit_rate_ratio": opts.min_hit_rate_ratio,
     }
