@@ -270,6 +270,12 @@ def _add_kube_demo(kinds: Commands) -> None:
         default=None,
         help="the rollout gate's latency bound, canary over stable P99 TTFT (example: 2.0)",
     )
+    k.add_argument(
+        "--min-hit-rate-ratio",
+        type=float,
+        default=None,
+        help="the rollout gate's hit-rate bound, canary over stable hit rate (example: 0.9)",
+    )
     k.set_defaults(handler=_run_kube_demo)
 
 
