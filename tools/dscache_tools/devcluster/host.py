@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from dscache_tools.devcluster import hostfs, hostnet
-from dscache_tools.devcluster.hostfs import CGROUP_ROOT, add_cgroup, add_mount_root
+from dscache_tools.devcluster.hostfs import add_cgroup, add_mount_root
 from dscache_tools.devcluster.hostnet import (
     BRIDGE_PREFIX,
     CHAIN,
@@ -60,7 +60,7 @@ from dscache_tools.devcluster.hostrecord import (
     find,
     which,
 )
-from dscache_tools.devcluster.procs import process_running
+from dscache_tools.devcluster.procs import CGROUP_ROOT, process_running
 
 logger = logging.getLogger(__name__)
 

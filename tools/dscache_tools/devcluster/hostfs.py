@@ -19,10 +19,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dscache_tools.devcluster.hostrecord import HostRecord, run
-from dscache_tools.devcluster.procs import mount_points
+from dscache_tools.devcluster.procs import mount_points, remove_cgroup_tree
 from dscache_tools.polling import poll
-
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def cgroup_hierarchies() -> list[Path]:
@@ -68,7 +66,7 @@ def undo(record: HostRecord) -> None:
     for root in record.mount_roots:
         unmount_below(Path(root))
     for cgroup in sorted(record.cgroups, key=len, reverse=True):
-        _remove_cgroup_tree(Path(cgroup))
+        remove_cgroup_tree(Path(cgroup))
 
 
 def _cgroup_pids(path: Path) -> set[int]:
@@ -108,15 +106,6 @@ def _kill_shims(roots: Iterable[str]) -> None:
         if any(a.decode(errors="replace").startswith(prefixes) for a in argv[1:]):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(int(proc.name), signal.SIGKILL)
-
-
-def _remove_cgroup_tree(path: Path) -> None:
-    if not path.exists():
-        return
-    dirs = sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts))
-    for directory in [*reversed(dirs), path]:
-        with contextlib.suppress(OSError):
-            directory.rmdir()
 
 
 def unmount_below(root: Path) -> None:

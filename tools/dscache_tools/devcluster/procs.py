@@ -194,24 +194,33 @@ def mount_points(*roots: Path) -> list[str]:
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
+def remove_cgroup_tree(path: Path) -> list[Path]:
+    """Removes cgroup ``path`` and every group under it, deepest first.
+
+    A group removes with ``rmdir`` once it holds no process and no child group
+    (its control files go with it). Returns the groups that could not be removed
+    (still in use), deepest first; a missing one is no error.
+    """
+    if not path.is_dir():
+        return []
+    groups = [p for p in path.rglob("*") if p.is_dir()]
+    left: list[Path] = []
+    for group in [*sorted(groups, key=lambda p: len(p.parts), reverse=True), path]:
+        try:
+            group.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            left.append(group)
+    return left
+
+
 def remove_cgroup(name: str, root: Path = CGROUP_ROOT) -> list[Path]:
     """Removes the top-level cgroup ``name`` and every group under it, in each hierarchy.
 
     For daemons told to put their work under a cgroup of their own (dockerd's
     ``--cgroup-parent``): the kernel keeps an empty cgroup until it is removed, so
-    the host would keep it. A group removes with ``rmdir`` once it holds no process
-    and no child group (its control files go with it). Returns the groups that
-    could not be removed (still in use), deepest first; a missing one is no error.
+    the host would keep it. Returns the groups left in use (:func:`remove_cgroup_tree`).
     """
     tops = [top for top in (root / name, *root.glob(f"*/{name}")) if top.is_dir()]
-    left: list[Path] = []
-    for top in tops:
-        groups = [p for p in top.rglob("*") if p.is_dir()]
-        for group in [*sorted(groups, key=lambda p: len(p.parts), reverse=True), top]:
-            try:
-                group.rmdir()
-            except FileNotFoundError:
-                pass
-            except OSError:
-                left.append(group)
-    return left
+    return [group for top in tops for group in remove_cgroup_tree(top)]
