@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from dscache_vllm.paged import LayoutError, PagedKV
+from vllm_helpers import DEVICES
 
 LAYERS, HEADS, HEAD = 3, 2, 8
 
@@ -96,11 +97,6 @@ def test_unusable_layouts_are_refused() -> None:
         PagedKV([torch.zeros(4, 2, 128, 16, dtype=torch.int32)], 256, 128, 4)
     with pytest.raises(LayoutError, match="one shape"):
         PagedKV([*cpu_cache(4, 128), torch.zeros(4, 2, 128, 8)], 256, 128, 4)
-
-
-#: The devices vLLM's pages are tested on: the CPU always, and a CUDA GPU where this
-#: machine has one (no GPU: the CUDA case is not collected, so never counted).
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)

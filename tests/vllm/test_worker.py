@@ -16,7 +16,7 @@ from dscache_vllm.paged import PagedKV
 from dscache_vllm.plan import LoadSpec, SaveSpec
 from dscache_vllm.worker import KVWorker
 from prometheus_client import CollectorRegistry
-from vllm_helpers import flip_block
+from vllm_helpers import DEVICES, flip_block
 
 from dscache.keys import KeyChain, KVLayout, LayoutKind, ModelFingerprint, tenant_salt
 
@@ -27,11 +27,6 @@ FP = ModelFingerprint(
 CHAIN = KeyChain(FP, tenant_salt("t"))
 TOKENS = list(range(3000, 3000 + 3 * BLOCK))
 KEYS = CHAIN.keys(TOKENS)
-
-
-#: Where vLLM's pages are: the CPU always, a CUDA GPU where this machine has one (no
-#: GPU: those cases are not collected, so never counted).
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def kv(fill: bool, device: str = "cpu") -> list[torch.Tensor]:

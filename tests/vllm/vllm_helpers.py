@@ -8,10 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from dscache_sidecar.client import SidecarClient
 from dscache_tools.sidecarproc import SidecarProcess
 from dscache_tools.vllmprobe import VllmProbe, vllm_python
 from needs import missing
+
+#: Where vLLM's pages are tested: the CPU always, a CUDA GPU where this machine has
+#: one (no GPU: those cases are not collected, so never counted).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 #: A store small enough to copy per test (segment files are allocated up front).
 STORE_FLAGS = ("--capacity", "256MiB", "--segment-size", "32MiB")
