@@ -33,7 +33,11 @@ Contract:
       that lapsed during decoding fails the request rather than answer from bytes
       that may have been reused.
     * New full prompt blocks are queued for storing right after the prefill, before
-      the first token is emitted, on the cache's background thread.
+      the first token is emitted, on the cache's background thread. When a request
+      ends (``stop`` or ``length``), the blocks its decoding completed (prompt and
+      generated tokens together) are queued the same way, so the next turn of a
+      conversation that sends back the answer finds it cached. The client's
+      next-turn signal follows that store and covers both.
     * A cancelled request (client gone) stops at its next iteration.
     * ``timings`` of every request sum to its wall time until the first token:
       ``queue`` is everything spent waiting (for a slot, for the engine thread, and
@@ -301,8 +305,6 @@ class Batcher:
         self._count_hits(req, restored.admitted, a.hit_tokens, restored.hit_blocks)
         self.cache.observe(len(req.token_ids), restored, a.compute_s)
         self.cache.store_async(req.chain, req.token_ids, seq, restored.hit_blocks)
-        if req.next_turn:
-            self.cache.signal_async(req.chain, req.token_ids, req.next_turn)
         m = self.metrics
         m.prompt_tokens.labels(source="reused", tenant=req.tenant_label).inc(a.hit_tokens)
         m.prompt_tokens.labels(source="recomputed", tenant=req.tenant_label).inc(
@@ -374,6 +376,7 @@ class Batcher:
         """Ends ``a`` normally (a finish reason is set): flushes, records, resolves."""
         self._active.remove(a)
         try:
+            self._store_generated(a)
             tail = a.stops.flush()
             if tail:
                 a.emit(tail)
@@ -396,6 +399,24 @@ class Batcher:
             return
         self._release(a)
         a.future.set_result(result)
+
+    def _store_generated(self, a: _Active) -> None:
+        """Queues the blocks decoding completed, then the client's next-turn signal.
+
+        ``seq`` holds the prompt and every generated token fed back to the model (the
+        last sampled one never is); the blocks from the prompt's last partial block on
+        are new. A cancelled request stores nothing more: its client is gone.
+        """
+        req, seq = a.req, a.seq
+        if seq is None or a.prefilling:
+            return
+        ids = req.token_ids
+        if a.finish in ("stop", "length") and a.detok.ids:
+            ids = [*req.token_ids, *a.detok.ids]
+            first = len(req.token_ids) // self.cache.block_tokens
+            self.cache.store_async(req.chain, ids, seq, first)
+        if req.next_turn:
+            self.cache.signal_async(req.chain, ids[: seq.length], req.next_turn)
 
     def _fail(self, a: _Active, exc: BaseException) -> None:
         self._release(a)

@@ -57,6 +57,9 @@ class GenerationRequest:
     tenant_label: str = "default"  # the metrics' tenant label (dscache_server.auth)
     #: What the client said of its session's next turn: "ended", "expected" or "".
     next_turn: str = ""
+    #: A chat request's piece scope (its tenant): its answer is remembered there with
+    #: the generated ids (``PieceCache.remember_answer``); None for completions.
+    answer_scope: str | None = None
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     #: Seconds per phase (``dscache.metricnames.PHASES``); the HTTP layer fills in

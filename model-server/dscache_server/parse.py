@@ -100,6 +100,7 @@ def parse_request(
         chain=rt.chain_for(principal.tenant),
         tenant_label=principal.label,
         arrived=arrived,
+        answer_scope=principal.tenant if isinstance(api, ChatCompletionRequest) else None,
     )
     return ParsedRequest(generation, api.stream, api.include_usage())
 

@@ -103,10 +103,23 @@ class Runtime:
         """
         future = asyncio.wrap_future(self.batcher.submit(req, emit))
         try:
-            return await asyncio.shield(future)
+            result = await asyncio.shield(future)
         except asyncio.CancelledError:
             req.cancelled.set()
             raise
+        if req.answer_scope is not None:
+            self.remember_answer(req.answer_scope, result)
+        return result
+
+    def remember_answer(self, scope: str, result: GenerationResult) -> None:
+        """Remembers a chat answer's ids for the next turn's prompt
+        (``PieceCache.remember_answer``): as many generated ids as spell the text
+        exactly (``DeepSeekTokenizer.answer_ids``), so its cached KV matches."""
+        if result.finish_reason not in ("stop", "length") or not result.text:
+            return
+        ids = self.tokenizer.answer_ids(result.text, result.token_ids)
+        if ids is not None:
+            self.pieces.remember_answer(scope, result.text, ids)
 
     def close(self) -> None:
         """Stops the engine thread and closes the cache."""

@@ -15,6 +15,13 @@ Invariants:
       (``PieceCache``): a conversation re-sends its whole history every turn, and
       only the new messages are tokenized again. Pieces are remembered per scope
       (the tenant), so no tenant can time another's tokenization.
+    * An answer the server generated is remembered with the ids the model generated
+      (``PieceCache.remember_answer``; ``answer_ids``: as many of them as spell the
+      text exactly, then the rest of the text encoded): a client that sends it back
+      gets a prompt whose ids match the cached KV of prompt + answer, even where
+      encoding the text again would split it differently. Answers are remembered
+      apart from other pieces (a user message with the same text is encoded as
+      usual).
 """
 
 from __future__ import annotations
@@ -76,24 +83,49 @@ class PieceCache:
         self._min_chars = min_chars
         self._lock = threading.Lock()  # LRUCache is not thread safe
 
-    def ids(self, scope: str, text: str, encode: Callable[[str], list[int]]) -> list[int]:
-        """The ids of ``text``, from memory when this scope saw it before."""
-        if len(text) < self._min_chars:
+    def ids(
+        self,
+        scope: str,
+        text: str,
+        encode: Callable[[str], list[int]],
+        *,
+        answer: bool = False,
+    ) -> list[int]:
+        """The ids of ``text``, from memory when this scope saw it before.
+
+        ``answer``: an assistant message's text. Answers are remembered apart, at any
+        length, and may hold the very ids the model generated (``remember_answer``).
+        """
+        if not answer and len(text) < self._min_chars:
             return encode(text)
-        h = hashlib.blake2b(digest_size=16)
-        scoped = scope.encode("utf-8", "surrogatepass")
-        h.update(len(scoped).to_bytes(4, "little") + scoped)
-        h.update(text.encode("utf-8", "surrogatepass"))
-        key = h.digest()
+        key = self._key(scope, text, answer)
         with self._lock:
             hit = self._ids.get(key)
         if hit is not None:
             return list(hit)
         ids = encode(text)
+        self._put(key, ids)
+        return ids
+
+    def remember_answer(self, scope: str, text: str, ids: Sequence[int]) -> None:
+        """Records that this scope's model answered ``text`` with ``ids``: when the
+        client sends the answer back, the next turn is rendered with the generated ids
+        (whose KV is cached) even where encoding the text again would split it
+        differently. The caller checks that ``ids`` decode to ``text`` exactly."""
+        self._put(self._key(scope, text, True), list(ids))
+
+    def _put(self, key: bytes, ids: list[int]) -> None:
         if len(ids) <= self._ids.maxsize:
             with self._lock:
                 self._ids[key] = tuple(ids)
-        return ids
+
+    @staticmethod
+    def _key(scope: str, text: str, answer: bool) -> bytes:
+        h = hashlib.blake2b(digest_size=16, person=b"answer" if answer else b"piece")
+        scoped = scope.encode("utf-8", "surrogatepass")
+        h.update(len(scoped).to_bytes(4, "little") + scoped)
+        h.update(text.encode("utf-8", "surrogatepass"))
+        return h.digest()
 
 
 class DeepSeekTokenizer:
@@ -128,6 +160,37 @@ class DeepSeekTokenizer:
         """Ids to text."""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special))
 
+    def answer_ids(self, text: str, generated: Sequence[int]) -> list[int] | None:
+        """Ids that spell ``text`` exactly, starting with as many of ``generated`` (the
+        ids the model produced for it) as spell its beginning; None when not one does.
+
+        The server's text drops special tokens and holds back a broken character, so
+        ``generated`` may spell more than ``text``: the longest prefix of it that
+        spells a prefix of ``text`` (no special token, no half character) is kept
+        and the rest of the text is encoded as usual. A binary search: a few decodes.
+        """
+
+        def spells(k: int) -> str | None:
+            head = self.decode(generated[:k], skip_special=False)
+            ok = text.startswith(head) and not head.endswith("\ufffd")
+            return head if ok else None
+
+        lo, hi = 0, len(generated)  # spells(lo) holds; find the largest k that does
+        if spells(hi) is not None:
+            lo = hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if spells(mid) is not None:
+                lo = mid
+            else:
+                hi = mid
+        if lo == 0:
+            return None
+        head = spells(lo)
+        assert head is not None
+        ids = [*generated[:lo], *self.encode(text[len(head) :])]
+        return ids if self.decode(ids, skip_special=False) == text else None
+
     def apply_chat_template(
         self,
         messages: Sequence[ChatMessage],
@@ -150,8 +213,10 @@ class DeepSeekTokenizer:
         if not messages:
             raise TemplateError("messages must not be empty")
 
-        def encode(text: str) -> list[int]:
-            return pieces.ids(scope, text, self.encode) if pieces else self.encode(text)
+        def encode(text: str, *, answer: bool = False) -> list[int]:
+            if pieces is None:
+                return self.encode(text)
+            return pieces.ids(scope, text, self.encode, answer=answer)
 
         system = [m.content for m in messages if m.role in ("system", "developer")]
         ids = [self.bos_id, *encode("\n\n".join(system))]
@@ -163,7 +228,7 @@ class DeepSeekTokenizer:
                 ids.extend(encode(m.content))
             elif m.role == "assistant":
                 ids.append(self.assistant_id)
-                ids.extend(encode(m.content))
+                ids.extend(encode(m.content, answer=True))
                 ids.append(self.eos_id)
         if add_generation_prompt:
             ids.append(self.assistant_id)

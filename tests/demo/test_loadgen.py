@@ -17,7 +17,7 @@ from dscache_tools.loadgen import (
 )
 from dscache_tools.loadgen.breakdown import format_breakdown
 from dscache_tools.workload import ChatRequest, WorkloadConfig, generate
-from fakes.openai_sse import FakeChatServer
+from fakes.openai_sse import ANSWER, FakeChatServer
 
 
 @pytest.fixture
@@ -57,6 +57,31 @@ def test_turns_in_order_sessions_in_parallel(fake: FakeChatServer) -> None:
     spans = sorted((s.start, s.end) for s in fake.seen)
     overlaps = sum(1 for a, b in itertools.pairwise(spans) if b[0] < a[1])
     assert overlaps > 0
+
+
+@pytest.mark.parametrize("answers", ["workload", "served"])
+def test_a_chat_client_sends_back_the_answers_it_was_served(
+    fake: FakeChatServer, answers: str
+) -> None:
+    workload = _workload(3)
+    cfg = LoadConfig(target=fake.url, concurrency=3, progress=False, answers=answers)  # type: ignore[arg-type]
+    assert _run(cfg, workload).errors == 0
+    canned = {
+        (len(r.messages), tuple(m["content"] for m in r.messages if m["role"] == "assistant"))
+        for r in workload
+    }
+    later = [s for s in fake.seen if s.answers]
+    assert later
+    for s in later:
+        if answers == "workload":
+            assert (s.n_messages, tuple(s.answers)) in canned
+        else:  # each turn's answer is the one the fake gave it, not the canned one
+            assert s.answers[-1] == ANSWER
+
+
+def test_answers_must_be_workload_or_served() -> None:
+    with pytest.raises(ValueError, match="answers"):
+        LoadConfig(target="http://127.0.0.1:1", answers="mine")  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

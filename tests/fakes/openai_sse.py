@@ -17,10 +17,13 @@ from typing import Any
 
 from dscache import metricnames as names
 
+#: What the fake answers every request (in two chunks).
+ANSWER = "Revenue grew."
+
 
 @dataclass
 class Seen:
-    """One request as the fake received it."""
+    """One request as the fake received it (it answers every one ``ANSWER``)."""
 
     session: str | None  # X-Session-ID header
     cookie: str | None
@@ -28,6 +31,7 @@ class Seen:
     n_messages: int
     start: float
     end: float = 0.0
+    answers: list[str] = field(default_factory=list)  # the history's assistant messages
 
 
 @dataclass
@@ -94,6 +98,7 @@ class FakeChatServer:
                     user_text=user,
                     n_messages=len(msgs),
                     start=time.monotonic(),
+                    answers=[m["content"] for m in msgs if m["role"] == "assistant"],
                 )
                 with fake.lock:
                     fake.seen.append(rec)
@@ -126,9 +131,10 @@ class FakeChatServer:
 
                 sse(choice({"role": "assistant", "content": ""}))
                 time.sleep(fake.first_token_delay_s)
-                sse(choice({"content": "Revenue"}))
+                head, tail = ANSWER.split(" ", 1)
+                sse(choice({"content": head}))
                 time.sleep(fake.rest_delay_s)
-                sse(choice({"content": " grew."}))
+                sse(choice({"content": " " + tail}))
                 sse(choice({}, "length"))
                 usage = {
                     "prompt_tokens": prompt,

@@ -220,6 +220,47 @@ def test_remembered_pieces_tokenize_the_same_and_stay_per_tenant(
     assert again == plain
 
 
+def test_answer_ids_keep_the_generated_ids_that_spell_the_text(
+    tokenizer: DeepSeekTokenizer,
+) -> None:
+    words = tokenizer.encode(" Revenue rose by a third in the last quarter")
+    placeholder = tokenizer.encode("<\uff5cplace\u2581holder\u2581no\u2581754\uff5c>")
+    assert len(placeholder) == 1  # a special token: the answer's text drops it
+    generated = [*words[:5], *placeholder, *words[5:]]
+    text = tokenizer.decode(generated)
+    ids = tokenizer.answer_ids(text, generated)
+    assert ids is not None and ids[:5] == words[:5]  # kept up to the special token
+    assert tokenizer.decode(ids, skip_special=False) == text
+    assert tokenizer.answer_ids(text, words) == words  # all of them when they spell it
+    assert tokenizer.answer_ids("something else", words) is None
+
+
+def test_a_remembered_answer_stays_with_its_tenant_and_its_role(
+    tokenizer: DeepSeekTokenizer,
+) -> None:
+    text = "Revenue rose."
+    canonical = tokenizer.encode(text)
+    generated = [canonical[0], *canonical]  # stand-in ids a fresh encoding never gives
+    pieces = PieceCache()
+    pieces.remember_answer("alice", text, generated)
+
+    def rendered(scope: str, role: str) -> list[int]:
+        msgs = [ChatMessage("user", "q"), ChatMessage(role, text), ChatMessage("user", "next")]
+        return tokenizer.apply_chat_template(msgs, pieces=pieces, scope=scope)
+
+    def plain(role: str) -> list[int]:
+        msgs = [ChatMessage("user", "q"), ChatMessage(role, text), ChatMessage("user", "next")]
+        return tokenizer.apply_chat_template(msgs)
+
+    assert pieces.ids("alice", text, tokenizer.encode, answer=True) == generated
+    with_answer = rendered("alice", "assistant")
+    assert with_answer != plain("assistant")
+    start = 3 + len(tokenizer.encode("q"))  # BOS, USER, "q", ASSISTANT
+    assert with_answer[start : start + len(generated) + 1] == [*generated, tokenizer.eos_id]
+    assert rendered("bob", "assistant") == plain("assistant")  # another tenant's answer
+    assert rendered("alice", "user") == plain("user")  # the same text as a user message
+
+
 @pytest.mark.slow  # it builds the model (about 10 s on a busy 2-core machine)
 def test_the_store_thread_runs_niced(tokenizer: DeepSeekTokenizer) -> None:
     """Background stores take the CPU the requests leave (Linux: niceness per thread)."""

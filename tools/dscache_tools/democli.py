@@ -151,6 +151,13 @@ def _add_load(sub: Commands) -> None:
         help="ask for whole JSON answers (a router can retry them on another pod); "
         "TTFT is then the time to the whole answer",
     )
+    ld.add_argument(
+        "--answers",
+        choices=["workload", "served"],
+        default="workload",
+        help="the history's assistant messages: the workload's canned answers (default) or "
+        "the answers the server gave, sent back as a chat client does",
+    )
     ld.add_argument("--no-progress", action="store_true", help="no progress bar")
     ld.set_defaults(handler=_run_load)
 

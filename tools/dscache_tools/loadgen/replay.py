@@ -16,6 +16,10 @@ Contract:
       which a router can retry on another pod until its first byte; TTFT is then
       the time to the whole answer (the same as the end-to-end latency). An answer
       without ``choices`` is an error.
+    * ``answers="served"`` sends back what the server answered, as a chat client
+      does: each earlier turn's assistant message in the history is replaced by the
+      text that turn received (when it succeeded); ``"workload"`` (the default) sends
+      the workload's canned answers unchanged.
     * ``requests`` caps how many requests start; ``duration_s`` stops starting new
       ones after that many seconds. In-flight requests always finish (bounded by
       ``timeout_s``), so a run ends by itself.
@@ -32,7 +36,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from dscache_tools.loadgen.report import LoadReport, RequestResult, build_report, scrape
 from dscache_tools.workload import ChatRequest, sessions_of
@@ -64,6 +68,8 @@ class LoadConfig:
             With think time, ``concurrency`` is the number of live sessions.
         stream: stream the answers (SSE); False: one JSON answer per request,
             TTFT then being the time to the whole answer.
+        answers: the history's assistant messages: the workload's canned answers
+            (``"workload"``) or the ones the server gave (``"served"``).
     """
 
     target: str
@@ -78,6 +84,7 @@ class LoadConfig:
     progress: bool = True
     think_s: float = 0.0
     stream: bool = True
+    answers: Literal["workload", "served"] = "workload"
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -88,6 +95,8 @@ class LoadConfig:
             raise ValueError("duration must be > 0")
         if self.think_s < 0:
             raise ValueError("think time must be >= 0")
+        if self.answers not in ("workload", "served"):
+            raise ValueError("answers must be 'workload' or 'served'")
 
 
 def think_times(session: str, turns: int, mean_s: float) -> list[float]:
@@ -108,9 +117,19 @@ def _no_cookies() -> CookieJar:
     return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
 
 
-def _body(cfg: LoadConfig, req: ChatRequest) -> bytes:
+def with_answers(messages: list[dict[str, str]], served: dict[int, str]) -> list[dict[str, str]]:
+    """``messages`` with the assistant message at each index of ``served`` replaced
+    by the answer served there."""
+    out = list(messages)
+    for i, text in served.items():
+        if i < len(out) and out[i].get("role") == "assistant":
+            out[i] = {**out[i], "content": text}
+    return out
+
+
+def _body(cfg: LoadConfig, req: ChatRequest, served: dict[int, str]) -> bytes:
     body: dict[str, Any] = {
-        "messages": req.messages,
+        "messages": with_answers(req.messages, served) if served else req.messages,
         "max_tokens": req.max_tokens,
         "temperature": 0.0,
         "stream": cfg.stream,
@@ -138,18 +157,24 @@ def _timings(res: RequestResult, timings: object) -> None:
         res.timings = {str(k): float(v) for k, v in timings.items() if isinstance(v, int | float)}
 
 
-def _absorb(res: RequestResult, chunk: dict[str, Any], started: float) -> None:
-    """Takes usage, timings and the first token's time from one streamed chunk."""
+def _absorb(res: RequestResult, chunk: dict[str, Any], started: float, answer: list[str]) -> None:
+    """Takes usage, timings, the first token's time and the text from one streamed
+    chunk."""
     _usage(res, chunk.get("usage"))
     _timings(res, chunk.get("timings"))
     for choice in chunk.get("choices") or ():
         text = (choice.get("delta") or {}).get("content")
+        if text:
+            answer.append(text)
         if res.ttft_s is None and (text or choice.get("finish_reason")):
             res.ttft_s = time.perf_counter() - started
 
 
-async def _read_stream(resp: httpx.Response, res: RequestResult, started: float) -> bool:
-    """Reads the SSE stream into ``res``; whether it ended with ``[DONE]``."""
+async def _read_stream(
+    resp: httpx.Response, res: RequestResult, started: float, answer: list[str]
+) -> bool:
+    """Reads the SSE stream into ``res`` and its text into ``answer``; whether it
+    ended with ``[DONE]``."""
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
             continue
@@ -160,20 +185,25 @@ async def _read_stream(resp: httpx.Response, res: RequestResult, started: float)
         if "error" in chunk:
             res.error = f"stream error: {chunk['error'].get('message')}"
             return False
-        _absorb(res, chunk, started)
+        _absorb(res, chunk, started, answer)
     res.error = "stream ended without [DONE]"
     return False
 
 
-async def _read_whole(resp: httpx.Response, res: RequestResult, started: float) -> bool:
-    """Reads a non-streamed answer into ``res``; whether it has choices."""
-    answer = json.loads(await resp.aread())
+async def _read_whole(
+    resp: httpx.Response, res: RequestResult, started: float, answer: list[str]
+) -> bool:
+    """Reads a non-streamed answer into ``res`` and its text into ``answer``; whether
+    it has choices."""
+    body = json.loads(await resp.aread())
     res.ttft_s = time.perf_counter() - started
-    _usage(res, answer.get("usage"))
-    _timings(res, answer.get("timings"))
-    if not answer.get("choices"):
+    _usage(res, body.get("usage"))
+    _timings(res, body.get("timings"))
+    choices = body.get("choices")
+    if not choices:
         res.error = "answer without choices"
         return False
+    answer.append(str((choices[0].get("message") or {}).get("content") or ""))
     return True
 
 
@@ -182,7 +212,10 @@ async def _one(
     cfg: LoadConfig,
     req: ChatRequest,
     t0: float,
-) -> RequestResult:
+    served: dict[int, str],
+) -> tuple[RequestResult, str]:
+    """Sends one turn (its history's answers replaced by ``served``); returns the
+    result and the answer's text."""
     headers = {"Content-Type": "application/json"}
     if req.session_id is not None:
         headers[cfg.session_header] = req.session_id
@@ -198,9 +231,10 @@ async def _one(
         e2e_s=0.0,
     )
     done = False
+    answer: list[str] = []
     try:
         async with client.stream(
-            "POST", "/v1/chat/completions", content=_body(cfg, req), headers=headers
+            "POST", "/v1/chat/completions", content=_body(cfg, req, served), headers=headers
         ) as resp:
             res.status = resp.status_code
             res.upstream = resp.headers.get(cfg.upstream_header)
@@ -209,14 +243,14 @@ async def _one(
                 text = (await resp.aread()).decode(errors="replace")
                 res.error = f"http {resp.status_code}: {text[:200]}"
             elif cfg.stream:
-                done = await _read_stream(resp, res, started)
+                done = await _read_stream(resp, res, started, answer)
             else:
-                done = await _read_whole(resp, res, started)
+                done = await _read_whole(resp, res, started, answer)
     except Exception as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     res.e2e_s = time.perf_counter() - started
     res.ok = done and res.error is None
-    return res
+    return res, "".join(answer)
 
 
 async def run_load(
@@ -268,6 +302,7 @@ async def run_load(
                 turns = sessions[next_session]
                 next_session += 1
                 pauses = think_times(turns[0].session, len(turns), cfg.think_s)
+                served: dict[int, str] = {}  # message index -> the answer served there
                 for req, pause in zip(turns, pauses, strict=True):
                     # A user thinking is not a request in flight: a stop ends the wait.
                     until = time.perf_counter() + pause
@@ -276,7 +311,10 @@ async def run_load(
                     if not may_start():
                         return
                     started += 1
-                    res = await _one(client, cfg, req, t0)
+                    res, text = await _one(client, cfg, req, t0, served)
+                    if cfg.answers == "served" and res.ok:
+                        # The next turns carry this answer right after this history.
+                        served[len(req.messages)] = text
                     results.append(res)
                     if bar is not None:
                         bar.update(1)

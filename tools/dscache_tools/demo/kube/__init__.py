@@ -29,14 +29,17 @@ Contract:
       each is measured from its revision change until its rollout is complete
       and the same number of seconds after, so both windows cover a whole
       rollout and its aftermath.
+    * The load sends back the answers it was served, as a chat client does
+      (``LoadConfig.answers="served"``), so a turn's history holds the previous
+      answer the model generated, whose KV the model server cached.
     * Figures come from what the client saw (``usage`` of each streamed
       response and the time to its first token): recomputed prompt tokens are
       prompt tokens minus cached tokens.
     * Each part also gives the steady state of the same traffic (the second
       half of the warm-up just before its change: ``steady_recomputed_share``) and what the
       rollout cost beyond it (``excess_recomputed_tokens`` / ``_share``):
-      new sessions and un-cached answers are recomputed with or without a
-      rollout.
+      new sessions and each turn's new question are recomputed with or
+      without a rollout.
     * The JSON has ``warm_canary`` and ``blind_rolling`` (each with
       ``recomputed_tokens``, ``prompt_tokens``, ``ttft_p99_s``, ``errors``),
       ``promoted``, ``bad_revision_rolled_back`` and

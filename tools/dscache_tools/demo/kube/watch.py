@@ -76,6 +76,7 @@ class LoadThread:
             timeout_s=300,
             progress=False,
             think_s=self.think_s,
+            answers="served",  # as a chat client: the next turn carries the answer it got
         )
         try:
             asyncio.run(

@@ -1,0 +1,119 @@
+"""Generated tokens are cached: the next turn finds the previous answer's KV.
+
+Real engines (GQA and DeepSeek MLA), the real sidecar daemon, the real HTTP server.
+What a user notices: a conversation that sends back the answer it was given is served
+from the cache up to the end of that answer, and its next answer is the one a full
+recompute gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import openai
+import pytest
+from dscache_server.admission import CostModel
+from dscache_server.batcher import Batcher
+from dscache_server.blockstore import SidecarBlockStore
+from dscache_server.cache import PrefixCache
+from dscache_server.generate import GenerationRequest, GenerationResult, SamplingParams
+from dscache_server.metrics import ServerMetrics
+from dscache_server.tokenizer import DeepSeekTokenizer
+from srv_helpers import BLOCK_TOKENS, LiveServer, SidecarDaemon, engine_for, random_text
+
+from dscache.keys import KeyChain, tenant_salt
+
+pytestmark = pytest.mark.slow  # each test builds a model and starts a sidecar
+
+ALWAYS_PAYS = CostModel(1.0, 1e12, 0.0, 1)
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(2, 120_000, size=n)]
+
+
+@pytest.fixture
+def batchers(
+    sidecar: SidecarDaemon, tokenizer: DeepSeekTokenizer
+) -> Iterator[Callable[[str, bool], Batcher]]:
+    made: list[Batcher] = []
+
+    def make(preset: str, cached: bool) -> Batcher:
+        engine = engine_for(preset)
+        store = (
+            SidecarBlockStore(sidecar.socket, data_dir=str(sidecar.data_dir), compress=False)
+            if cached
+            else None
+        )
+        cache = PrefixCache(store, engine.adapter, ServerMetrics(), ALWAYS_PAYS, min_tokens=64)
+        b = Batcher(engine, tokenizer, cache, cache.metrics)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+        b.cache.close()
+
+
+def run(b: Batcher, chain: KeyChain, ids: list[int], max_tokens: int) -> GenerationResult:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return b.run(GenerationRequest(list(ids), params, chain))
+
+
+@pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-deepseek-v3"])
+def test_the_next_turn_restores_the_answer_and_answers_as_a_recompute(
+    preset: str, batchers: Callable[[str, bool], Batcher]
+) -> None:
+    cached = batchers(preset, True)
+    engine = cached.engine
+    chain = KeyChain(engine.fingerprint, tenant_salt(f"generated-{preset}"))
+    prompt = random_ids(100, seed=1)
+    first = run(cached, chain, prompt, max_tokens=40)
+    assert first.finish_reason == "length" and first.completion_tokens == 40
+    assert cached.cache.wait_stored(30)
+
+    # The client sends the answer back with a new question.
+    follow_up = [*prompt, *first.token_ids, *random_ids(30, seed=2)]
+    second = run(cached, chain, follow_up, max_tokens=12)
+    # Decoding fed back every generated token but the last: those blocks are cached.
+    fed = len(prompt) + len(first.token_ids) - 1
+    assert second.cached_tokens == (fed // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert second.cached_tokens > (len(prompt) // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert second.fallback is None
+
+    recompute = run(batchers(preset, False), chain, follow_up, max_tokens=12)
+    assert recompute.cached_tokens == 0
+    assert second.token_ids == recompute.token_ids
+
+
+def test_a_chat_that_sends_back_its_answer_is_cached_through_the_answer(
+    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer
+) -> None:
+    srv = live_server()
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0)
+    history = [{"role": "user", "content": random_text(tokenizer, 120, seed=3)}]
+    first = c.chat.completions.create(
+        model="mini-gqa", messages=history, max_tokens=48, temperature=0.0
+    )
+    assert first.usage is not None and first.usage.completion_tokens == 48
+    answer = first.choices[0].message.content or ""
+    assert srv.runtime.cache.wait_stored(30)
+    history += [
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": random_text(tokenizer, 20, seed=4)},
+    ]
+    second = c.chat.completions.create(
+        model="mini-gqa", messages=history, max_tokens=4, temperature=0.0
+    )
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens or 0
+    fed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    # Cached into the answer's blocks, not only the first prompt's: the prompt is
+    # rendered with the generated ids that spell the answer (this random model's
+    # answer holds a special token the text drops, so not all of them), whatever a
+    # fresh encoding of the text would have split differently.
+    assert (first.usage.prompt_tokens // BLOCK_TOKENS) * BLOCK_TOKENS < cached
+    assert cached <= (fed // BLOCK_TOKENS) * BLOCK_TOKENS
