@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,11 +88,22 @@ def load_api_client(kubeconfig: str | None = None) -> k8s_client.ApiClient:
 
 
 class Kube:
-    """The operator's API calls; one instance per process, passed down."""
+    """The operator's API calls; one instance per process, passed down.
 
-    def __init__(self, api: k8s_client.ApiClient, timeout_s: float = 30.0) -> None:
+    ``on_request`` is called with the HTTP verb of every request sent (the
+    operator counts them: ``dscache_operator_api_requests_total``); kopf's own
+    watches and status patches go through kopf, not here.
+    """
+
+    def __init__(
+        self,
+        api: k8s_client.ApiClient,
+        timeout_s: float = 30.0,
+        on_request: Callable[[str], None] | None = None,
+    ) -> None:
         self.api = api
         self.timeout_s = timeout_s
+        self.on_request = on_request
 
     def _call(
         self,
@@ -110,6 +122,8 @@ class Kube:
             body=body,
             auth_settings=["BearerToken"],
         )
+        if self.on_request is not None:
+            self.on_request(method)
         resp = self.api.call_api(m, url, headers, data, _request_timeout=self.timeout_s)
         raw = resp.read()  # type: ignore[no-untyped-call]
         text = raw.decode() if isinstance(raw, bytes) else str(raw or "")

@@ -70,7 +70,11 @@ def run(settings: OperatorSettings) -> int:
     metrics = OperatorMetrics()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, registry=metrics.registry)
-    kube = Kube(load_api_client(), timeout_s=settings.api_timeout_seconds)
+    kube = Kube(
+        load_api_client(),
+        timeout_s=settings.api_timeout_seconds,
+        on_request=metrics.count_api_request,
+    )
     if not settings.standalone:
         check_peering(kube, settings)
     reconciler = Reconciler(kube, settings, metrics)

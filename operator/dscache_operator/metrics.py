@@ -31,6 +31,16 @@ class OperatorMetrics:
         self.analyses = self._counter(
             "analyses_total", "Analysis verdicts: Pass, Fail, NoData, Skipped.", "result"
         )
+        self.api_requests = self._counter(
+            "api_requests_total",
+            "Kubernetes API requests the reconciler sent, by HTTP verb (kopf's watches and "
+            "status patches not included).",
+            "verb",
+        )
+
+    def count_api_request(self, verb: str) -> None:
+        """One API request sent (``Kube``'s ``on_request``)."""
+        self.api_requests.labels(verb=verb).inc()
 
     def _counter(self, name: str, documentation: str, label: str) -> Counter:
         return Counter(_PREFIX + name, documentation, [label], registry=self.registry)
