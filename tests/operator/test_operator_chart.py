@@ -299,3 +299,35 @@ def test_the_chart_hands_the_operator_its_policy(helm: str) -> None:
         }
     ]
     assert np["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+
+
+def test_every_series_on_the_dashboard_is_one_dscache_exports() -> None:
+    """A panel naming a metric no component exports stays empty: caught here."""
+    from dscache_operator.metrics import OperatorMetrics
+    from dscache_server.metrics import ServerMetrics
+    from dscache_sidecar.metrics import SidecarMetrics
+    from prometheus_client import CollectorRegistry
+
+    from dscache import metricnames
+
+    exported = {
+        name
+        for registry in (
+            ServerMetrics().registry,
+            SidecarMetrics().registry,
+            OperatorMetrics(CollectorRegistry()).registry,
+        )
+        for family in registry.collect()
+        for name in (family.name,)
+    }
+    exported |= {v for k, v in vars(metricnames).items() if k.startswith("ROUTER_")}
+    dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
+    used = {
+        re.sub(r"_(bucket|sum|count|total)$", "", m)
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for m in re.findall(r"\b(dscache_[a-z_]+)\b", target["expr"])
+        if not m.startswith("dscache_io_")  # a pod target label, not a metric
+    }
+    assert any(m.startswith("dscache_router_") for m in used)
+    assert used - exported == set()

@@ -587,12 +587,17 @@ def test_monitoring_objects_appear_once_their_crds_exist(rig: Rig) -> None:
                 "get", "servicemonitor,prometheusrule", "-n", ns, "-o", "json", check=False
             )
             items = json.loads(done.stdout)["items"] if done.returncode == 0 else []
-            return {i["kind"]: i for i in items} if len(items) == 2 else None
+            by_name = {(i["kind"], i["metadata"]["name"]): i for i in items}
+            return by_name if len(items) == 3 else None
 
-        objs = wait_until("ServiceMonitor and PrometheusRule", created, 40)
-        sm = objs["ServiceMonitor"]["spec"]
+        objs = wait_until("two ServiceMonitors and a PrometheusRule", created, 40)
+        sm = objs[("ServiceMonitor", "chat")]["spec"]
         assert sm["podTargetLabels"] == ["dscache.io/revision", "dscache.io/slot"]
-        rules = {r["alert"]: r for r in objs["PrometheusRule"]["spec"]["groups"][0]["rules"]}
+        router = objs[("ServiceMonitor", "chat-router")]["spec"]
+        assert router["endpoints"][0]["path"] == "/dscache/router/metrics"
+        assert router["selector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+        rule = objs[("PrometheusRule", "chat")]
+        rules = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
         # No minHitRate in the example: the floor is 0.85, and the drop alert is
         # relative to the service's own level over the hour before.
         assert rules["DscacheHitRateLow"]["expr"].endswith("< 0.85")

@@ -69,6 +69,11 @@ def test_every_child_is_owned_labelled_and_schema_valid(spec: DeepSeekCacheDeplo
     objs = _all(spec)
     kinds = sorted(o["kind"] for o in objs)
     assert kinds.count("Deployment") == 3  # blue, green, router
+    monitors = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "ServiceMonitor"}
+    assert monitors["chat-router"]["endpoints"] == [
+        {"port": "http", "path": "/dscache/router/metrics", "interval": "15s"}
+    ]
+    assert monitors["chat"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "model"
     assert {
         "Service",
         "ConfigMap",

@@ -44,7 +44,11 @@ from dscache_operator.desired.common import (
     track_of,
 )
 from dscache_operator.desired.model import model_deployment, model_service
-from dscache_operator.desired.monitoring import prometheus_rule, service_monitor
+from dscache_operator.desired.monitoring import (
+    prometheus_rule,
+    router_service_monitor,
+    service_monitor,
+)
 from dscache_operator.desired.network import network_policies
 from dscache_operator.desired.prewarm import (
     PREWARM_TARGETS_ENV,
@@ -133,7 +137,7 @@ def children(
     out += network_policies(owner, spec, status, policy)
     if monitoring:
         if spec.monitoring.service_monitor:
-            out.append(service_monitor(owner))
+            out += [service_monitor(owner), router_service_monitor(owner)]
         if spec.monitoring.prometheus_rule:
             out.append(prometheus_rule(owner, spec))
     return out

@@ -1,4 +1,7 @@
-"""Prometheus Operator objects: the ServiceMonitor and the alerting PrometheusRule (pure).
+"""Prometheus Operator objects: the ServiceMonitors and the alerting PrometheusRule (pure).
+
+Two ServiceMonitors: ``<name>`` scrapes the model pods (server and sidecar),
+``<name>-router`` the router pods' ``/dscache/router/metrics``.
 
 Applied only when the cluster serves their CRDs (the reconciler asks).
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dscache.metricnames import ROUTER_METRICS_PATH
 from dscache_operator import analysis as q
 from dscache_operator.desired.common import (
     REVISION,
@@ -248,6 +252,22 @@ def service_monitor(owner: Owner) -> Obj:
                 {"port": "http", "path": "/metrics", "interval": "15s"},
                 {"port": q.SIDECAR_ENDPOINT, "path": "/metrics", "interval": "15s"},
             ],
+        },
+    }
+
+
+def router_service_monitor(owner: Owner) -> Obj:
+    """ServiceMonitor ``<name>-router`` scraping every router pod's Lua counters
+    (``dscache_router_*``: requests by track and status, retries, tries, errors and
+    in-flight per pod, overload skips, picks; each router replica its own series)."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": meta(owner, f"{owner.name}-router", labels(owner, "router", "all")),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner, "router")},
+            "namespaceSelector": {"matchNames": [owner.namespace]},
+            "endpoints": [{"port": "http", "path": ROUTER_METRICS_PATH, "interval": "15s"}],
         },
     }
 
