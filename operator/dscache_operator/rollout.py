@@ -200,7 +200,6 @@ def next_step(status: DeepSeekCacheDeploymentStatus, observed: Observed, now: da
         status=new,
         events=tuple(w.events),
         clear_annotations=tuple(w.clear),
-        requeue_after_s=_requeue(new, observed, now),
     )
 
 
@@ -406,16 +405,6 @@ def _finish_phase(w: _Work) -> None:
     else:
         phase = "Degraded"
     s.phase = phase
-
-
-def _requeue(st: DeepSeekCacheDeploymentStatus, o: Observed, now: datetime) -> float | None:
-    times: list[float] = []
-    if in_rollout(st) and st.step_started_at is not None and st.phase == "Progressing":
-        due = st.step_started_at + timedelta(seconds=o.interval_s)
-        times.append(max(0.0, (due - now).total_seconds()))
-    if st.retire_at is not None:
-        times.append(max(0.0, (st.retire_at - now).total_seconds()))
-    return min(times) if times else None
 
 
 def slot_replicas(status: DeepSeekCacheDeploymentStatus, slot: str, replicas: int) -> int:

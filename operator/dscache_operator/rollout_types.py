@@ -109,4 +109,3 @@ class Decision:
     status: DeepSeekCacheDeploymentStatus
     events: tuple[Event, ...] = ()
     clear_annotations: tuple[str, ...] = ()
-    requeue_after_s: float | None = None

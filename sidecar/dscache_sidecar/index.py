@@ -2,7 +2,6 @@
 
 Databases in one LMDB environment (``<data_dir>/index``):
     * ``blocks``: 32-byte key -> packed ``BlockRecord``.
-    * ``tenants``: tenant label (16 bytes) -> key, dupsort, for ClearTenant.
     * ``stats``: key -> (last access unix ms, hit count), flushed in batches so a hit
       never waits for a write transaction.
     * ``meta``: format version and segment geometry; a store reopened with another
@@ -101,6 +100,17 @@ class BlockRecord:
         )
 
 
+def _drop_tenants_table(env: lmdb.Environment) -> None:
+    """Removes the ``tenants`` table indexes before this release wrote on every
+    commit and delete and nothing read (ClearTenant scans the catalog in memory)."""
+    try:
+        old = env.open_db(b"tenants", create=False, dupsort=True)
+    except lmdb.NotFoundError:
+        return
+    with env.begin(write=True) as txn:
+        txn.drop(old, delete=True)
+
+
 class IndexGeometryError(Exception):
     """The index was written for another segment geometry."""
 
@@ -120,7 +130,7 @@ class BlockIndex:
             subdir=True,
         )
         self._blocks = self._env.open_db(b"blocks")
-        self._tenants = self._env.open_db(b"tenants", dupsort=True)
+        _drop_tenants_table(self._env)
         self._stats = self._env.open_db(b"stats")
         self._meta = self._env.open_db(b"meta")
 
@@ -153,7 +163,6 @@ class BlockIndex:
         with self._env.begin(write=True) as txn:
             for rec in records:
                 txn.put(rec.key, rec.pack(), db=self._blocks)
-                txn.put(rec.tenant, rec.key, db=self._tenants, dupdata=True)
 
     def delete_many(self, records: Iterable[BlockRecord]) -> None:
         """Removes records (and their stats) in one transaction."""
@@ -161,15 +170,6 @@ class BlockIndex:
             for rec in records:
                 txn.delete(rec.key, db=self._blocks)
                 txn.delete(rec.key, db=self._stats)
-                txn.delete(rec.tenant, rec.key, db=self._tenants)
-
-    def tenant_keys(self, tenant: bytes) -> list[bytes]:
-        """Keys stored by one tenant."""
-        with self._env.begin(db=self._tenants) as txn:
-            cur = txn.cursor()
-            if not cur.set_key(tenant):
-                return []
-            return [bytes(v) for v in cur.iternext_dup()]
 
     def write_stats(self, stats: Iterable[tuple[bytes, int, int]]) -> None:
         """Stores (key, last access ms, hits) for blocks that still exist."""
@@ -177,10 +177,6 @@ class BlockIndex:
             for key, last_ms, hits in stats:
                 if txn.get(key, db=self._blocks) is not None:
                     txn.put(key, _STATS.pack(last_ms, hits), db=self._stats)
-
-    def count(self) -> int:
-        with self._env.begin(db=self._blocks) as txn:
-            return int(txn.stat(self._blocks)["entries"])
 
     @contextmanager
     def scan_keys(self) -> Iterator[tuple[int, Iterator[bytes]]]:

@@ -337,6 +337,3 @@ class ExtentAllocator:
             i -= 1
         runs.insert(i, (start, size))
         self.free_bytes += length
-
-    def largest_free(self) -> int:
-        return max((size for runs in self._free for _, size in runs), default=0)

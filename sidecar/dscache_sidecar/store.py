@@ -496,5 +496,3 @@ class KVStore:
         with self._lock:
             return self._catalog.blocks.get(key)
 
-    def segment_path(self, relative: str) -> str:
-        return str(self.settings.data_dir / relative)

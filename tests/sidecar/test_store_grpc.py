@@ -170,6 +170,31 @@ def test_index_survives_a_restart(sidecar: Sidecar) -> None:
     assert sidecar.metric("dscache_sidecar_checksum_failures_total", where="start") == 0
 
 
+def test_an_index_from_before_loses_its_dead_tenants_table_and_keeps_its_blocks(
+    sidecar: Sidecar,
+) -> None:
+    """Earlier releases kept a ``tenants`` table (written on every commit and delete,
+    read by nothing); an index that has one opens with every block and without it."""
+    import lmdb
+
+    tenant, keys = store_chain(sidecar.c, 4, seed=8)
+    sidecar.stop()
+    env = lmdb.open(str(sidecar.data_dir / "index"), max_dbs=8, subdir=True)
+    old = env.open_db(b"tenants", dupsort=True)
+    with env.begin(write=True) as txn:
+        for key in keys:
+            txn.put(b"t" * 16, key, db=old, dupdata=True)
+    env.close()
+    sidecar.start()
+    assert sidecar.c.lookup(tenant, keys) == 4
+    sidecar.stop()
+    env = lmdb.open(str(sidecar.data_dir / "index"), max_dbs=8, subdir=True, readonly=True)
+    with pytest.raises(lmdb.NotFoundError):
+        env.open_db(b"tenants", create=False)
+    env.close()
+    sidecar.start()
+
+
 def test_restart_quarantine_keeps_old_space_from_reuse(
     make_sidecar: Callable[..., Sidecar],
 ) -> None:
