@@ -495,4 +495,3 @@ class KVStore:
         """The record of a stored key (for tests and tools)."""
         with self._lock:
             return self._catalog.blocks.get(key)
-
