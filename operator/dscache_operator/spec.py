@@ -142,6 +142,12 @@ class RoutingSpec(SpecModel):
         "queueing; 0 = plain consistent hash; else at least 1.",
     )
     replicas: int = Field(default=2, ge=0, le=100, description="Router pods.")
+    debug_headers: bool = Field(
+        default=False,
+        description="Answer every request with X-Dscache-Track, X-Dscache-Upstream (the model "
+        "pod's address) and X-Dscache-Key-Source: for debugging placement; shows pod addresses "
+        "to clients.",
+    )
     image: ImageSpec = Field(
         default=DEFAULT_ROUTER_IMAGE,
         description="NGINX image with the Lua module (the router reloads itself with Lua, and "

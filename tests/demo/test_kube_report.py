@@ -6,7 +6,13 @@ arithmetic of its report on requests made up here.
 
 from __future__ import annotations
 
-from dscache_tools.demo.kube.report import format_table, phase_report, ratios, restore_started
+from dscache_tools.demo.kube.report import (
+    format_table,
+    phase_report,
+    ratios,
+    restore_started,
+    sessions_moved,
+)
 from dscache_tools.demo.kube.watch import Phase
 from dscache_tools.loadgen import RequestResult
 
@@ -98,3 +104,34 @@ def test_the_blind_window_ends_where_the_operator_puts_its_template_back() -> No
     assert restore_started(phase, "green_updated") == 135.0
     phase.events = phase.events[:2]
     assert restore_started(phase, "green_updated") is None
+
+
+def _turn(session: str, turn: int, t: float, pod: str | None) -> RequestResult:
+    return RequestResult(
+        session=session,
+        turn=turn,
+        session_id=session,
+        ok=pod is not None,
+        status=200 if pod else 502,
+        started_s=t,
+        ttft_s=0.1,
+        e2e_s=0.5,
+        upstream=pod,
+    )
+
+
+def test_a_session_moved_while_its_pod_served_is_counted_once_and_a_replaced_pod_is_not() -> None:
+    a, b, c = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+    results = [
+        # moved from a to b at t=10 while a still served (t=12): the router's doing
+        _turn("s1", 0, 0.0, a), _turn("s1", 1, 10.0, b), _turn("s1", 2, 20.0, a),
+        _turn("other", 0, 12.0, a),
+        # moved from c to b after c's last answer (t=5): c went away, not counted
+        _turn("s2", 0, 5.0, c), _turn("s2", 1, 15.0, b),
+        # a retry's header names both tries: the last one served
+        _turn("s3", 0, 1.0, f"{c}, {a}"), _turn("s3", 1, 11.0, a),
+        # a failed turn is no placement
+        _turn("s4", 0, 2.0, a), _turn("s4", 1, 13.0, None), _turn("s4", 2, 14.0, a),
+    ]  # fmt: skip
+    assert sessions_moved(results) == 1
+    assert sessions_moved([r for r in results if r.session != "s1"]) == 0

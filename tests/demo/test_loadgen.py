@@ -79,6 +79,23 @@ def test_a_chat_client_sends_back_the_answers_it_was_served(
             assert s.answers[-1] == ANSWER
 
 
+def test_spread_sends_each_turn_to_one_replica_seeded_by_session_and_turn() -> None:
+    replicas = [FakeChatServer(), FakeChatServer()]
+    try:
+        workload = _workload(4)
+        cfg = LoadConfig(
+            target=replicas[0].url, spread=(replicas[1].url,), concurrency=2, progress=False
+        )
+        assert _run(cfg, workload).errors == 0
+        seen = [len(r.seen) for r in replicas]
+        assert sum(seen) == len(workload) and min(seen) > 0  # both replicas served
+        expected = sum(cfg.url_for(r.session, r.turn).startswith(replicas[1].url) for r in workload)
+        assert seen[1] == expected  # where each turn goes is a function of the turn
+    finally:
+        for r in replicas:
+            r.close()
+
+
 def test_answers_must_be_workload_or_served() -> None:
     with pytest.raises(ValueError, match="answers"):
         LoadConfig(target="http://127.0.0.1:1", answers="mine")  # type: ignore[arg-type]

@@ -283,6 +283,13 @@ def _add_kube_demo(kinds: Commands) -> None:
         default=None,
         help="the rollout gate's hit-rate bound, canary over stable hit rate (example: 0.9)",
     )
+    k.add_argument(
+        "--router-replicas",
+        type=int,
+        default=1,
+        help="router pods; the load spreads every request over them, as a Service does "
+        "(default 1: each replica remembers sessions alone until replicas share placement)",
+    )
     k.set_defaults(handler=_run_kube_demo)
 
 

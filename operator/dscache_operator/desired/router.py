@@ -78,6 +78,7 @@ def router_config(
         access_log="off",
         watch_config=True,
         config_path=ROUTER_CONF,
+        debug_headers=r.debug_headers,
     )
 
 

@@ -70,6 +70,10 @@ class LoadConfig:
             TTFT then being the time to the whole answer.
         answers: the history's assistant messages: the workload's canned answers
             (``"workload"``) or the ones the server gave (``"served"``).
+        spread: more base URLs of the same service (say, each router replica's):
+            every request goes to one of ``target`` and these, drawn from a seed of
+            its session and turn, as a Service spreads new connections; the
+            ``/metrics`` scrape still goes to ``metrics_urls``.
     """
 
     target: str
@@ -85,6 +89,13 @@ class LoadConfig:
     think_s: float = 0.0
     stream: bool = True
     answers: Literal["workload", "served"] = "workload"
+    spread: tuple[str, ...] = ()
+
+    def url_for(self, session: str, turn: int) -> str:
+        """The chat URL of one turn (``spread``: one of the replicas, seeded)."""
+        bases = (self.target, *self.spread)
+        base = bases[zlib.crc32(f"{session}/{turn}".encode()) % len(bases)]
+        return base.rstrip("/") + "/v1/chat/completions"
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -234,7 +245,10 @@ async def _one(
     answer: list[str] = []
     try:
         async with client.stream(
-            "POST", "/v1/chat/completions", content=_body(cfg, req, served), headers=headers
+            "POST",
+            cfg.url_for(req.session, req.turn),
+            content=_body(cfg, req, served),
+            headers=headers,
         ) as resp:
             res.status = resp.status_code
             res.upstream = resp.headers.get(cfg.upstream_header)

@@ -209,6 +209,9 @@ def resource(opts: KubeDemoOptions, revision: str, min_tokens: int | None = None
     spec = obj["spec"]
     spec["model"]["revision"] = revision
     spec["rollout"]["interval"] = f"{opts.step_interval_s}s"
+    # Each answer names the pod that served it: the demo counts sessions the router moved.
+    spec["routing"] = {**spec.get("routing", {}), "replicas": opts.router_replicas}
+    spec["routing"]["debugHeaders"] = True
     if min_tokens is not None:
         spec["cache"]["minTokens"] = min_tokens
     if opts.max_ttft_p99_ratio is not None:

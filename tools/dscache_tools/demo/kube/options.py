@@ -76,6 +76,8 @@ class KubeDemoOptions:
             shared machine lowers it: a cold revision reads 0.0, a warm one on a
             loaded 2-core host once read 0.78 against stable's 0.94 in its first
             10% window.
+        router_replicas: router pods (``spec.routing.replicas``); the load spreads
+            each request over all of them, as a Service spreads connections.
     """
 
     quick: bool = False
@@ -92,6 +94,11 @@ class KubeDemoOptions:
     workdir: Path | None = None
     max_ttft_p99_ratio: float | None = None
     min_hit_rate_ratio: float | None = None
+    router_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.router_replicas <= 8:
+            raise ValueError("router replicas must be between 1 and 8")
 
     @property
     def step_interval_s(self) -> int:
@@ -121,4 +128,5 @@ def options_report(opts: KubeDemoOptions) -> dict[str, Any]:
         "warmup_s": opts.warmup_s,
         "max_ttft_p99_ratio": opts.max_ttft_p99_ratio,
         "min_hit_rate_ratio": opts.min_hit_rate_ratio,
+        "router_replicas": opts.router_replicas,
     }

@@ -9,6 +9,7 @@ Contract:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,37 @@ def figures(results: Sequence[tuple[float, RequestResult]]) -> dict[str, Any]:
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
     }
+
+
+def served_by(res: RequestResult) -> str | None:
+    """The model pod that answered (the last address of the router's debug header)."""
+    if not res.ok or not res.upstream:
+        return None
+    return res.upstream.split(",")[-1].strip() or None
+
+
+def sessions_moved(results: Sequence[RequestResult]) -> int:
+    """Sessions whose pod changed from one turn to the next while the old pod kept
+    serving (it answered a request that started at or after the moved turn): the
+    router placed them anew, not a pod going away. Needs the router's debug headers."""
+    last_seen: dict[str, float] = {}
+    for r in results:
+        pod = served_by(r)
+        if pod is not None:
+            last_seen[pod] = max(last_seen.get(pod, r.started_s), r.started_s)
+    turns: dict[str, list[RequestResult]] = {}
+    for r in results:
+        if served_by(r) is not None:
+            turns.setdefault(r.session, []).append(r)
+    moved = 0
+    for rs in turns.values():
+        rs.sort(key=lambda r: r.started_s)
+        for prev, cur in itertools.pairwise(rs):
+            before, now = served_by(prev), served_by(cur)
+            if before != now and before is not None and last_seen[before] >= cur.started_s:
+                moved += 1
+                break
+    return moved
 
 
 def per_step(phase: Phase, label: str) -> list[dict[str, Any]]:
@@ -199,6 +231,12 @@ def format_table(report: dict[str, Any]) -> str:
             if latency is None
             else f"{latency:.2f} s (slowest of {len(report['router_weight_latency_samples_s'])})"
         )
+    )
+    moved = report.get("sessions_moved_by_router")
+    replicas = report.get("options", {}).get("router_replicas", 1)
+    lines.append(
+        f"sessions the router moved while their pod served ({replicas} router replicas): "
+        + ("-" if moved is None else f"{moved} (target 0)")
     )
     for key, goal in TARGETS.items():
         value = report["ratios"].get(key)

@@ -35,6 +35,7 @@ from dscache_tools.demo.kube.report import (
     phase_report,
     ratios,
     restore_started,
+    sessions_moved,
     timeline,
 )
 from dscache_tools.demo.kube.watch import LoadThread, Phase, Watcher
@@ -86,9 +87,14 @@ def run_kubernetes_demo(opts: KubeDemoOptions, say: Callable[[str], None]) -> di
         cluster.kubectl("apply", "-f", "-", stdin=json.dumps(resource(opts, "1")))
         say("waiting for the model pods, their sidecars and the router")
         wait_for("the first revision to be Available", lambda: available(api, ns), 900)
-        target = f"http://{api.router_ips(ns)[0]}:8080"
+        wait_for(
+            f"{opts.router_replicas} router pods ready",
+            lambda: len(api.router_ips(ns)) >= opts.router_replicas,
+            300,
+        )
+        targets = [f"http://{ip}:8080" for ip in api.router_ips(ns)]
         try:
-            report.update(_scenarios(cluster, api, opts, target, slices, say=say))
+            report.update(_scenarios(cluster, api, opts, targets, slices, say=say))
         finally:
             cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
     report["wall_s"] = round(time.monotonic() - began, 1)
@@ -99,12 +105,12 @@ def _scenarios(
     cluster: Cluster,
     api: Api,
     opts: KubeDemoOptions,
-    target: str,
+    targets: Sequence[str],
     slices: Sequence[Sequence[ChatRequest]],
     *,
     say: Callable[[str], None],
 ) -> dict[str, Any]:
-    run = _Scenarios(cluster, api, opts, target, say)
+    run = _Scenarios(cluster, api, opts, tuple(targets), say)
     out: dict[str, Any] = {}
     canary = run.warm_canary(slices[0], out)
     run.bad_revision(slices[1], out)
@@ -113,6 +119,8 @@ def _scenarios(
     out["router_weight_latency_s"] = round(max(latencies), 2) if latencies else None
     out["router_weight_latency_samples_s"] = [round(x, 2) for x in latencies]
     out["ratios"] = ratios(out["warm_canary"], out["blind_rolling"])
+    out["sessions_moved_by_router"] = sum(run.moved.values())
+    out["sessions_moved_by_router_by_part"] = dict(run.moved)
     out["timeline"] = {
         "warm_canary": timeline(canary),
         "blind_rolling": timeline(blind),
@@ -127,11 +135,13 @@ class _Scenarios:
     cluster: Cluster
     api: Api
     opts: KubeDemoOptions
-    target: str
+    targets: tuple[str, ...]  # every router pod: the load spreads over them
     say: Callable[[str], None]
     #: seconds from a weight change in the status to every router serving it (the
     #: canary's and the bad revision's; a blind update changes no weight)
     latencies: list[float] = field(default_factory=list)
+    #: sessions whose pod changed while that pod kept serving, per part
+    moved: dict[str, int] = field(default_factory=dict)
 
     @property
     def ns(self) -> str:
@@ -144,7 +154,7 @@ class _Scenarios:
         return 600 + 8 * self.opts.step_interval_s
 
     def _load(self, workload: Sequence[ChatRequest]) -> LoadThread:
-        return LoadThread(self.target, workload, self.opts.concurrency, self.opts.think_s).start()
+        return LoadThread(self.targets, workload, self.opts.concurrency, self.opts.think_s).start()
 
     def _status(self) -> dict[str, Any]:
         return self.api.dscd(self.ns).get("status") or {}
@@ -192,6 +202,7 @@ class _Scenarios:
         canary.results = [x for x in load.since(canary.started) if x[0] < time.perf_counter()]
         canary.before = load.before(canary.started, self.opts.warmup_s / 2)
         load.stop()
+        self.moved["warm_canary"] = sessions_moved([r for _, r in load.results])
         out["promoted"] = promoted
         out["warm_canary"] = phase_report(canary, "weight")
         return canary
@@ -240,6 +251,7 @@ class _Scenarios:
         self.say(f"warm-up traffic for {self.opts.warmup_s:.0f} s")
         time.sleep(self.opts.warmup_s)
         load.stop()
+        self.moved["bad_revision"] = sessions_moved([r for _, r in load.results])
 
     def blind_rolling(self, workload: Sequence[ChatRequest], out: dict[str, Any]) -> Phase:
         """3. A plain rolling update of the stable track's Deployment, blind to its cache."""
@@ -270,6 +282,7 @@ class _Scenarios:
         blind.results = [x for x in load.since(blind.started) if end is None or x[0] < end]
         blind.before = load.before(blind.started, self.opts.warmup_s / 2)
         load.stop()
+        self.moved["blind_rolling"] = sessions_moved([r for _, r in load.results])
         out["blind_rolling"] = phase_report(blind, f"{slot}_updated")
         out["blind_rolling"]["template_restored_at_s"] = (
             None if end is None else round(end - blind.started, 1)

@@ -49,9 +49,13 @@ class LoadThread:
     """Replays sessions through the router in a thread until told to stop."""
 
     def __init__(
-        self, target: str, workload: Sequence[ChatRequest], concurrency: int, think_s: float
+        self,
+        targets: Sequence[str],
+        workload: Sequence[ChatRequest],
+        concurrency: int,
+        think_s: float,
     ) -> None:
-        self.target = target
+        self.targets = tuple(targets)
         self.workload = list(workload)
         self.concurrency = concurrency
         self.think_s = think_s
@@ -71,7 +75,8 @@ class LoadThread:
 
     def _run(self) -> None:
         cfg = LoadConfig(
-            target=self.target,
+            target=self.targets[0],
+            spread=self.targets[1:],
             concurrency=self.concurrency,
             timeout_s=300,
             progress=False,
