@@ -179,6 +179,18 @@ def _add_shared_tier(bench: Commands) -> None:
     bp.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
     bp.set_defaults(handler=_run_bench_prewarm)
 
+    bo = bench.add_parser(
+        "operator",
+        help="50 DeepSeekCacheDeployments in 10 namespaces on 200 simulated nodes rolling out "
+        "at once under the two peered operator replicas: reconcile latency, the operator's "
+        "memory and CPU, API requests per reconcile, stuck rollouts (needs the dev cluster's "
+        "binaries)",
+    )
+    bo.add_argument("--quick", action="store_true", help="the same scale, a shorter timeout")
+    bo.add_argument("--work-dir", default=None, help="where the cluster and logs go (a temp dir)")
+    bo.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    bo.set_defaults(handler=_run_bench_operator)
+
     bq = bench.add_parser(
         "router",
         help="the latency the picker's KV-aware choice adds per request, against the plain "
@@ -202,6 +214,12 @@ def _run_bench_coldstart(args: argparse.Namespace) -> int:
 
 def _run_bench_prewarm(args: argparse.Namespace) -> int:
     from dscache_tools.bench.prewarmbench import run_cli
+
+    return run_cli(args)
+
+
+def _run_bench_operator(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.operatorbench import run_cli
 
     return run_cli(args)
 
