@@ -193,9 +193,9 @@ class Reconciler:
             maxsize=10000, ttl=max(60.0, 10 * settings.reapply_seconds), timer=time.monotonic
         )
 
-    def _lock(self, uid: str) -> threading.Lock:
+    def _lock(self, key: str) -> threading.Lock:
         with self._locks_guard:
-            return self._locks.setdefault(uid, threading.Lock())
+            return self._locks.setdefault(key, threading.Lock())
 
     def reconcile(self, namespace: str, name: str) -> tuple[Obj, Decision] | None:
         """One reconcile; None if the resource is gone.
@@ -204,12 +204,13 @@ class Reconciler:
             InvalidSpecError: the spec cannot be reconciled (status already says so).
             ApiError: an API call failed; retry later.
         """
-        body = self.kube.get(KIND, namespace, name)
-        if body is None or body["metadata"].get("deletionTimestamp"):
-            return None
-        with self._lock(body["metadata"]["uid"]):
+        # One read of the resource, under its lock: what kopf handed the handler may be
+        # older than what another handler just wrote.
+        with self._lock(f"{namespace}/{name}"):
             started = time.perf_counter()
-            body = self.kube.get(KIND, namespace, name) or body
+            body = self.kube.get(KIND, namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return None
             decision = self._reconcile(body)
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
             for e in decision.events:
@@ -225,14 +226,16 @@ class Reconciler:
         now = self.clock()
         self._conflicts[owner.uid] = []
         self._ensure_tenant_salt(owner, spec, status)
-        observed = self._observe(owner, spec, status, meta)
+        # Every model pod of the resource in one list: each track's addresses come from it.
+        pods = self.kube.list("Pod", owner.namespace, selector_labels(owner, "model"))
+        observed = self._observe(owner, spec, status, meta, pods)
         if analysis_due(status, observed, now):
             observed = replace(observed, verdict=self._analyse(owner, spec, status, now))
         decision = next_step(status, observed, now)
         new = decision.status
-        stable = self._addresses(owner, new, new.stable_slot)
-        canary = self._addresses(owner, new, new.canary_slot)
-        previous = self._addresses(owner, new, new.previous_slot)
+        stable = _addresses(new, new.stable_slot, pods)
+        canary = _addresses(new, new.canary_slot, pods)
+        previous = _addresses(new, new.previous_slot, pods)
         objs = children(
             owner,
             spec,
@@ -400,6 +403,7 @@ class Reconciler:
         spec: DeepSeekCacheDeploymentSpec,
         status: DeepSeekCacheDeploymentStatus,
         meta: Mapping[str, Any],
+        pods: list[Obj],
     ) -> Observed:
         source = spec.revision_source()
         tracks: dict[str, TrackObservation] = {
@@ -410,7 +414,7 @@ class Reconciler:
         prewarm: PrewarmState = "absent"
         step = _prewarm_step(status)
         if status.canary_revision is not None and step is not None:
-            if step > 0 and not self._step_needs_prewarm(owner, spec, status, step):
+            if step > 0 and not _step_needs_prewarm(spec, status, step, pods):
                 prewarm = "succeeded"  # the step needs no more copies
             else:
                 name = prewarm_job_name(owner, status.canary_revision, step)
@@ -441,19 +445,6 @@ class Reconciler:
             self._conflict(owner, kind, name)
             return None
         return obj
-
-    def _step_needs_prewarm(
-        self,
-        owner: Owner,
-        spec: DeepSeekCacheDeploymentSpec,
-        status: DeepSeekCacheDeploymentStatus,
-        step: int,
-    ) -> bool:
-        # The canary's pods are listed only where their count decides (placement ring).
-        if not progressive(spec):
-            return False
-        pods = len(self._addresses(owner, status, status.canary_slot))
-        return prewarm_copy_range(spec, pods, step) is not None
 
     def _analyse(
         self,
@@ -502,17 +493,6 @@ class Reconciler:
         )
         return verdict
 
-    def _addresses(
-        self, owner: Owner, status: DeepSeekCacheDeploymentStatus, slot: str | None
-    ) -> tuple[str, ...]:
-        if slot is None or slot not in status.slots:
-            return ()
-        port = RevisionSource.model_validate(status.slots[slot].source).server.port
-        pods = self.kube.list(
-            "Pod", owner.namespace, {**selector_labels(owner, "model"), SLOT: slot}
-        )
-        return tuple(pod_address(ip, port) for ip in ready_pod_ips(pods))
-
     def _monitoring_available(self) -> bool:
         available = self._monitoring.get("servicemonitors")
         if available is None:
@@ -549,6 +529,31 @@ class Reconciler:
             update={"conditions": conds, "phase": "Failed", "observed_generation": gen}
         )
         self.kube.patch_status(KIND, namespace, name, dump_status(new))
+
+
+def _addresses(
+    status: DeepSeekCacheDeploymentStatus, slot: str | None, pods: list[Obj]
+) -> tuple[str, ...]:
+    """The ready model pods of ``slot`` among ``pods`` (every model pod of the resource),
+    as ``ip:port`` of that slot's server."""
+    if slot is None or slot not in status.slots:
+        return ()
+    port = RevisionSource.model_validate(status.slots[slot].source).server.port
+    mine = [p for p in pods if (p["metadata"].get("labels") or {}).get(SLOT) == slot]
+    return tuple(pod_address(ip, port) for ip in ready_pod_ips(mine))
+
+
+def _step_needs_prewarm(
+    spec: DeepSeekCacheDeploymentSpec,
+    status: DeepSeekCacheDeploymentStatus,
+    step: int,
+    pods: list[Obj],
+) -> bool:
+    # The canary's pod count decides only where copies follow the placement ring.
+    if not progressive(spec):
+        return False
+    count = len(_addresses(status, status.canary_slot, pods))
+    return prewarm_copy_range(spec, count, step) is not None
 
 
 def _prewarm_step(status: DeepSeekCacheDeploymentStatus) -> int | None:
