@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import yaml
 from dscache_tools.devcluster import DevCluster, wait_until
-from dscache_tools.devcluster.nodes import NODE_KIND_LABEL, SIMULATED_TAINT
+from dscache_tools.devcluster.nodes import SIMULATED_PLACEMENT
 from dscache_tools.net import free_port
 from fakes.server_metrics import FakeServerMetrics, Figures
 from needs import need_binary
@@ -244,20 +244,14 @@ def events(c: DevCluster, ns: str, name: str) -> list[str]:
     return [e["reason"] for e in items]
 
 
-#: These tests drive the operator's decisions with fake metrics: the model and
-#: router pods go to simulated (KWOK) nodes, where they run no process (the
-#: real-pod end-to-end tests are in tests/e2e/).
-SIMULATED = {
-    "nodeSelector": {NODE_KIND_LABEL: "simulated"},
-    "tolerations": [{"key": SIMULATED_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
-}
-
-
 def simulated(doc: dict[str, Any]) -> dict[str, Any]:
     """``doc`` with its pods placed on simulated nodes, when it is a DeepSeekCacheDeployment."""
     if doc.get("kind") != "DeepSeekCacheDeployment":
         return doc
-    return {**doc, "spec": {**doc.get("spec", {}), "scheduling": SIMULATED}}
+    # These tests drive the operator's decisions with fake metrics: the model and
+    # router pods go to simulated (KWOK) nodes, where they run no process (the
+    # real-pod end-to-end tests are in tests/e2e/).
+    return {**doc, "spec": {**doc.get("spec", {}), "scheduling": SIMULATED_PLACEMENT}}
 
 
 def apply(c: DevCluster, ns: str, docs: list[dict[str, Any]]) -> None:

@@ -47,8 +47,9 @@ from pathlib import Path
 from typing import Any
 
 from dscache_tools.bench import Doc, report
+from dscache_tools.chaos.counters import counter_total
 from dscache_tools.demo.procs import Child, ProcessGroup, terminate_on_sigterm
-from dscache_tools.devcluster.nodes import NODE_KIND_LABEL, SIMULATED_TAINT
+from dscache_tools.devcluster.nodes import SIMULATED_PLACEMENT
 from dscache_tools.loadgen import percentile
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,6 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[3]
 CHART_NS = "dscache-system"
 PEERING = "dscache-bench"
-#: Where a simulated pod goes (the dev cluster's KWOK nodes carry this label and taint).
-SIMULATED = {
-    "nodeSelector": {NODE_KIND_LABEL: "simulated"},
-    "tolerations": [{"key": SIMULATED_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
-}
 
 
 @dataclass(frozen=True)
@@ -100,7 +96,7 @@ def resource_doc(name: str, revision: str) -> dict[str, Any]:
                 "rollbackWindow": "1m",
                 "analysis": {"enabled": False},
             },
-            "scheduling": SIMULATED,
+            "scheduling": SIMULATED_PLACEMENT,
         },
     }
 
@@ -138,20 +134,15 @@ class Operators:
     def counters(self, i: int) -> dict[str, float]:
         """Replica ``i``'s reconciles and API requests (0 before it serves metrics)."""
         import httpx
-        from prometheus_client.parser import text_string_to_metric_families
 
-        out = {"reconciles": 0.0, "api_requests": 0.0}
         try:
             text = httpx.get(f"http://127.0.0.1:{self.ports[i]}/metrics", timeout=5).text
         except httpx.HTTPError:
-            return out
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "dscache_operator_reconciles_total":
-                    out["reconciles"] += s.value
-                elif s.name == "dscache_operator_api_requests_total":
-                    out["api_requests"] += s.value
-        return out
+            text = ""
+        return {
+            "reconciles": counter_total(text, "dscache_operator_reconciles") or 0.0,
+            "api_requests": counter_total(text, "dscache_operator_api_requests") or 0.0,
+        }
 
     def cpu_s(self) -> float:
         """CPU seconds both replicas used so far."""
