@@ -175,19 +175,18 @@ class DeepSeekTokenizer:
             ok = text.startswith(head) and not head.endswith("\ufffd")
             return head if ok else None
 
-        lo, hi = 0, len(generated)  # spells(lo) holds; find the largest k that does
-        if spells(hi) is not None:
+        # spells(lo) holds (head is what it spells); find the largest k that does.
+        lo, hi, head = 0, len(generated), spells(len(generated))
+        if head is not None:
             lo = hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if spells(mid) is not None:
-                lo = mid
+            if (got := spells(mid)) is not None:
+                lo, head = mid, got
             else:
                 hi = mid
-        if lo == 0:
+        if lo == 0 or head is None:
             return None
-        head = spells(lo)
-        assert head is not None
         ids = [*generated[:lo], *self.encode(text[len(head) :])]
         return ids if self.decode(ids, skip_special=False) == text else None
 

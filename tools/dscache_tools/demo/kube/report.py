@@ -49,22 +49,20 @@ def sessions_moved(results: Sequence[RequestResult]) -> int:
     serving (it answered a request that started at or after the moved turn): the
     router placed them anew, not a pod going away. Needs the router's debug headers."""
     last_seen: dict[str, float] = {}
+    turns: dict[str, list[tuple[float, str]]] = {}  # session -> (started, pod) of each turn
     for r in results:
         pod = served_by(r)
         if pod is not None:
             last_seen[pod] = max(last_seen.get(pod, r.started_s), r.started_s)
-    turns: dict[str, list[RequestResult]] = {}
-    for r in results:
-        if served_by(r) is not None:
-            turns.setdefault(r.session, []).append(r)
+            turns.setdefault(r.session, []).append((r.started_s, pod))
     moved = 0
-    for rs in turns.values():
-        rs.sort(key=lambda r: r.started_s)
-        for prev, cur in itertools.pairwise(rs):
-            before, now = served_by(prev), served_by(cur)
-            if before != now and before is not None and last_seen[before] >= cur.started_s:
-                moved += 1
-                break
+    for served in turns.values():
+        served.sort()
+        if any(
+            before != now and last_seen[before] >= started
+            for (_, before), (started, now) in itertools.pairwise(served)
+        ):
+            moved += 1
     return moved
 
 

@@ -156,6 +156,11 @@ class _Scenarios:
     def _load(self, workload: Sequence[ChatRequest]) -> LoadThread:
         return LoadThread(self.targets, workload, self.opts.concurrency, self.opts.think_s).start()
 
+    def _stop(self, load: LoadThread, part: str) -> None:
+        """Stops ``part``'s load and counts the sessions the router moved in it."""
+        load.stop()
+        self.moved[part] = sessions_moved([r for _, r in load.results])
+
     def _status(self) -> dict[str, Any]:
         return self.api.dscd(self.ns).get("status") or {}
 
@@ -201,8 +206,7 @@ class _Scenarios:
         self.latencies += watcher.latencies
         canary.results = [x for x in load.since(canary.started) if x[0] < time.perf_counter()]
         canary.before = load.before(canary.started, self.opts.warmup_s / 2)
-        load.stop()
-        self.moved["warm_canary"] = sessions_moved([r for _, r in load.results])
+        self._stop(load, "warm_canary")
         out["promoted"] = promoted
         out["warm_canary"] = phase_report(canary, "weight")
         return canary
@@ -250,8 +254,7 @@ class _Scenarios:
         )
         self.say(f"warm-up traffic for {self.opts.warmup_s:.0f} s")
         time.sleep(self.opts.warmup_s)
-        load.stop()
-        self.moved["bad_revision"] = sessions_moved([r for _, r in load.results])
+        self._stop(load, "bad_revision")
 
     def blind_rolling(self, workload: Sequence[ChatRequest], out: dict[str, Any]) -> Phase:
         """3. A plain rolling update of the stable track's Deployment, blind to its cache."""
@@ -281,8 +284,7 @@ class _Scenarios:
         end = restore_started(blind, f"{slot}_updated")
         blind.results = [x for x in load.since(blind.started) if end is None or x[0] < end]
         blind.before = load.before(blind.started, self.opts.warmup_s / 2)
-        load.stop()
-        self.moved["blind_rolling"] = sessions_moved([r for _, r in load.results])
+        self._stop(load, "blind_rolling")
         out["blind_rolling"] = phase_report(blind, f"{slot}_updated")
         out["blind_rolling"]["template_restored_at_s"] = (
             None if end is None else round(end - blind.started, 1)
