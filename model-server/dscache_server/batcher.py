@@ -63,6 +63,7 @@ from dscache.metricnames import PHASES
 from dscache_server.cache import PrefixCache, Restored
 from dscache_server.engine import Engine
 from dscache_server.generate import (
+    COMPLETED,
     GenerationRequest,
     GenerationResult,
     IncrementalDetokenizer,
@@ -411,7 +412,7 @@ class Batcher:
         if seq is None or a.prefilling:
             return
         ids = req.token_ids
-        if a.finish in ("stop", "length") and a.detok.ids:
+        if a.finish in COMPLETED and a.detok.ids:
             ids = [*req.token_ids, *a.detok.ids]
             first = len(req.token_ids) // self.cache.block_tokens
             self.cache.store_async(req.chain, ids, seq, first)

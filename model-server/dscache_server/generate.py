@@ -27,6 +27,11 @@ from dscache_server.tokenizer import DeepSeekTokenizer
 log = logging.getLogger(__name__)
 
 
+#: Finish reasons of an answer that ran to its end (not cancelled): its generated
+#: blocks are stored and its ids remembered for the next turn.
+COMPLETED = frozenset({"stop", "length"})
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens.

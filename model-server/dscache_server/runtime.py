@@ -25,7 +25,7 @@ from dscache_server.cache import PrefixCache
 from dscache_server.calibrate import calibrate
 from dscache_server.config import ServerSettings
 from dscache_server.engine import TransformersEngine
-from dscache_server.generate import GenerationRequest, GenerationResult
+from dscache_server.generate import COMPLETED, GenerationRequest, GenerationResult
 from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
 from dscache_server.storecodec import AdaptiveZstd, StorePolicy
@@ -115,7 +115,7 @@ class Runtime:
         """Remembers a chat answer's ids for the next turn's prompt
         (``PieceCache.remember_answer``): as many generated ids as spell the text
         exactly (``DeepSeekTokenizer.answer_ids``), so its cached KV matches."""
-        if result.finish_reason not in ("stop", "length") or not result.text:
+        if result.finish_reason not in COMPLETED or not result.text:
             return
         ids = self.tokenizer.answer_ids(result.text, result.token_ids)
         if ids is not None:
