@@ -20,6 +20,9 @@ Contract (the router's Lua is the reference; a test runs both on real NGINX):
       first) and lists each pod once, in the order the router's bounded-load
       balancer tries them. The ring depends on the set of pods, not on their
       order.
+    * Between the router and a model pod: every answer of a pod carries its
+      in-flight requests in :data:`INFLIGHT_HEADER`, and ``SESSIONS_PATH + id``
+      tells whether the pod served a session (``dscache_server.sessions``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ import bisect
 import hashlib
 import zlib
 from collections.abc import Iterable
+
+#: The header in which a model pod reports its in-flight requests to the router.
+INFLIGHT_HEADER = "X-Dscache-Inflight"
+#: Where a model pod answers whether it served a session (followed by the id).
+SESSIONS_PATH = "/dscache/sessions/"
 
 #: Points a pod gets on the ring (NGINX's ``hash ... consistent``).
 POINTS_PER_POD = 160

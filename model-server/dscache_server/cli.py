@@ -130,6 +130,12 @@ def add_picker_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds the picker's own placements count (120)",
     )
     p.add_argument(
+        "--locate-timeout",
+        type=float,
+        default=0.15,
+        help="seconds a session lookup waits for the pods (0.15; under NGINX's picker timeout)",
+    )
+    p.add_argument(
         "--similarity-threshold",
         type=float,
         default=0.65,

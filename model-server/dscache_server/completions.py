@@ -21,6 +21,9 @@ Contract:
       eviction policy once the prompt's blocks are stored; a request that has to
       wait for a slot first tells the sidecar its prefix is ``queued``.
     * The session header is read, logged and echoed on every answer, errors included;
+      a request that reaches a loaded model records its session in the pod's ledger
+      (``AppState.sessions``: router replicas ask it where the session lives), and
+      every answer carries the pod's in-flight count (``X-Dscache-Inflight``);
       every answer is counted in ``requests_total{endpoint, code, tenant}`` once the
       model is loaded (a bug counts as 500; a refused request as tenant ``other``).
 """
@@ -41,6 +44,7 @@ from dscache_server.errors import APIError
 from dscache_server.parse import ParsedRequest, parse_request, read_json
 from dscache_server.scheduler import QueueFullError, tenant_session
 from dscache_server.schemas import Endpoint, completion_body
+from dscache_server.sessions import INFLIGHT_HEADER
 from dscache_server.state import AppState, Serving, authenticate
 from dscache_server.streaming import SlotStreamingResponse, stream_completion
 
@@ -61,6 +65,7 @@ async def handle_completion(request: Request, endpoint: Endpoint, state: AppStat
     rt = serving.runtime
     header = rt.settings.session_header
     session_id = request.headers.get(header.lower()) or session_id
+    state.sessions.seen(session_id)
     code = "500"
     tenant = OTHER_LABEL
     try:
@@ -70,12 +75,14 @@ async def handle_completion(request: Request, endpoint: Endpoint, state: AppStat
             request, endpoint, serving, principal=principal, session_id=session_id, started=started
         )
         code = "200"
-        return response
     except APIError as exc:
         code = str(exc.status)
-        return _echo(exc.response(), header, session_id)
+        response = _echo(exc.response(), header, session_id)
     finally:
         rt.metrics.requests.labels(endpoint=endpoint, code=code, tenant=tenant).inc()
+    # A stream's count is taken as it starts (its own request included).
+    response.headers[INFLIGHT_HEADER] = str(state.inflight())
+    return response
 
 
 _NEXT_TURNS = ("expected", "ended")

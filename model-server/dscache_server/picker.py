@@ -108,6 +108,8 @@ class PickerSettings:
             keys and placements dropped; a pick that names it again starts anew).
         internal_token: sent as ``X-Dscache-Internal-Token`` with every keyinfo and
             holdings fetch (servers and sidecars that have one ask for it).
+        locate_timeout_s: how long a session lookup waits for the pods
+            (:mod:`dscache_server.sessions`); under the router's picker timeout.
     """
 
     holdings: Mapping[str, str] = field(default_factory=dict)
@@ -124,6 +126,7 @@ class PickerSettings:
     fetch_timeout_s: float = 2.0
     forget_s: float = 600.0
     internal_token: str = field(default="", repr=False)
+    locate_timeout_s: float = 0.15
 
 
 @dataclass(frozen=True)
@@ -230,6 +233,15 @@ class PickerMetrics:
             ["what"],
             registry=self.registry,
         )
+        self.locates = Counter(
+            "dscache_picker_locates",
+            "Sessions its router replica did not know, looked up on the pods: found (a pod "
+            "served it), unknown (none did) or failed (a bad query).",
+            ["result"],
+            registry=self.registry,
+        )
+        for result in ("found", "unknown", "failed"):
+            self.locates.labels(result)
         self.pods = Gauge("dscache_picker_pods", "Pods known.", registry=self.registry)
         self.filters = Gauge(
             "dscache_picker_filters",

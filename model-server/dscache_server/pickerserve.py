@@ -1,6 +1,10 @@
 """``dscache picker``: the picker's HTTP server (see :mod:`dscache_server.picker`).
 
-Routes: ``POST /pick`` (the decision), ``GET /health``, ``GET /metrics``. The
+Routes: ``POST /pick`` (the decision), ``GET /locate?key=K&pods=ADDR,...&budget_ms=N`` (which
+of the pods served session ``K``, asked of the pods themselves, so that router
+replicas agree: :mod:`dscache_server.sessions`; 200 with the address, 404 when
+none did, 400 for a bad query; each pod is given ``budget_ms``, else
+``--locate-timeout``), ``GET /health``, ``GET /metrics``. The
 decision runs on a worker thread (tokenizing is CPU work); the filters are
 fetched by a background thread, with the internal token of
 ``DSCACHE_PICKER_INTERNAL_TOKEN`` (an environment variable, never a flag: flags
@@ -14,9 +18,12 @@ import argparse
 import json
 import logging
 import os
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import httpx
+from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -31,6 +38,7 @@ from dscache_server.picker import (
     PickQuery,
     Refresher,
 )
+from dscache_server.sessions import MAX_SESSION_ID, locate
 from dscache_server.tokenizer import DeepSeekTokenizer
 
 log = logging.getLogger(__name__)
@@ -44,13 +52,19 @@ INTERNAL_TOKEN_ENV = "DSCACHE_PICKER_INTERNAL_TOKEN"  # noqa: S105 - a variable'
 def create_app(picker: Picker, refresher: Refresher | None = None) -> FastAPI:
     """The picker's ASGI app (``refresher`` runs while the app is up)."""
 
+    settings = picker.settings
+    token = {INTERNAL_TOKEN_HEADER: settings.internal_token} if settings.internal_token else {}
+    clients: list[httpx.AsyncClient] = []
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if refresher is not None:
             refresher.start()
+        clients.append(httpx.AsyncClient(timeout=settings.locate_timeout_s))
         try:
             yield
         finally:
+            await clients.pop().aclose()
             if refresher is not None:
                 refresher.stop()
 
@@ -78,7 +92,29 @@ def create_app(picker: Picker, refresher: Refresher | None = None) -> FastAPI:
         headers = {REASON_HEADER: choice.reason, BLOCKS_HEADER: str(choice.blocks)}
         return PlainTextResponse(choice.pod, headers=headers)
 
+    @app.get("/locate")
+    async def locate_session(key: str = "", pods: str = "", budget_ms: int = 0) -> Response:
+        addresses = [a for a in pods.split(",") if a]
+        bad = [a for a in addresses if not _ADDRESS.fullmatch(a)]
+        if not key or len(key) > MAX_SESSION_ID or not addresses or bad:
+            picker.metrics.locates.labels("failed").inc()
+            why = f"not HOST:PORT: {bad[0]!r}" if bad else "key and pods are required"
+            return JSONResponse({"error": why}, status_code=400)
+        # The router's own wait for the picker bounds the lookup (budget_ms), else the flag.
+        timeout = min(budget_ms, 10_000) / 1000 if budget_ms > 0 else None
+        pod, _ = await locate(clients[0], addresses[:MAX_LOCATE_PODS], key, token, timeout)
+        picker.metrics.locates.labels("found" if pod else "unknown").inc()
+        if pod is None:
+            return PlainTextResponse("", status_code=404)
+        return PlainTextResponse(pod)
+
     return app
+
+
+#: A pod address the picker will ask (the router's own config names them).
+_ADDRESS = re.compile(r"[A-Za-z0-9.\-]{1,253}:\d{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:\d{1,5}")
+#: Pods one lookup asks at most (every live pod of a deployment's tracks).
+MAX_LOCATE_PODS = 256
 
 
 async def _read_body(request: Request, limit: int) -> bytes | None:
@@ -120,6 +156,8 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         raise ValueError("--similarity-threshold must be in [0, 1]")
     if args.refresh <= 0:
         raise ValueError("--refresh must be positive")
+    if not 0.001 <= args.locate_timeout <= 10.0:
+        raise ValueError("--locate-timeout must be between 0.001 and 10 seconds")
     return PickerSettings(
         holdings=holdings,
         holdings_port=args.holdings_port,
@@ -128,6 +166,7 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         similarity_threshold=args.similarity_threshold,
         domain_terms=terms,
         internal_token=os.environ.get(INTERNAL_TOKEN_ENV, ""),
+        locate_timeout_s=args.locate_timeout,
     )
 
 

@@ -15,6 +15,10 @@ Contract:
       configured (``internal_token``) only a request carrying it (or the gateway
       token) gets an answer, else 401 ``invalid_internal_token``. 503 until the
       model is loaded.
+    * ``GET /dscache/sessions/<id>``: whether this pod served the session (router
+      replicas share placements through it, :mod:`dscache_server.sessions`): 200
+      ``{"age_s", "inflight"}`` or 404 ``{"inflight"}``; the internal token as for
+      the key info; 503 until the model is loaded.
     * ``GET /dscache/templates?top=N&tenant=T``: the live template miner's top ``N``
       (default 100, 1 to 1000) templates, of tenant id ``T`` or all, best first:
       ``{"model", "block_tokens", "fingerprint", "templates": [{"tenant", "key",
@@ -50,6 +54,7 @@ from dscache_server.auth import DEFAULT_TENANT, GATEWAY_TOKEN_HEADER
 from dscache_server.completions import handle_completion
 from dscache_server.errors import APIError
 from dscache_server.runtime import Runtime
+from dscache_server.sessions import SESSIONS_PATH
 from dscache_server.state import AppState, StateDep, authenticate
 from dscache_server.templatelog import FILTER_PATH, MAX_TOP, TEMPLATES_PATH, TemplateLog
 
@@ -103,6 +108,19 @@ async def keyinfo(request: Request, state: StateDep) -> JSONResponse:
             "root": root,
         }
     )
+
+
+@probes.get(SESSIONS_PATH + "{session_id:path}")
+async def session(session_id: str, request: Request, state: StateDep) -> JSONResponse:
+    """Whether this pod served ``session_id`` (see the module contract)."""
+    rt = state.runtime
+    if rt is None:
+        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
+    _internal_only(rt, request.headers, "the session ledger")
+    age = state.sessions.age(session_id)
+    if age is None:
+        return JSONResponse({"inflight": state.inflight()}, status_code=404)
+    return JSONResponse({"age_s": round(age, 3), "inflight": state.inflight()})
 
 
 @probes.get(TEMPLATES_PATH)

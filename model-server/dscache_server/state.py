@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, NamedTuple
 
 import anyio
@@ -30,6 +30,7 @@ from dscache_server.auth import AuthError, Principal
 from dscache_server.errors import APIError, refused
 from dscache_server.runtime import Runtime
 from dscache_server.scheduler import Scheduler
+from dscache_server.sessions import SessionLedger
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ class AppState:
         scheduler: made on first use, on the serving event loop.
         draining: set at shutdown; model routes answer 503 from then on.
         load_error: why loading failed, if it did.
+        sessions: the sessions this pod served (router replicas ask it where a
+            session lives: :mod:`dscache_server.sessions`).
     """
 
     runtime: Runtime | None = None
@@ -61,6 +64,12 @@ class AppState:
     parsers: anyio.CapacityLimiter | None = None
     draining: bool = False
     load_error: str | None = None
+    sessions: SessionLedger = field(default_factory=SessionLedger)
+
+    def inflight(self) -> int:
+        """Requests holding or waiting for a generation slot (0 before the first)."""
+        s = self.scheduler
+        return 0 if s is None else s.active + s.waiting
 
     def serving(self) -> Serving:
         """The runtime and scheduler; raises a 503 ``APIError`` until ready or once draining."""

@@ -1,0 +1,117 @@
+"""Where a session lives: each pod's ledger of the sessions it served, and the lookup
+router replicas share through it.
+
+Several router replicas each remember the sessions *they* placed. A session whose
+next turn reaches a replica that never saw it would be placed anew, on a pod
+without its KV. The pods are the one truth every replica can ask: a model server
+records each session id the router sent it, and a replica's picker, on a session
+its replica does not know, asks the track's pods which one served it last.
+
+Contract:
+    * ``SessionLedger.seen(session_id)`` records a session (the router's session
+      header: the client's own id) as served here now; ``age(session_id)`` is the
+      seconds since, or None. Bounded: ``max_sessions`` entries (least recent
+      dropped first), each forgotten ``ttl_s`` after its last request.
+    * ``GET /dscache/sessions/<id>`` (the model server, internal token as for the
+      key info) answers 200 ``{"age_s", "inflight"}`` for a session in the
+      ledger, 404 ``{"inflight"}`` for one it is not; ``inflight`` is the pod's
+      requests holding or waiting for a slot. Every completion answer carries the
+      same count as ``X-Dscache-Inflight``, so each router replica's load bound
+      sees the requests the other replicas sent.
+    * ``locate(client, pods, session_id)`` (the picker) asks every pod at once and
+      returns the one that served the session most recently, or None: no pod
+      knows it, or none answered within the client's timeout. Never an exception
+      for a pod that fails: that pod simply does not know.
+    * The ledger is per pod and in memory: a restarted pod knows no session, and
+      neither does its cache (which is what the placement follows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from urllib.parse import quote
+
+import httpx
+from cachetools import TTLCache
+
+from dscache.routing import INFLIGHT_HEADER, SESSIONS_PATH
+
+__all__ = ["INFLIGHT_HEADER", "SESSIONS_PATH", "SessionLedger", "locate"]
+
+#: Longest session id the ledger records (the router's own limit is shorter).
+MAX_SESSION_ID = 256
+#: Largest answer the picker reads from a pod's session route.
+MAX_ANSWER_BYTES = 4096
+
+
+class SessionLedger:
+    """The sessions a pod served (see the module contract)."""
+
+    def __init__(
+        self,
+        max_sessions: int = 200_000,
+        ttl_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._seen: TTLCache[str, float] = TTLCache(max_sessions, ttl_s, timer=clock)
+
+    def seen(self, session_id: str | None) -> None:
+        """Records ``session_id`` as served now (nothing for none or an overlong one)."""
+        if session_id and len(session_id) <= MAX_SESSION_ID:
+            self._seen[session_id] = self._clock()
+
+    def age(self, session_id: str) -> float | None:
+        """Seconds since the session's last request here, or None if unknown."""
+        at = self._seen.get(session_id)
+        return None if at is None else max(0.0, self._clock() - at)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+async def locate(
+    client: httpx.AsyncClient,
+    pods: Sequence[str],
+    session_id: str,
+    headers: Mapping[str, str] | None = None,
+    timeout_s: float | None = None,
+) -> tuple[str | None, dict[str, int]]:
+    """Which of ``pods`` served ``session_id`` most recently, and each answering pod's
+    in-flight count (see the module contract); ``timeout_s``: per pod (default: the
+    client's)."""
+    path = SESSIONS_PATH + quote(session_id, safe="")
+    answers = await asyncio.gather(
+        *(_ask(client, f"http://{pod}{path}", headers or {}, timeout_s) for pod in pods)
+    )
+    best: tuple[float, str] | None = None
+    inflight: dict[str, int] = {}
+    for pod, (age, load) in zip(pods, answers, strict=True):
+        if load is not None:
+            inflight[pod] = load
+        if age is not None and (best is None or age < best[0]):
+            best = (age, pod)
+    return (best[1] if best else None), inflight
+
+
+async def _ask(
+    client: httpx.AsyncClient, url: str, headers: Mapping[str, str], timeout_s: float | None
+) -> tuple[float | None, int | None]:
+    """(age, in-flight) from one pod; (None, None) for no usable answer."""
+    try:
+        if timeout_s is None:
+            r = await client.get(url, headers=dict(headers))
+        else:
+            r = await client.get(url, headers=dict(headers), timeout=timeout_s)
+        if r.status_code not in (200, 404) or len(r.content) > MAX_ANSWER_BYTES:
+            return None, None
+        body = json.loads(r.content)
+        load = body.get("inflight")
+        load = load if isinstance(load, int) and load >= 0 else None
+        age = body.get("age_s") if r.status_code == 200 else None
+        return (float(age) if isinstance(age, int | float) else None), load
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None, None
