@@ -108,6 +108,9 @@ ROUTER_CANARY_WEIGHT: Final = ROUTER_PREFIX + "canary_weight_percent"
 ROUTER_BALANCE_FACTOR: Final = ROUTER_PREFIX + "balance_factor"
 #: Counter: requests placed on the picker's advice, by reason (or failed).
 ROUTER_PICKS: Final = ROUTER_PREFIX + "picks"
+#: Counter: sessions this replica did not know, looked up on the pods, by result
+#: (found, unknown, failed).
+ROUTER_LOCATES: Final = ROUTER_PREFIX + "session_locates"
 #: Labels of the router's series.
 ROUTER_TRACK_LABEL: Final = "track"
 ROUTER_CODE_LABEL: Final = "code"

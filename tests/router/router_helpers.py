@@ -34,17 +34,21 @@ from dscache_tools.net import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from dscache import metricnames as names
+from dscache.routing import INFLIGHT_HEADER
 
 T = TypeVar("T")
 
 
 class Pod(ThreadingHTTPServer):
-    """A stand-in model pod on a loopback port; ``seen`` lists the session ids it got."""
+    """A stand-in model pod on a loopback port; ``seen`` lists the session ids it got;
+    ``reported`` (when set) is the in-flight count it reports, as a model server does
+    on every answer (``X-Dscache-Inflight``)."""
 
     def __init__(self, name: str) -> None:
         seen: list[str] = []
         headers: list[dict[str, str]] = []
         self.arrived = 0
+        self.reported: int | None = None
         self._open = threading.Event()
         self._open.set()
         pod = self
@@ -65,6 +69,8 @@ class Pod(ThreadingHTTPServer):
                 self.send_response(404 if self.path.endswith("/missing") else 200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
+                if pod.reported is not None:
+                    self.send_header(INFLIGHT_HEADER, str(pod.reported))
                 self.end_headers()
                 self.wfile.write(body)
 

@@ -9,6 +9,8 @@ pods (:class:`router_helpers.Pod`) in this process. What a user would notice:
   with the factor at 0 it piles on one pod;
 * a session (the client's own id) stays on its pod whatever the load, new sessions
   spill, and a spilled session stays where it was placed;
+* a pod's own in-flight report (every router replica's requests) counts in the
+  bound, and never reaches the client;
 * a dead pod costs no request (retried on the next pod) and shows in the retry
   and upstream-error counters;
 * ``/dscache/router/metrics`` counts requests by track role and status class;
@@ -27,6 +29,7 @@ from dscache_tools.net import free_port
 from router_helpers import Nginx, Pod, call, metric, scrape, wait_for
 
 from dscache import metricnames as names
+from dscache.routing import Ring
 
 REQUESTS = names.ROUTER_REQUESTS + "_total"
 RETRIES = names.ROUTER_RETRIES + "_total"
@@ -56,6 +59,28 @@ def test_without_load_the_balancer_picks_nginx_own_consistent_hash_pod(
         chosen[f] = {s: nginx.get("/v1/models", {"X-Session-ID": s})[1]["x-pod"] for s in sids}
     assert chosen[factor] == chosen[0.0]
     assert len(set(chosen[0.0].values())) == 3  # and the keys do spread
+
+
+def test_a_pods_own_inflight_report_counts_in_the_bound_and_stays_internal(
+    nginx: Nginx, pods: dict[str, Pod]
+) -> None:
+    stable = _stable(pods)
+    nginx.start(nginx.config(stable=stable, balance_factor=1.25))
+    busy = pods["s0"]
+    busy.reported = 50  # the other router replicas' requests on it
+    ring = Ring(stable)
+    to_busy = [f"rep-{i}" for i in range(300) if ring.walk(f"rep-{i}")[0] == busy.address]
+    # The first answer from it teaches this router its load (and the client sees none).
+    status, headers = nginx.get("/v1/models", {"X-Session-ID": to_busy[0]})
+    assert (status, headers["x-pod"]) == (200, "s0")
+    assert "x-dscache-inflight" not in headers
+    placed = [nginx.get("/v1/models", {"X-Session-ID": s})[1]["x-pod"] for s in to_busy[1:4]]
+    gauge = metric(scrape(nginx.port), names.ROUTER_UPSTREAM_INFLIGHT, upstream=busy.address)
+    assert gauge == 50
+    # New sessions whose hash names it spill although this router sent it nothing
+    # else; the session it already served stays.
+    assert "s0" not in placed, placed
+    assert nginx.get("/v1/models", {"X-Session-ID": to_busy[0]})[1]["x-pod"] == "s0"
 
 
 def _send_held(

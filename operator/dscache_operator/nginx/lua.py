@@ -2,17 +2,25 @@
 
 Three blocks, filled in by :mod:`.render`: the prompt key (``%``-format:
 ``scan``, ``max_bytes``, ``max_messages``), the session memory (``live``,
-``ttl``) and the config watcher (``@PATH@``, ``@ID@``, ``@INTERVAL@``; kept as
-placeholders because Lua's own ``%`` patterns would clash with ``%``-format).
-This module is text, not logic: its length is the Lua's.
+``ttl``, ``locate``: empty, or :data:`LUA_SESSION_LOCATE` with a picker) and
+the config watcher (``@PATH@``, ``@ID@``, ``@INTERVAL@``; kept as placeholders
+because Lua's own ``%`` patterns would clash with ``%``-format). This module is
+text, not logic: its length is the Lua's.
 """
+
+#: With a picker: a session this replica does not remember takes the track of the pod
+#: that served it (``dscache_router.locate``), so router replicas agree.
+LUA_SESSION_LOCATE = """
+            if remember and not track then
+                track = require("dscache_router").locate(key)
+            end"""
 
 LUA_SESSION_MEMORY = """            local live = {%(live)s}
             local sessions = ngx.shared.dscache_sessions
             local key = ngx.var.dscache_key
             -- A fresh request id names no session: nothing to remember.
             local remember = ngx.var.dscache_key_source ~= "new"
-            local track = remember and sessions:get(key) or nil
+            local track = remember and sessions:get(key) or nil%(locate)s
             if not track or not live[track] then
                 track = ngx.var.dscache_new_track
             end

@@ -39,6 +39,19 @@ balancer's first try takes that pod when it is in the track and up (the picker
 applied the load bound from the in-flight counts it was sent). No answer within
 the timeout, or a wrong one: the walk below, as without a picker.
 
+Router replicas agree through the pods (:mod:`dscache_server.sessions`). A
+session (header or cookie) this replica has neither a track nor a pin for is
+looked up once per request: ``locate(key)`` asks the picker, which asks every
+live pod of every track whether it served the session, through the internal
+``locate_path`` subrequest; the pod that did gives the session its track (the
+session memory takes it) and its pin, so a session stays where its KV is
+whichever replica it reaches, across weight changes, replica restarts and
+scale-out. No answer in time, or no pod that knows it: placed as before.
+``report()`` (``header_filter_by_lua``) keeps each pod's own in-flight count,
+``X-Dscache-Inflight`` on its answers, for ``report_ttl`` seconds as
+``reported:<pod>``; a pod's load is the larger of this replica's count and the
+pod's report, so the bound sees what the other replicas sent.
+
 ``log()`` (``log_by_lua``, every proxied request) also counts the request by
 track role and status class, its retries, and each try by pod from
 ``$upstream_addr`` / ``$upstream_status`` (so the counters work without the
@@ -114,8 +127,12 @@ LUA_ROUTER = """\
             return order
         end
 
+        -- A pod's load: this replica's tries on it, or the pod's own recent report of
+        -- all its requests (every replica's), whichever is larger.
         local function inflight(pod)
             local v = dict:get("inflight:" .. pod) or 0
+            local reported = dict:get("reported:" .. pod) or 0
+            if reported > v then v = reported end
             return v > 0 and v or 0
         end
 
@@ -192,6 +209,49 @@ LUA_ROUTER = """\
             end
         end
 
+        -- Which pod served this session last, and its track (without "dscache_"): asked
+        -- of the pods through the picker, once per request; nil, nil when none did, the
+        -- key is not a client's session, or the picker did not answer in time.
+        function M.locate(key)
+            local memo = ngx.ctx.dscache_located
+            if memo then return memo[1], memo[2] end
+            ngx.ctx.dscache_located = {}
+            local source = ngx.var.dscache_key_source
+            if not config.picker or (source ~= "header" and source ~= "cookie") then return end
+            local parts, owner = {}, {}
+            for name, r in pairs(rings) do
+                for _, pod in ipairs(r.pods) do
+                    if not owner[pod] and not dict:get("down:" .. pod) then
+                        owner[pod] = string.sub(name, 9)
+                        parts[#parts + 1] = pod
+                    end
+                end
+            end
+            if #parts == 0 then return end
+            local res = ngx.location.capture(config.locate_path, {
+                args = {key = key, pods = table.concat(parts, ","),
+                        budget_ms = config.locate_budget_ms}})
+            local result = "failed"
+            if res and res.status == 404 then
+                result = "unknown"
+            elseif res and res.status == 200 and owner[res.body] then
+                result = "found"
+                ngx.ctx.dscache_located = {owner[res.body], res.body}
+            end
+            dict:incr("locates:" .. result, 1, 0)
+            memo = ngx.ctx.dscache_located
+            return memo[1], memo[2]
+        end
+
+        -- The pod's own in-flight count from its answer (header filter phase).
+        function M.report()
+            local state = ngx.ctx.dscache_router
+            local n = tonumber(ngx.var.upstream_http_x_dscache_inflight or "")
+            if state and state.last and n then
+                dict:set("reported:" .. state.last, n, config.report_ttl)
+            end
+        end
+
         -- Asks the picker (access phase) which pod should take the request: the track's
         -- live pods in ring order with their in-flight counts, the load bound, the key
         -- and the session's pin go as arguments, the body as it came. Any failure (an
@@ -219,6 +279,14 @@ LUA_ROUTER = """\
             local pinned = ""
             if (source == "header" or source == "cookie") and pins ~= nil then
                 pinned = pins:get(name .. "\0" .. key) or ""
+                if pinned == "" then
+                    -- New to this replica: the pod that served it keeps it (see locate).
+                    local _, pod = M.locate(key)
+                    if pod and r.has[pod] and not dict:get("down:" .. pod) then
+                        pins:set(name .. "\0" .. key, pod, config.pin_ttl)
+                        return
+                    end
+                end
             end
             ngx.req.read_body()
             local res = ngx.location.capture(config.picker_path, {
@@ -309,7 +377,8 @@ LUA_ROUTER = """\
                     "Requests that passed a pod over its bounded load.", "skips:")
             if config.balanced then
                 per_pod(names.inflight, "gauge",
-                        "Tries in progress on each pod (counted by the Lua balancer).", nil,
+                        "Requests in progress on each pod: this replica's tries, or the "
+                        .. "pod's own recent report if larger (the Lua balancer).", nil,
                         inflight)
             end
             if config.picker then
@@ -320,6 +389,16 @@ LUA_ROUTER = """\
                                          "failed"}) do
                     sample(names.picks, '{reason="' .. reason .. '"}',
                            dict:get("picks:" .. reason) or 0)
+                end
+            end
+            if config.picker then
+                family(names.locates, "counter",
+                       "Sessions this replica did not know, looked up on the pods: found (a "
+                       .. "pod served it: it stays there), unknown (none did), failed (no "
+                       .. "answer in time).")
+                for _, result in ipairs({"found", "unknown", "failed"}) do
+                    sample(names.locates, '{result="' .. result .. '"}',
+                           dict:get("locates:" .. result) or 0)
                 end
             end
             family(names.weight, "gauge", "The configured canary weight, percent.")

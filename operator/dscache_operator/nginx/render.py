@@ -12,13 +12,19 @@ import hashlib
 import json
 
 from dscache import metricnames as names
+from dscache.routing import INFLIGHT_HEADER
 from dscache_operator.nginx.config import (
     API_PREFIX,
     ROUTE_KEY_HEADER,
     STRIPPED_HEADERS,
     RouterConfig,
 )
-from dscache_operator.nginx.lua import LUA_PROMPT_KEY, LUA_SESSION_MEMORY, LUA_WATCH
+from dscache_operator.nginx.lua import (
+    LUA_PROMPT_KEY,
+    LUA_SESSION_LOCATE,
+    LUA_SESSION_MEMORY,
+    LUA_WATCH,
+)
 from dscache_operator.nginx.lua_router import LUA_ROUTER
 
 #: The second line of a watched config: ``# dscache-config-id: <hex>``.
@@ -27,6 +33,10 @@ CONFIG_ID_PREFIX = "# dscache-config-id: "
 METRICS_PATH = names.ROUTER_METRICS_PATH
 #: The internal location through which the balancer's Lua asks the picker.
 PICKER_PATH = "/_dscache/pick"
+#: The internal location through which the Lua asks the picker where a session lives.
+LOCATE_PATH = "/_dscache/locate"
+#: Seconds a pod's in-flight report counts in the load bound.
+REPORT_TTL_S = 5
 #: The picker's health, proxied by NGINX (the picker listens on the pod's loopback).
 PICKER_HEALTH_PATH = "/dscache/router/picker-health"
 #: Seconds a pod that failed a try is passed over (NGINX's ``fail_timeout``).
@@ -93,6 +103,7 @@ def _router_lua(c: RouterConfig) -> str:
         "weight": names.ROUTER_CANARY_WEIGHT,
         "factor": names.ROUTER_BALANCE_FACTOR,
         "picks": names.ROUTER_PICKS + "_total",
+        "locates": names.ROUTER_LOCATES + "_total",
     }
     table = (
         f"{{factor = {float(c.balance_factor)!r}, balanced = {str(c.balanced).lower()}, "
@@ -100,6 +111,9 @@ def _router_lua(c: RouterConfig) -> str:
         f"canary_weight = {float(c.effective_weight)!r}, "
         f"pods = {_lua_strings(c.all_pods)}, "
         f'picker = {str(c.picker is not None).lower()}, picker_path = "{PICKER_PATH}", '
+        f'locate_path = "{LOCATE_PATH}", report_ttl = {REPORT_TTL_S}, '
+        # The picker's lookup must end before NGINX stops waiting for it.
+        f"locate_budget_ms = {max(1, c.picker_timeout_ms * 3 // 5)}, "
         f"tracks = {_lua_strings(('stable', 'canary', 'previous'))}, "
         f"upstreams = {{{upstreams}}}, "
         "names = {" + ", ".join(f'{k} = "{v}"' for k, v in metric.items()) + "}}"
@@ -294,6 +308,12 @@ def _render_lines(config: RouterConfig) -> list[str]:
     access = _access_lua(c, memory, track_var)
     if access:
         lines += ["        access_by_lua_block {", *access, "        }"]
+    if c.balanced:
+        lines += [
+            "            header_filter_by_lua_block {",
+            '                require("dscache_router").report()',
+            "            }",
+        ]
     if counted:
         lines += [
             "            log_by_lua_block {",
@@ -321,6 +341,7 @@ def _render_lines(config: RouterConfig) -> list[str]:
             f"            proxy_pass http://dscache_{track_var};",
             f"            proxy_set_header {c.upstream_header} $dscache_session_id;",
             f"            proxy_set_header {ROUTE_KEY_HEADER} $dscache_key;",
+            f"            proxy_hide_header {INFLIGHT_HEADER};",
             # A client never names its tenant (an empty value drops the header).
             *(f'            proxy_set_header {h} "";' for h in STRIPPED_HEADERS),
             "            proxy_set_header Host $host;",
@@ -376,7 +397,10 @@ def _access_lua(c: RouterConfig, memory: bool, track_var: str) -> list[str]:
         )
     if memory:
         live = ", ".join(f'["{t}"] = true' for t in c.live_tracks)
-        access.append(LUA_SESSION_MEMORY % {"live": live, "ttl": c.session_memory_s})
+        locate = LUA_SESSION_LOCATE if c.picker is not None else ""
+        access.append(
+            LUA_SESSION_MEMORY % {"live": live, "ttl": c.session_memory_s, "locate": locate}
+        )
     if c.picker is not None:
         access.append(
             f'            require("dscache_router").pick("dscache_" .. ngx.var.{track_var[1:]})'
@@ -397,6 +421,20 @@ def _picker_location(c: RouterConfig) -> list[str]:
         "            proxy_http_version 1.1;",
         '            proxy_set_header Connection "";',
         *(f'            proxy_set_header {h} "";' for h in STRIPPED_HEADERS),
+        f"            proxy_connect_timeout {timeout};",
+        f"            proxy_send_timeout {timeout};",
+        f"            proxy_read_timeout {timeout};",
+        "        }",
+        "",
+        f"        location = {LOCATE_PATH} {{",
+        "            internal;",
+        "            access_log off;",
+        "            proxy_pass http://dscache_picker/locate;",
+        "            proxy_http_version 1.1;",
+        '            proxy_set_header Connection "";',
+        # Only the query: neither the client's body nor its headers (credentials).
+        "            proxy_pass_request_body off;",
+        "            proxy_pass_request_headers off;",
         f"            proxy_connect_timeout {timeout};",
         f"            proxy_send_timeout {timeout};",
         f"            proxy_read_timeout {timeout};",
