@@ -79,6 +79,7 @@ class Router:
     canary_weight: float = 0.0
     prompt_key: bool = True
     balance_factor: float = 1.25
+    session_memory_s: int = 0  # how long it keeps a session on its track (0: the weight)
     picker: str | None = None  # HOST:PORT of a running ``dscache picker``
     picker_child: Child | None = None
 
@@ -170,6 +171,7 @@ def render_router(router: Router) -> None:
         canary_weight=router.canary_weight,
         prompt_key=PromptKey(mode="lua" if router.prompt_key else "off"),
         balance_factor=router.balance_factor,
+        session_memory_s=router.session_memory_s,
         picker=router.picker,
         picker_timeout_ms=1000,
         load_modules=DEBIAN_LUA_MODULES,

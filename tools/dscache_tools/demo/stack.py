@@ -70,6 +70,7 @@ class LocalStack:
     sidecars: list[Sidecar] = field(default_factory=list)
     servers: list[Server] = field(default_factory=list)
     router: Router | None = None
+    replicas: list[Router] = field(default_factory=list)
     prometheus_port: int | None = None
     _seq: int = 0
     _prometheus: Child | None = None
@@ -261,34 +262,53 @@ class LocalStack:
         canary_weight: float = 0.0,
         prompt_key: bool = True,
         routing: Literal["hash", "kv"] = "hash",
+        session_memory_s: int = 0,
     ) -> Router:
         """Starts NGINX in front of the given servers (default: all, on stable).
 
         ``routing="kv"`` also starts the picker (KV-aware + similarity routing) and
         has NGINX consult it; ``"hash"`` is the session / prompt-key hash alone.
+        ``session_memory_s`` keeps a session on its track across weight changes.
         """
-        nginx = find_nginx()
         if self.router is not None:
             self.stop_router()
         stable = self.servers if stable is None and canary is None else (stable or [])
-        workdir = self.workdir / "router"
-        workdir.mkdir(parents=True, exist_ok=True)
-        # NGINX run as root drops its workers to 'nobody'; they must reach the dir.
-        for d in (self.workdir, workdir):
-            d.chmod(0o755)
-        router = Router(
-            port=free_port(),
-            workdir=workdir,
-            conf=workdir / "nginx.conf",
-            child=None,  # type: ignore[arg-type]  # set right below
+        template = Router(
+            port=0,
+            workdir=self.workdir,
+            conf=self.workdir,
+            child=None,  # type: ignore[arg-type]  # set by _start_nginx
             stable=tuple(s.address for s in stable),
             canary=tuple(s.address for s in canary or ()),
             canary_weight=canary_weight,
             prompt_key=prompt_key,
             balance_factor=self.options.balance_factor,
+            session_memory_s=session_memory_s,
         )
-        if routing == "kv":
-            router.picker, router.picker_child = self._start_picker(stable + list(canary or ()))
+        self.router = self._start_nginx(template, kv=routing == "kv")
+        return self.router
+
+    def start_router_replica(self) -> Router:
+        """Starts one more router like :meth:`start_router`'s (its own NGINX, and its
+        own picker with KV routing), as a Service's second router pod would be."""
+        if self.router is None:
+            raise RuntimeError("no router running")
+        replica = self._start_nginx(self.router, kv=self.router.picker is not None)
+        self.replicas.append(replica)
+        return replica
+
+    def _start_nginx(self, like: Router, *, kv: bool) -> Router:
+        nginx = find_nginx()
+        workdir = self.workdir / self._name("router")
+        workdir.mkdir(parents=True, exist_ok=True)
+        # NGINX run as root drops its workers to 'nobody'; they must reach the dir.
+        for d in (self.workdir, workdir):
+            d.chmod(0o755)
+        router = replace(like, port=free_port(), workdir=workdir, conf=workdir / "nginx.conf")
+        router.picker = router.picker_child = None
+        if kv:
+            servers = [s for s in self.servers if s.address in (*router.stable, *router.canary)]
+            router.picker, router.picker_child = self._start_picker(servers)
         render_router(router)
         argv = [nginx, "-p", str(workdir), "-c", str(router.conf), "-e", "stderr"]
         argv += ["-g", "daemon off;"]
@@ -299,48 +319,50 @@ class LocalStack:
             timeout_s=30,
             what="serving",
         )
-        self.router = router
         return router
 
     def set_canary_weight(self, weight: float) -> None:
-        """Re-renders the router's config with a new canary weight and reloads NGINX.
+        """Re-renders every router's config with a new canary weight and reloads NGINX.
 
         Returns once every old worker has exited, so each later request sees the
         new weight.
         """
-        router = self.router
-        if router is None:
+        if self.router is None:
             raise RuntimeError("no router running")
-        router.canary_weight = weight
-        render_router(router)
-        self.reload_router()
+        for router in (self.router, *self.replicas):
+            router.canary_weight = weight
+            render_router(router)
+            self.reload_router(router)
 
-    def reload_router(self) -> None:
-        """Reloads NGINX (SIGHUP) and returns once every old worker has exited.
+    def reload_router(self, router: Router | None = None) -> None:
+        """Reloads NGINX (SIGHUP; default: the first router) and returns once every old
+        worker has exited.
 
         Old workers finish the requests they hold first, so a reload under load
         drops none.
         """
-        router = self.router
+        router = router or self.router
         if router is None:
             raise RuntimeError("no router running")
-        before = set(worker_pids(router.child.pid))
-        os.kill(router.child.pid, signal.SIGHUP)
+        child = router.child
+        before = set(worker_pids(child.pid))
+        os.kill(child.pid, signal.SIGHUP)
 
         def reloaded() -> bool:
-            now = set(worker_pids(router.child.pid))
+            now = set(worker_pids(child.pid))
             return bool(now) and not now & before
 
         if not poll(reloaded, timeout=30, interval=0.05):
-            raise StartError(f"nginx did not reload; log {router.child.log_path}")
+            raise StartError(f"nginx did not reload; log {child.log_path}")
 
     def stop_router(self) -> None:
-        """Stops NGINX (graceful quit), and its picker."""
-        if self.router is not None:
-            self.procs.stop(self.router.child)
-            if self.router.picker_child is not None:
-                self.procs.stop(self.router.picker_child)
-            self.router = None
+        """Stops every router (NGINX, graceful quit) and its picker."""
+        for router in (*self.replicas, *([self.router] if self.router else [])):
+            self.procs.stop(router.child)
+            if router.picker_child is not None:
+                self.procs.stop(router.picker_child)
+        self.router = None
+        self.replicas.clear()
 
     def _start_picker(self, servers: list[Server]) -> tuple[str, Child]:
         """Starts ``dscache picker`` knowing each server's sidecar filter; its address."""

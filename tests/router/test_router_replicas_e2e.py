@@ -1,0 +1,114 @@
+"""Router replicas that agree: two real NGINX routers, each with its own picker, in front
+of the same real model servers, as two router pods behind one Service.
+
+What a user notices: whichever replica a conversation's next turn reaches, it goes to
+the pod that served the conversation (so its history is there), on the track it
+started on, even when that replica started after the conversation did, or never saw
+it and would have placed it elsewhere. (Each replica's load bound counting the
+other replicas' requests: ``test_router_balance``.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from dscache_tools.demo.stack import LocalStack, Router, StackOptions
+from needs import need_nginx
+from router_helpers import scrape
+
+from dscache import metricnames as names
+from dscache.routing import Ring
+
+pytestmark = pytest.mark.slow
+
+WORDS = ["ledger", "accrual", "covenant", "dividend", "margin", "liquidity", "tranche", "hedge"]
+
+
+def document(seed: int, words: int = 300) -> str:
+    return " ".join(
+        f"{WORDS[(seed * 5 + i * i) % len(WORDS)]}{(seed + i) % 89}" for i in range(words)
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    need_nginx()
+    workdir: Path = tmp_path_factory.mktemp("replicas-e2e")
+    with LocalStack(workdir, StackOptions(model="mini-gqa", threads=1)) as st:
+        stable = st.start_servers(2, cache=False)
+        canary = st.start_servers(1, cache=False)
+        st.start_router(stable, canary, routing="kv", session_memory_s=600)
+        st.start_router_replica()
+        yield st
+
+
+def _turn(
+    router: Router,
+    text: str,
+    session: str | None,
+    headers: dict[str, str] | None = None,
+    max_tokens: int = 2,
+) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    sent = {**(headers or {}), **({"X-Session-ID": session} if session else {})}
+    resp = httpx.post(router.url + "/v1/chat/completions", json=body, headers=sent, timeout=300)
+    assert resp.status_code == 200, resp.text
+    # The pod's own load report is the routers' business, not the client's.
+    assert "x-dscache-inflight" not in resp.headers
+    return resp
+
+
+def _locates(router: Router) -> dict[str, float]:
+    samples = scrape(router.port)
+    family = names.ROUTER_LOCATES + "_total"
+    return {dict(labels)["result"]: v for (name, labels), v in samples.items() if name == family}
+
+
+def test_a_session_keeps_its_track_on_a_replica_started_after_the_weight_changed(
+    stack: LocalStack,
+) -> None:
+    a = stack.router
+    assert a is not None
+    stack.set_canary_weight(0)
+    first = _turn(a, document(1), "track-1")
+    assert first.headers["X-Dscache-Track"] == "stable"
+    pod = first.headers["X-Dscache-Upstream"]
+    stack.set_canary_weight(100)  # every new session now takes the canary
+    late = stack.start_router_replica()  # scale-out: it has seen nothing
+    second = _turn(late, document(1) + " And the risks?", "track-1")
+    assert (second.headers["X-Dscache-Track"], second.headers["X-Dscache-Upstream"]) == (
+        "stable",
+        pod,
+    )
+    # The weight still places new sessions on that replica.
+    assert _turn(late, document(2), "track-2").headers["X-Dscache-Track"] == "canary"
+    assert _locates(late)["found"] >= 1
+
+
+def test_a_session_placed_by_one_replicas_memory_stays_on_its_pod_through_the_other(
+    stack: LocalStack,
+) -> None:
+    a, b = stack.router, stack.replicas[0]
+    assert a is not None
+    stack.set_canary_weight(0)
+    # Replica a sees a request without a session first: its picker remembers it.
+    seen = _turn(a, document(7), None)
+    similar_pod = seen.headers["X-Dscache-Upstream"]
+    stable = [s.address for s in stack.servers[:2]]
+    # A session whose own hash names the other stable pod, with a credential (so no
+    # replica matches cached prefixes: only a's memory of the similar request places
+    # it on similar_pod).
+    session = next(
+        f"sim-{i}" for i in range(1000) if Ring(stable).walk(f"sim-{i}")[0] != similar_pod
+    )
+    key = {"Authorization": "Bearer any"}
+    first = _turn(a, "Note. " + document(7), session, key)
+    assert first.headers["X-Dscache-Upstream"] == similar_pod
+    before = _locates(b)["found"]
+    for turn in range(3):  # b never saw it: it asks the pods, then remembers
+        resp = _turn(b, "Note. " + document(7) + f" Question {turn}?", session, key)
+        assert resp.headers["X-Dscache-Upstream"] == similar_pod, turn
+    assert _locates(b)["found"] == before + 1
