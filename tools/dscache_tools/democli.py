@@ -286,9 +286,9 @@ def _add_kube_demo(kinds: Commands) -> None:
     k.add_argument(
         "--router-replicas",
         type=int,
-        default=1,
+        default=2,
         help="router pods; the load spreads every request over them, as a Service does "
-        "(default 1: each replica remembers sessions alone until replicas share placement)",
+        "(default 2; they agree on each session's track and pod through the pods)",
     )
     k.set_defaults(handler=_run_kube_demo)
 

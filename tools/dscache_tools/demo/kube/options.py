@@ -94,7 +94,7 @@ class KubeDemoOptions:
     workdir: Path | None = None
     max_ttft_p99_ratio: float | None = None
     min_hit_rate_ratio: float | None = None
-    router_replicas: int = 1
+    router_replicas: int = 2
 
     def __post_init__(self) -> None:
         if not 1 <= self.router_replicas <= 8:
