@@ -2,8 +2,9 @@
 
 Create, update (spec, labels or annotations), resume (operator start) and a
 per-resource timer all run the same level-triggered reconcile, so a missed
-event is repaired on the next tick. Handlers never sleep: API failures become
-``kopf.TemporaryError(delay=...)``; an invalid spec becomes
+event is repaired on the next tick. Each reads the children through kopf's
+indexes (:mod:`.children`), handed to it as keyword arguments. Handlers
+never sleep: API failures become ``kopf.TemporaryError(delay=...)``; an invalid spec becomes
 ``kopf.PermanentError`` after the status says ``Ready=False, InvalidSpec``
 (the timer only records it and keeps ticking, so a fixed spec recovers). A
 resource whose namespace is being deleted is left alone (the API refuses new
@@ -17,11 +18,18 @@ once on deletion.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from dscache_operator import GROUP, PLURAL, VERSION
+from dscache_operator.children import (
+    INDEXES,
+    IndexedChildren,
+    narrow_watches,
+    register_indexes,
+)
 from dscache_operator.kube import ApiError
 from dscache_operator.reconcile import Reconciler
 from dscache_operator.schema import InvalidSpecError
@@ -30,10 +38,19 @@ from dscache_operator.settings import OperatorSettings
 log = logging.getLogger(__name__)
 
 
-def _run(reconciler: Reconciler, body: kopf.Body, *, permanent: bool) -> None:
+def _run(
+    reconciler: Reconciler,
+    body: kopf.Body,
+    indexes: Mapping[str, Any] | None = None,
+    *,
+    permanent: bool,
+) -> None:
     ns, name = body.metadata.namespace or "", body.metadata.name or ""
+    # kopf hands a handler its indexes; without them (a direct call) the API is read.
+    indexed = indexes is not None and all(i in indexes for i in INDEXES)
+    reader = IndexedChildren(indexes) if indexes is not None and indexed else None
     try:
-        result = reconciler.reconcile(ns, name)
+        result = reconciler.reconcile(ns, name, reader)
     except InvalidSpecError as exc:
         reconciler.metrics.reconciles.labels(result="invalid_spec").inc()
         reason = getattr(exc, "reason", "InvalidSpec")
@@ -61,26 +78,27 @@ def register(
 ) -> None:
     """Adds the handlers to ``registry`` (no module-level registration, no globals)."""
     resource = (GROUP, VERSION, PLURAL)
+    register_indexes(registry)
 
     @kopf.on.login(id="login", registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
 
     @kopf.on.create(*resource, id="create", registry=registry)
-    def on_create(body: kopf.Body, **_: Any) -> None:
-        _run(reconciler, body, permanent=True)
+    def on_create(body: kopf.Body, **kwargs: Any) -> None:
+        _run(reconciler, body, kwargs, permanent=True)
 
     @kopf.on.update(*resource, id="update", registry=registry)
-    def on_update(body: kopf.Body, **_: Any) -> None:
-        _run(reconciler, body, permanent=True)
+    def on_update(body: kopf.Body, **kwargs: Any) -> None:
+        _run(reconciler, body, kwargs, permanent=True)
 
     @kopf.on.resume(*resource, id="resume", registry=registry)
-    def on_resume(body: kopf.Body, **_: Any) -> None:
-        _run(reconciler, body, permanent=True)
+    def on_resume(body: kopf.Body, **kwargs: Any) -> None:
+        _run(reconciler, body, kwargs, permanent=True)
 
     @kopf.timer(*resource, id="tick", interval=settings.tick_seconds, registry=registry)
-    def tick(body: kopf.Body, **_: Any) -> None:
-        _run(reconciler, body, permanent=False)
+    def tick(body: kopf.Body, **kwargs: Any) -> None:
+        _run(reconciler, body, kwargs, permanent=False)
 
 
 def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
@@ -96,5 +114,6 @@ def kopf_settings(settings: OperatorSettings) -> kopf.OperatorSettings:
     ks.watching.server_timeout = 300
     ks.networking.request_timeout = settings.api_timeout_seconds
     ks.peering.lifetime = settings.peering_lifetime_seconds
+    narrow_watches(ks)
     ks.peering.stealth = True  # no log line per keep-alive; pauses and resumes are still logged
     return ks

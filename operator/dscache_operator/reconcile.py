@@ -43,6 +43,7 @@ from cachetools import LRUCache, TTLCache
 
 from dscache_operator import KIND
 from dscache_operator.analysis import Step, analyse
+from dscache_operator.children import ApiChildren, ChildReader
 from dscache_operator.conditions import get_condition, set_condition
 from dscache_operator.desired import (
     ROUTER_CONFIG_HASH,
@@ -59,7 +60,6 @@ from dscache_operator.desired import (
     prewarm_job_name,
     progressive,
     router_config_hash,
-    selector_labels,
     tenant_salt_secret,
     track_of,
 )
@@ -197,8 +197,11 @@ class Reconciler:
         with self._locks_guard:
             return self._locks.setdefault(key, threading.Lock())
 
-    def reconcile(self, namespace: str, name: str) -> tuple[Obj, Decision] | None:
-        """One reconcile; None if the resource is gone.
+    def reconcile(
+        self, namespace: str, name: str, reader: ChildReader | None = None
+    ) -> tuple[Obj, Decision] | None:
+        """One reconcile; None if the resource is gone. ``reader``: where its
+        Deployments, Job and pods are read (kopf's indexes; default: the API).
 
         Raises:
             InvalidSpecError: the spec cannot be reconciled (status already says so).
@@ -211,13 +214,13 @@ class Reconciler:
             body = self.kube.get(KIND, namespace, name)
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return None
-            decision = self._reconcile(body)
+            decision = self._reconcile(body, reader or ApiChildren(self.kube))
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
             for e in decision.events:
                 self.metrics.rollout_events.labels(reason=e.reason).inc()
             return body, decision
 
-    def _reconcile(self, body: Obj) -> Decision:
+    def _reconcile(self, body: Obj, reader: ChildReader) -> Decision:
         meta = body["metadata"]
         owner = Owner(meta["name"], meta["namespace"], meta["uid"])
         spec = parse_spec(body.get("spec"))
@@ -227,8 +230,8 @@ class Reconciler:
         self._conflicts[owner.uid] = []
         self._ensure_tenant_salt(owner, spec, status)
         # Every model pod of the resource in one list: each track's addresses come from it.
-        pods = self.kube.list("Pod", owner.namespace, selector_labels(owner, "model"))
-        observed = self._observe(owner, spec, status, meta, pods)
+        pods = reader.pods(owner.namespace, owner.name, "model")
+        observed = self._observe(owner, spec, status, meta, pods=pods, reader=reader)
         if analysis_due(status, observed, now):
             observed = replace(observed, verdict=self._analyse(owner, spec, status, now))
         decision = next_step(status, observed, now)
@@ -259,7 +262,7 @@ class Reconciler:
             if job is not None:
                 self._create(job)
         configmap = next(o for o in objs if o["kind"] == "ConfigMap")
-        self._nudge_router_pods(owner, router_config_hash(configmap))
+        self._nudge_router_pods(owner, router_config_hash(configmap), reader)
         for slot, ss in new.slots.items():
             if ss.frozen:  # template left alone; its track label still tells the truth
                 self._label_frozen(owner, slot, track_of(new, slot))
@@ -362,14 +365,14 @@ class Reconciler:
         else:
             log.info("created %s %s/%s", obj["kind"], meta["namespace"], meta["name"])
 
-    def _nudge_router_pods(self, owner: Owner, digest: str) -> None:
+    def _nudge_router_pods(self, owner: Owner, digest: str, reader: ChildReader) -> None:
         # The kubelet refreshes a ConfigMap volume on its periodic sync (a minute
         # or more) but syncs a pod at once when the pod changes: annotate the live
         # router pods (never the template, which would restart them) with the
         # config's hash; NGINX's own watcher then reloads within a second.
         if self._router_pods_at.get(owner.uid) == digest:
             return
-        pods = self.kube.list("Pod", owner.namespace, selector_labels(owner, "router"))
+        pods = reader.pods(owner.namespace, owner.name, "router")
         patch = {"metadata": {"annotations": {ROUTER_CONFIG_HASH: digest}}}
         for pod in pods:
             meta = pod["metadata"]
@@ -403,11 +406,13 @@ class Reconciler:
         spec: DeepSeekCacheDeploymentSpec,
         status: DeepSeekCacheDeploymentStatus,
         meta: Mapping[str, Any],
+        *,
         pods: list[Obj],
+        reader: ChildReader,
     ) -> Observed:
         source = spec.revision_source()
         tracks: dict[str, TrackObservation] = {
-            slot: observe_track(self._owned("Deployment", owner, f"{owner.name}-{slot}"))
+            slot: observe_track(self._owned(reader, "Deployment", owner, f"{owner.name}-{slot}"))
             for slot in SLOTS
             if slot in status.slots
         }
@@ -418,7 +423,7 @@ class Reconciler:
                 prewarm = "succeeded"  # the step needs no more copies
             else:
                 name = prewarm_job_name(owner, status.canary_revision, step)
-                job = self.kube.get("Job", owner.namespace, name)
+                job = reader.get("Job", owner.namespace, name)
                 if job is not None and not owned_by(job, owner.uid):
                     # Someone else's Job of that name cannot tell how our prewarm went.
                     self._conflict(owner, "Job", name)
@@ -438,9 +443,9 @@ class Reconciler:
             annotations=Annotations.from_metadata(meta.get("annotations")),
         )
 
-    def _owned(self, kind: str, owner: Owner, name: str) -> Obj | None:
+    def _owned(self, reader: ChildReader, kind: str, owner: Owner, name: str) -> Obj | None:
         """The child ``name``, or None when it is absent or not ours (a conflict then)."""
-        obj = self.kube.get(kind, owner.namespace, name)
+        obj = reader.get(kind, owner.namespace, name)
         if obj is not None and not owned_by(obj, owner.uid):
             self._conflict(owner, kind, name)
             return None

@@ -20,7 +20,7 @@ class _FailingReconciler(Reconciler):
         super().__init__(Kube.__new__(Kube), OperatorSettings(), OperatorMetrics())
         self.error = error
 
-    def reconcile(self, namespace: str, name: str) -> None:  # type: ignore[override]
+    def reconcile(self, namespace: str, name: str, reader: object = None) -> None:  # type: ignore[override]
         raise self.error
 
 
