@@ -6,12 +6,15 @@ arithmetic of its report on requests made up here.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dscache_tools.demo.kube.report import (
     format_table,
     phase_report,
     ratios,
     restore_started,
     sessions_moved,
+    sessions_moved_by_key,
 )
 from dscache_tools.demo.kube.watch import Phase
 from dscache_tools.loadgen import RequestResult
@@ -135,3 +138,9 @@ def test_a_session_moved_while_its_pod_served_is_counted_once_and_a_replaced_pod
     ]  # fmt: skip
     assert sessions_moved(results) == 1
     assert sessions_moved([r for r in results if r.session != "s1"]) == 0
+    assert sessions_moved_by_key(results) == {"session": 1, "new_id": 0, "no_id": 0}
+    # The same move by a turn whose id the gateway dropped, and by a reconnect's new id.
+    dropped = [replace(r, session_id=None) if r.turn == 1 else r for r in results]
+    assert sessions_moved_by_key(dropped)["no_id"] == 1
+    renamed = [replace(r, session_id="s1b") if r.turn >= 1 else r for r in results]
+    assert sessions_moved_by_key(renamed)["new_id"] == 1

@@ -44,26 +44,38 @@ def served_by(res: RequestResult) -> str | None:
     return res.upstream.split(",")[-1].strip() or None
 
 
-def sessions_moved(results: Sequence[RequestResult]) -> int:
+#: How the turn that moved a session reached the router: with the session's id (its
+#: turn before carried the same), with a new id (a reconnect), or with none (a dropped
+#: id: the router keyed it by its prompt).
+MOVE_KEYS = ("session", "new_id", "no_id")
+
+
+def sessions_moved_by_key(results: Sequence[RequestResult]) -> dict[str, int]:
     """Sessions whose pod changed from one turn to the next while the old pod kept
     serving (it answered a request that started at or after the moved turn): the
-    router placed them anew, not a pod going away. Needs the router's debug headers."""
+    router placed them anew, not a pod going away; counted once, by how their first
+    such turn was keyed (:data:`MOVE_KEYS`). Needs the router's debug headers."""
     last_seen: dict[str, float] = {}
-    turns: dict[str, list[tuple[float, str]]] = {}  # session -> (started, pod) of each turn
+    turns: dict[str, list[tuple[float, str, str | None]]] = {}  # (started, pod, id) per turn
     for r in results:
         pod = served_by(r)
         if pod is not None:
             last_seen[pod] = max(last_seen.get(pod, r.started_s), r.started_s)
-            turns.setdefault(r.session, []).append((r.started_s, pod))
-    moved = 0
+            turns.setdefault(r.session, []).append((r.started_s, pod, r.session_id))
+    moved = dict.fromkeys(MOVE_KEYS, 0)
     for served in turns.values():
         served.sort()
-        if any(
-            before != now and last_seen[before] >= started
-            for (_, before), (started, now) in itertools.pairwise(served)
-        ):
-            moved += 1
+        for (_, before, old_id), (started, now, new_id) in itertools.pairwise(served):
+            if before != now and last_seen[before] >= started:
+                key = "no_id" if new_id is None else "session" if new_id == old_id else "new_id"
+                moved[key] += 1
+                break
     return moved
+
+
+def sessions_moved(results: Sequence[RequestResult]) -> int:
+    """How many sessions :func:`sessions_moved_by_key` counts, whatever their key."""
+    return sum(sessions_moved_by_key(results).values())
 
 
 def per_step(phase: Phase, label: str) -> list[dict[str, Any]]:
@@ -235,6 +247,10 @@ def format_table(report: dict[str, Any]) -> str:
     lines.append(
         f"sessions the router moved while their pod served ({replicas} router replicas): "
         + ("-" if moved is None else f"{moved} (target 0)")
+        + "".join(
+            f"; {n} by a turn keyed {key}"
+            for key, n in (report.get("sessions_moved_by_router_by_key") or {}).items()
+        )
     )
     for key, goal in TARGETS.items():
         value = report["ratios"].get(key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from dscache_tools.demo.kube.report import (
     phase_report,
     ratios,
     restore_started,
-    sessions_moved,
+    sessions_moved_by_key,
     timeline,
 )
 from dscache_tools.demo.kube.watch import LoadThread, Phase, Watcher
@@ -121,6 +122,7 @@ def _scenarios(
     out["ratios"] = ratios(out["warm_canary"], out["blind_rolling"])
     out["sessions_moved_by_router"] = sum(run.moved.values())
     out["sessions_moved_by_router_by_part"] = dict(run.moved)
+    out["sessions_moved_by_router_by_key"] = dict(run.moved_by_key)
     out["timeline"] = {
         "warm_canary": timeline(canary),
         "blind_rolling": timeline(blind),
@@ -142,6 +144,8 @@ class _Scenarios:
     latencies: list[float] = field(default_factory=list)
     #: sessions whose pod changed while that pod kept serving, per part
     moved: dict[str, int] = field(default_factory=dict)
+    #: the same sessions, by how the turn that moved them was keyed (every part)
+    moved_by_key: Counter[str] = field(default_factory=Counter)
 
     @property
     def ns(self) -> str:
@@ -159,7 +163,9 @@ class _Scenarios:
     def _stop(self, load: LoadThread, part: str) -> None:
         """Stops ``part``'s load and counts the sessions the router moved in it."""
         load.stop()
-        self.moved[part] = sessions_moved([r for _, r in load.results])
+        by_key = sessions_moved_by_key([r for _, r in load.results])
+        self.moved[part] = sum(by_key.values())
+        self.moved_by_key.update(by_key)
 
     def _status(self) -> dict[str, Any]:
         return self.api.dscd(self.ns).get("status") or {}
