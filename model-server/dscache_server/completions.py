@@ -21,7 +21,7 @@ Contract:
       eviction policy once the prompt's blocks are stored; a request that has to
       wait for a slot first tells the sidecar its prefix is ``queued``.
     * The session header is read, logged and echoed on every answer, errors included;
-      a request that reaches a loaded model records its session in the pod's ledger
+      an authenticated request records its session in the pod's ledger
       (``AppState.sessions``: router replicas ask it where the session lives), and
       every answer carries the pod's in-flight count (``X-Dscache-Inflight``);
       every answer is counted in ``requests_total{endpoint, code, tenant}`` once the
@@ -65,12 +65,12 @@ async def handle_completion(request: Request, endpoint: Endpoint, state: AppStat
     rt = serving.runtime
     header = rt.settings.session_header
     session_id = request.headers.get(header.lower()) or session_id
-    state.sessions.seen(session_id)
     code = "500"
     tenant = OTHER_LABEL
     try:
         principal = authenticate(rt, request.headers)
         tenant = principal.label
+        state.sessions.seen(session_id)  # a refused caller places no session
         response = await _answer(
             request, endpoint, serving, principal=principal, session_id=session_id, started=started
         )

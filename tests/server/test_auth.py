@@ -288,16 +288,20 @@ def test_with_an_internal_token_keyinfo_and_the_template_filter_are_the_pickers(
 
 
 def test_the_session_ledger_tells_the_picker_which_sessions_this_pod_served(
-    live_server: Callable[..., LiveServer],
+    live_server: Callable[..., LiveServer], key_file: Path
 ) -> None:
     # Router replicas ask the pods where a session lives: only the picker may ask.
-    srv = live_server(internal_token="picker-1")
+    srv = live_server(internal_token="picker-1", api_keys_file=key_file)
     shown = {"X-Dscache-Internal-Token": "picker-1"}
     url = srv.url + "/dscache/sessions/"
     assert_refused(httpx.get(url + "conv/1"), 401, "invalid_internal_token")
     unknown = httpx.get(url + "conv/1", headers=shown)
     assert (unknown.status_code, unknown.json()) == (404, {"inflight": 0})
-    answer = chat(srv, "hello there", **{"X-Session-ID": "conv/1"})
+    # A refused caller places no session here.
+    refused = chat(srv, "hello there", "not-a-key", **{"X-Session-ID": "conv/1"})
+    assert refused.status_code == 401
+    assert httpx.get(url + "conv/1", headers=shown).status_code == 404
+    answer = chat(srv, "hello there", "sk-alpha-1", **{"X-Session-ID": "conv/1"})
     # Every answer reports the pod's load to the router (it is not in flight any more).
     assert answer.headers["X-Dscache-Inflight"] == "0"
     known = httpx.get(url + "conv%2F1", headers=shown)
