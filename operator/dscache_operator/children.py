@@ -9,8 +9,8 @@ workloads' objects).
 
 Contract:
     * :class:`ChildReader` is what the reconciler reads through: ``get(kind,
-      namespace, name)`` (a Deployment or a Job, or None) and ``pods(namespace,
-      instance, component)`` (the pods carrying those selector labels).
+      namespace, name)`` (a Deployment or a Job, or None) and ``pods(owner,
+      component)`` (the pods carrying the owner's selector labels of that component).
     * :class:`IndexedChildren` answers from kopf's indexes (:func:`register_indexes`),
       which kopf fills before any resource handler runs and keeps current from
       watch events: what it returns may be a watch event behind the API server,
@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import kopf
 
+from dscache_operator.desired.common import Owner, selector_labels
 from dscache_operator.kube import Kube, Obj
 
 #: The watches kopf keeps for the indexes are narrowed to the operator's children.
@@ -46,7 +47,7 @@ class ChildReader(Protocol):
 
     def get(self, kind: str, namespace: str, name: str) -> Obj | None: ...
 
-    def pods(self, namespace: str, instance: str, component: str) -> list[Obj]: ...
+    def pods(self, owner: Owner, component: str) -> list[Obj]: ...
 
 
 class ApiChildren:
@@ -58,9 +59,8 @@ class ApiChildren:
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
         return self._kube.get(kind, namespace, name)
 
-    def pods(self, namespace: str, instance: str, component: str) -> list[Obj]:
-        selector = {"app.kubernetes.io/name": "dscache", _INSTANCE: instance}
-        return self._kube.list("Pod", namespace, {**selector, _COMPONENT: component})
+    def pods(self, owner: Owner, component: str) -> list[Obj]:
+        return self._kube.list("Pod", owner.namespace, selector_labels(owner, component))
 
 
 class IndexedChildren:
@@ -74,8 +74,8 @@ class IndexedChildren:
         store: Iterable[Obj] = self._by_kind[kind].get((namespace, name), ())
         return next(iter(store), None)
 
-    def pods(self, namespace: str, instance: str, component: str) -> list[Obj]:
-        return list(self._pods.get((namespace, instance, component), ()))
+    def pods(self, owner: Owner, component: str) -> list[Obj]:
+        return list(self._pods.get((owner.namespace, owner.name, component), ()))
 
 
 def _key(namespace: str | None, name: str | None) -> tuple[str, str]:

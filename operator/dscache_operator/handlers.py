@@ -47,8 +47,7 @@ def _run(
 ) -> None:
     ns, name = body.metadata.namespace or "", body.metadata.name or ""
     # kopf hands a handler its indexes; without them (a direct call) the API is read.
-    indexed = indexes is not None and all(i in indexes for i in INDEXES)
-    reader = IndexedChildren(indexes) if indexes is not None and indexed else None
+    reader = IndexedChildren(indexes) if indexes and all(i in indexes for i in INDEXES) else None
     try:
         result = reconciler.reconcile(ns, name, reader)
     except InvalidSpecError as exc:

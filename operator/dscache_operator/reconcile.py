@@ -230,7 +230,7 @@ class Reconciler:
         self._conflicts[owner.uid] = []
         self._ensure_tenant_salt(owner, spec, status)
         # Every model pod of the resource in one list: each track's addresses come from it.
-        pods = reader.pods(owner.namespace, owner.name, "model")
+        pods = reader.pods(owner, "model")
         observed = self._observe(owner, spec, status, meta, pods=pods, reader=reader)
         if analysis_due(status, observed, now):
             observed = replace(observed, verdict=self._analyse(owner, spec, status, now))
@@ -372,7 +372,7 @@ class Reconciler:
         # config's hash; NGINX's own watcher then reloads within a second.
         if self._router_pods_at.get(owner.uid) == digest:
             return
-        pods = reader.pods(owner.namespace, owner.name, "router")
+        pods = reader.pods(owner, "router")
         patch = {"metadata": {"annotations": {ROUTER_CONFIG_HASH: digest}}}
         for pod in pods:
             meta = pod["metadata"]

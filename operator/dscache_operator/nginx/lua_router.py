@@ -390,8 +390,6 @@ LUA_ROUTER = """\
                     sample(names.picks, '{reason="' .. reason .. '"}',
                            dict:get("picks:" .. reason) or 0)
                 end
-            end
-            if config.picker then
                 family(names.locates, "counter",
                        "Sessions this replica did not know, looked up on the pods: found (a "
                        .. "pod served it: it stays there), unknown (none did), failed (no "
