@@ -112,3 +112,49 @@ def test_a_session_placed_by_one_replicas_memory_stays_on_its_pod_through_the_ot
         resp = _turn(b, "Note. " + document(7) + f" Question {turn}?", session, key)
         assert resp.headers["X-Dscache-Upstream"] == similar_pod, turn
     assert _locates(b)["found"] == before + 1
+
+
+def _conversation(router: Router, turns: list[str], session: str | None) -> httpx.Response:
+    """The conversation's next turn: each earlier question with a short answer, then the
+    last question (as a client sends back the history)."""
+    messages: list[dict[str, str]] = []
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        if i < len(turns) - 1:
+            messages.append({"role": "assistant", "content": f"Answer {i}."})
+    body = {"messages": messages, "max_tokens": 2}
+    sent = {"X-Session-ID": session} if session else {}
+    resp = httpx.post(router.url + "/v1/chat/completions", json=body, headers=sent, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def test_a_conversation_that_lost_its_id_or_reconnected_stays_on_its_pod_and_track(
+    stack: LocalStack,
+) -> None:
+    a, b = stack.router, stack.replicas[0]
+    assert a is not None
+    stack.set_canary_weight(100)
+    turns = [document(11), "And the cash flow?"]
+    first = _conversation(a, turns[:1], "lost-1")
+    pod = first.headers["X-Dscache-Upstream"]
+    assert first.headers["X-Dscache-Track"] == "canary"
+    stack.set_canary_weight(0)  # new conversations now take the stable track
+    before = _locates(b).get("turn", 0)
+    # Its next turn reaches the other replica without its id (the gateway dropped it):
+    # the pods say which of them served its first turn.
+    second = _conversation(b, turns, None)
+    assert (second.headers["X-Dscache-Track"], second.headers["X-Dscache-Upstream"]) == (
+        "canary",
+        pod,
+    )
+    # Then the client reconnects under a new id: found by its turns again.
+    turns.append("Which risks stand out?")
+    third = _conversation(b, turns, "lost-1-reconnected")
+    assert (third.headers["X-Dscache-Track"], third.headers["X-Dscache-Upstream"]) == (
+        "canary",
+        pod,
+    )
+    assert _locates(b)["turn"] == before + 2
+    # A new conversation with the same opening is not one of them: the weight places it.
+    assert _conversation(b, [document(11)], None).headers["X-Dscache-Track"] == "stable"
