@@ -4,9 +4,10 @@
 resource from the API server (a timer's body may be older than the status the
 previous reconcile wrote), observes the children, fetches the analysis only
 when the state machine says a step is due, lets :func:`.rollout.next_step`
-decide, server-side-applies the desired children, creates the prewarm Job
-(once per revision, with the ready canary pods' addresses; never re-applied:
-a Job's template is immutable), nudges the live router pods after a router
+decide, server-side-applies the desired children, creates the prewarm Job the
+decision names (``Decision.prewarm_job``: the rollout decides which step's
+Job and when; reconcile builds it with the ready canary pods' addresses and
+creates it, never re-applies it: a Job's template is immutable), nudges the live router pods after a router
 config change (an annotation patch, so the kubelet refreshes the ConfigMap
 volume now rather than on its next periodic sync), then writes the status
 (guarded by the resource's resourceVersion) and clears one-shot annotations.
@@ -68,7 +69,7 @@ from dscache_operator.metrics import OperatorMetrics
 from dscache_operator.podspec import RevisionSource, revision_of
 from dscache_operator.policy import check_spec
 from dscache_operator.prometheus import PrometheusClient
-from dscache_operator.rollout import analysis_due, next_step
+from dscache_operator.rollout import analysis_due, next_step, prewarm_step
 from dscache_operator.rollout_types import (
     Annotations,
     Decision,
@@ -251,13 +252,8 @@ class Reconciler:
         )
         for child in objs:
             self._apply(owner, child)
-        step = _prewarm_step(new)
-        if (
-            step is not None
-            and observed.prewarm_enabled
-            and new.canary_revision == status.canary_revision
-            and (observed.prewarm == "absent" or step != _prewarm_step(status))
-        ):
+        if decision.prewarm_job is not None:
+            step = decision.prewarm_job
             job = prewarm_job(owner, spec, new, canary, step=step, sources=stable)
             if job is not None:
                 self._create(job)
@@ -417,7 +413,7 @@ class Reconciler:
             if slot in status.slots
         }
         prewarm: PrewarmState = "absent"
-        step = _prewarm_step(status)
+        step = prewarm_step(status)
         if status.canary_revision is not None and step is not None:
             if step > 0 and not _step_needs_prewarm(spec, status, step, pods):
                 prewarm = "succeeded"  # the step needs no more copies
@@ -559,13 +555,3 @@ def _step_needs_prewarm(
         return False
     count = len(_addresses(status, status.canary_slot, pods))
     return prewarm_copy_range(spec, count, step) is not None
-
-
-def _prewarm_step(status: DeepSeekCacheDeploymentStatus) -> int | None:
-    """The rollout step whose prewarm Job matters now: step 0 while prewarming, the
-    next step during a step, None outside a rollout or during the last step."""
-    if status.canary_revision is None:
-        return None
-    if status.step_index is None:
-        return 0 if status.phase == "Prewarming" else None
-    return status.step_index + 1

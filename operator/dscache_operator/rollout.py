@@ -200,7 +200,33 @@ def next_step(status: DeepSeekCacheDeploymentStatus, observed: Observed, now: da
         status=new,
         events=tuple(w.events),
         clear_annotations=tuple(w.clear),
+        prewarm_job=_prewarm_job(status, new, observed),
     )
+
+
+def prewarm_step(status: DeepSeekCacheDeploymentStatus) -> int | None:
+    """The rollout step whose prewarm Job matters now: step 0 while prewarming, the
+    next step during a step, None outside a rollout or during the last step."""
+    if status.canary_revision is None:
+        return None
+    if status.step_index is None:
+        return 0 if status.phase == "Prewarming" else None
+    return status.step_index + 1
+
+
+def _prewarm_job(
+    old: DeepSeekCacheDeploymentStatus, new: DeepSeekCacheDeploymentStatus, observed: Observed
+) -> int | None:
+    """The step whose prewarm Job to create now: the rollout (the same canary as
+    before this decision) reached a step whose Job is absent, or a new step."""
+    step = prewarm_step(new)
+    if step is None or not observed.prewarm_enabled:
+        return None
+    if new.canary_revision != old.canary_revision:
+        return None  # the canary's pods are not there yet: the next tick
+    if observed.prewarm == "absent" or step != prewarm_step(old):
+        return step
+    return None
 
 
 def _first_deploy(w: _Work) -> None:

@@ -104,8 +104,17 @@ class Event:
 
 @dataclass(frozen=True)
 class Decision:
-    """The new status and the side effects that go with it."""
+    """The new status and the side effects that go with it.
+
+    Attributes:
+        status: the new status.
+        events: the Kubernetes Events to record.
+        clear_annotations: the one-shot annotations (promote, abort) consumed.
+        prewarm_job: create the prewarm Job of this rollout step now (0: before the
+            first step; ``N``: before step ``N``), or None.
+    """
 
     status: DeepSeekCacheDeploymentStatus
     events: tuple[Event, ...] = ()
     clear_annotations: tuple[str, ...] = ()
+    prewarm_job: int | None = None

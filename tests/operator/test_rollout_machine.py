@@ -191,22 +191,31 @@ def test_deploying(
 
 
 @pytest.mark.parametrize(
-    ("job", "phase", "weight", "events"),
+    ("job", "phase", "weight", "events", "create"),
     [
-        ("absent", "Prewarming", 0, []),
-        ("running", "Prewarming", 0, []),
-        ("succeeded", "Progressing", 10, ["Prewarmed", "StepStarted"]),
-        ("failed", "RolledBack", 0, ["PrewarmFailed"]),
+        ("absent", "Prewarming", 0, [], 0),  # the first step's Job: create it
+        ("running", "Prewarming", 0, [], None),
+        ("succeeded", "Progressing", 10, ["Prewarmed", "StepStarted"], 1),  # the next one's
+        ("failed", "RolledBack", 0, ["PrewarmFailed"], None),
     ],
 )
 def test_prewarming(
-    available: DeepSeekCacheDeploymentStatus, job: str, phase: str, weight: int, events: list[str]
+    available: DeepSeekCacheDeploymentStatus,
+    job: str,
+    phase: str,
+    weight: int,
+    events: list[str],
+    create: int | None,
 ) -> None:
-    s = run(available, obs(REV_B)).status
-    s = run(s, obs(REV_B)).status
+    d = run(available, obs(REV_B))
+    assert d.prewarm_job is None  # the canary's pods are only being created
+    s = run(d.status, obs(REV_B)).status
     assert s.phase == "Prewarming"
     d = run(s, obs(REV_B, prewarm=job))
     assert (d.status.phase, d.status.weight, reasons(d)) == (phase, weight, events)
+    assert d.prewarm_job == create
+    # Prewarm off: no Job, whatever the state.
+    assert run(s, obs(REV_B, prewarm=job, prewarm_enabled=False)).prewarm_job is None
 
 
 @pytest.mark.parametrize(
@@ -229,6 +238,8 @@ def test_a_passed_step_waits_for_the_next_steps_prewarm(
     s, t = rollout_at(available, 0)
     d = run(s, obs(REV_B, verdict=PASS, prewarm=job), t + timedelta(seconds=61))
     assert (d.status.phase, d.status.weight, reasons(d)) == (phase, weight, events)
+    # The step's Job is created while it is absent, and the next step's once it starts.
+    assert d.prewarm_job == {"absent": 1, "running": None, "succeeded": 2, "failed": None}[job]
     if reason is not None:
         assert cond(d, "Progressing")[1] == reason
         # The Job done, the next analysis moves on.
