@@ -15,9 +15,8 @@ text, not logic: its length is the Lua's.
 #: (many conversations share an opening).
 LUA_SESSION_LOCATE = """
             if remember and (not track or ngx.var.dscache_key_source == "prompt") then
-                local router = require("dscache_router")
-                local found, pod, by = router.locate(key)
-                if found and live[found] and by ~= "shared" and router.takes(pod, by) then
+                local found, _, by = require("dscache_router").locate(key)
+                if found and live[found] and by ~= "shared" then
                     track = found
                     keep = ngx.var.dscache_key_source ~= "prompt"
                 end

@@ -99,10 +99,9 @@ LUA_ROUTER = """\
             return {pods = pods, hashes = hashes, owners = owners, has = has}
         end
 
-        local rings, peers, owner_ring = {}, {}, {}
+        local rings, peers = {}, {}
         for name, pods in pairs(config.upstreams) do
             rings[name] = ring(pods)
-            for _, pod in ipairs(pods) do owner_ring[pod] = owner_ring[pod] or name end
         end
         for _, pod in ipairs(config.pods) do
             local host, port = string.match(pod, "^(.*):(%d+)$")
@@ -143,30 +142,21 @@ LUA_ROUTER = """\
             return v > 0 and v or 0
         end
 
-        -- The track's load bound: ceil(factor * (its in-flight + 1) / its live pods);
-        -- 0 without a factor (no bound).
-        local function bound(r)
-            if config.factor <= 0 then return 0 end
+        local function choose(r, state)
             local total, live = 0, 0
             for _, pod in ipairs(r.pods) do
                 total = total + inflight(pod)
                 if not dict:get("down:" .. pod) then live = live + 1 end
             end
-            return ceil(config.factor * (total + 1) / math.max(live, 1))
-        end
-
-        local function under(r, pod)
-            local cap = bound(r)
-            return cap <= 0 or inflight(pod) < cap
-        end
-
-        local function choose(r, state)
-            local cap = bound(r)
+            local cap = nil
+            if config.factor > 0 then
+                cap = ceil(config.factor * (total + 1) / math.max(live, 1))
+            end
             local order = walk(r, ngx.var.dscache_key)
             local first
             for _, pod in ipairs(order) do
                 if not state.tried[pod] and not dict:get("down:" .. pod) then
-                    if cap <= 0 or inflight(pod) < cap then
+                    if cap == nil or inflight(pod) < cap then
                         return pod
                     end
                     first = first or pod
@@ -270,16 +260,6 @@ LUA_ROUTER = """\
             return memo[1], memo[2], memo[3]
         end
 
-        -- Whether the located pod takes the request: always when it served the session
-        -- (its KV is there); found by the conversation's turns, only while under its
-        -- track's bound (a guess must not make a hot spot; over it, the request is
-        -- placed, track and pod, as if nothing was found).
-        function M.takes(pod, by)
-            if by == "session" then return true end
-            local r = rings[owner_ring[pod] or ""]
-            return r ~= nil and under(r, pod)
-        end
-
         -- The pod's own in-flight count from its answer (header filter phase).
         function M.report()
             local state = ngx.ctx.dscache_router
@@ -300,7 +280,12 @@ LUA_ROUTER = """\
             if not config.picker or r == nil or #r.pods < 2 then return end
             local key = ngx.var.dscache_key
             local source = ngx.var.dscache_key_source
-            local cap = bound(r)
+            local total, live = 0, 0
+            for _, pod in ipairs(r.pods) do
+                total = total + inflight(pod)
+                if not dict:get("down:" .. pod) then live = live + 1 end
+            end
+            local cap = ceil(config.factor * (total + 1) / math.max(live, 1))
             local parts = {}
             for _, pod in ipairs(walk(r, key)) do
                 if not dict:get("down:" .. pod) then
@@ -317,7 +302,8 @@ LUA_ROUTER = """\
                 -- pod that served its conversation's latest turn, while under the bound
                 -- (a turn without its id is a guess: it must not make a hot spot).
                 local _, pod, by = M.locate(key)
-                if pod and r.has[pod] and not dict:get("down:" .. pod) and M.takes(pod, by) then
+                if pod and r.has[pod] and not dict:get("down:" .. pod)
+                        and (by == "session" or cap <= 0 or inflight(pod) < cap) then
                     if session then
                         pins:set(name .. "\0" .. key, pod, config.pin_ttl)
                     else
