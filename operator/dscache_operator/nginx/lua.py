@@ -10,16 +10,16 @@ text, not logic: its length is the Lua's.
 
 #: With a picker: a session this replica does not remember takes the track of the pod
 #: that served it, and a prompt-keyed request the track of the pod that served its
-#: conversation's latest turn (``dscache_router.locate``; not a turn several pods
-#: served), so router replicas agree; a prompt key's memory is not changed by it
-#: (many conversations share an opening).
+#: conversation's latest turn (``dscache_router.locate``), so router replicas agree;
+#: a prompt key's memory is not changed by it (many conversations share an opening).
 LUA_SESSION_LOCATE = """
-            if remember and (not track or ngx.var.dscache_key_source == "prompt") then
-                local found, _, by = require("dscache_router").locate(key)
-                if found and live[found] and by ~= "shared" then
-                    track = found
-                    keep = ngx.var.dscache_key_source ~= "prompt"
+            if remember and ngx.var.dscache_key_source == "prompt" then
+                local found = require("dscache_router").locate(key)
+                if found and live[found] then
+                    track, keep = found, false
                 end
+            elseif remember and not track then
+                track = require("dscache_router").locate(key)
             end"""
 
 LUA_SESSION_MEMORY = """            local live = {%(live)s}

@@ -46,10 +46,9 @@ dropped), is looked up once per request: ``locate(key)`` asks the picker, which
 asks every live pod of every track whether it served the session, else the
 latest earlier turn of the body's conversation (turn marks), through the
 internal ``locate_path`` subrequest; the pod that did gives the request its
-track (unless several pods served that turn; the session memory takes it for a
-session, never for a prompt key: that key is an opening many conversations
-share) and its pod (a session found by its id is pinned there whatever its load;
-found by its turns, it goes there while that pod is under the bound), so a
+track (the session memory takes it for a session, never for a prompt key: that
+key is an opening many conversations share) and its pod (a session's pin; a
+request without one goes there as a pinned one would, whatever its load), so a
 conversation stays where its KV is whichever replica it reaches, with or without
 its id, across weight changes, replica restarts and scale-out. No answer in
 time, or no pod that knows it: placed as before.
@@ -298,12 +297,12 @@ LUA_ROUTER = """\
             if session then pinned = pins:get(name .. "\0" .. key) or "" end
             if pinned == "" then
                 -- New to this replica, or no session at all: the pod that served the
-                -- session takes it whatever its load (its KV is there; see locate); the
-                -- pod that served its conversation's latest turn, while under the bound
-                -- (a turn without its id is a guess: it must not make a hot spot).
+                -- session, or its conversation's latest turn, takes it whatever its load
+                -- (its KV is there; see locate); a turn several conversations share (the
+                -- same opening), only while that pod is under the bound.
                 local _, pod, by = M.locate(key)
                 if pod and r.has[pod] and not dict:get("down:" .. pod)
-                        and (by == "session" or cap <= 0 or inflight(pod) < cap) then
+                        and (by ~= "shared" or cap <= 0 or inflight(pod) < cap) then
                     if session then
                         pins:set(name .. "\0" .. key, pod, config.pin_ttl)
                     else
