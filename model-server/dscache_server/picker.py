@@ -244,12 +244,6 @@ class PickerMetrics:
         )
         for result in ("found", "turn", "unknown", "failed"):
             self.locates.labels(result)
-        self.locate_seconds = Histogram(
-            "dscache_picker_locate_seconds",
-            "Time to look a request up on the pods (tokenizing and the pods' answers).",
-            buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0),
-            registry=self.registry,
-        )
         self.pods = Gauge("dscache_picker_pods", "Pods known.", registry=self.registry)
         self.filters = Gauge(
             "dscache_picker_filters",

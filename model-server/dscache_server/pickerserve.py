@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import re
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -108,7 +107,6 @@ def create_app(picker: Picker, refresher: Refresher | None = None) -> FastAPI:
             picker.metrics.locates.labels("failed").inc()
             why = f"not HOST:PORT: {bad[0]!r}" if bad else "pods and a key or a body are required"
             return JSONResponse({"error": why}, status_code=400)
-        started = time.perf_counter()
         marks = await run_in_threadpool(picker.turn_marks, body) if body else []
         found = Located()
         if key or marks:
@@ -122,7 +120,6 @@ def create_app(picker: Picker, refresher: Refresher | None = None) -> FastAPI:
                 headers=token,
                 timeout_s=timeout,
             )
-        picker.metrics.locate_seconds.observe(time.perf_counter() - started)
         picker.metrics.locates.labels(LOCATE_RESULTS.get(found.by, "unknown")).inc()
         if found.pod is None:
             return PlainTextResponse("", status_code=404)

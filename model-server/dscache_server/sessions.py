@@ -31,9 +31,7 @@ Contract:
       once and returns a :class:`Located`: the pod that served the session most
       recently; else the pod that served the latest of the turns (the deepest
       mark; of two, the more recent, and the answer says the turn is ``shared``);
-      a lookup without a session ends at the first pod that served the
-      conversation's previous turn, when that turn holds an answer (the
-      conversation's own: no other pod waits to be heard); else no pod: none knows either, or none
+      else no pod: none knows either, or none
       answered within the client's timeout. Never an exception for a pod that
       fails: that pod simply does not know. A pod without ``POST /dscache/locate``
       (an older version) is asked the session alone, on its ``GET`` route.
@@ -178,56 +176,31 @@ async def locate(
     """Which of ``pods`` served ``session_id``, else the latest of the turns ``marks``
     (see the module contract); ``timeout_s``: per pod (default: the client's)."""
     query = LocateQuery(session_id, tuple(marks[-MAX_TURN_MARKS:]))
-    sent = dict(headers or {})
-    pending = {
-        asyncio.ensure_future(_ask(client, pod, query, sent, timeout_s)): pod for pod in pods
-    }
-    # The conversation's previous turn, past its first answer, is its own: the first pod
-    # that served it ends a lookup without a session (no pod can name a later turn).
-    own = len(query.marks) - 1 if query.session is None and len(query.marks) > 1 else -1
-    tally = _Tally()
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                pod, answer = pending.pop(task), task.result()
-                tally.add(pod, answer)
-                if answer.turn is not None and answer.turn[0] == own:
-                    return Located(pod, "turn", tally.inflight)
-    finally:
-        for task in pending:
-            task.cancel()
-    return tally.located()
-
-
-class _Tally:
-    """The answers so far: the session's latest pod, the deepest turn's."""
-
-    def __init__(self) -> None:
-        self.by_session: tuple[float, str] | None = None
-        self.by_turn: tuple[int, float, str] | None = None
-        self.depths: list[int] = []
-        self.inflight: dict[str, int] = {}
-
-    def add(self, pod: str, answer: _Answer) -> None:
+    answers = await asyncio.gather(
+        *(_ask(client, pod, query, dict(headers or {}), timeout_s) for pod in pods)
+    )
+    by_session: tuple[float, str] | None = None
+    by_turn: tuple[int, float, str] | None = None
+    depths: list[int] = []
+    inflight: dict[str, int] = {}
+    for pod, answer in zip(pods, answers, strict=True):
         if answer.inflight is not None:
-            self.inflight[pod] = answer.inflight
-        age = answer.session_age
-        if age is not None and (self.by_session is None or age < self.by_session[0]):
-            self.by_session = (age, pod)
+            inflight[pod] = answer.inflight
+        if answer.session_age is not None and (
+            by_session is None or answer.session_age < by_session[0]
+        ):
+            by_session = (answer.session_age, pod)
         if answer.turn is not None:
-            self.depths.append(answer.turn[0])
+            depths.append(answer.turn[0])
             turn = (answer.turn[0], -answer.turn[1], pod)
-            if self.by_turn is None or turn[:2] > self.by_turn[:2]:
-                self.by_turn = turn
-
-    def located(self) -> Located:
-        if self.by_session is not None:
-            return Located(self.by_session[1], "session", self.inflight)
-        if self.by_turn is not None:
-            shared = self.depths.count(self.by_turn[0]) > 1
-            return Located(self.by_turn[2], "shared" if shared else "turn", self.inflight)
-        return Located(inflight=self.inflight)
+            if by_turn is None or turn[:2] > by_turn[:2]:
+                by_turn = turn
+    if by_session is not None:
+        return Located(by_session[1], "session", inflight)
+    if by_turn is not None:
+        shared = depths.count(by_turn[0]) > 1
+        return Located(by_turn[2], "shared" if shared else "turn", inflight)
+    return Located(inflight=inflight)
 
 
 @dataclass(frozen=True)
