@@ -21,18 +21,8 @@ Contract (the router's Lua is the reference; a test runs both on real NGINX):
       balancer tries them. The ring depends on the set of pods, not on their
       order.
     * Between the router and a model pod: every answer of a pod carries its
-      in-flight requests in :data:`INFLIGHT_HEADER`; ``SESSIONS_PATH + id``
-      tells whether the pod served a session, and ``POST`` :data:`LOCATE_PATH`
-      whether it served a session or an earlier turn of a conversation
-      (``dscache_server.sessions``).
-    * A *turn mark* names a prompt a pod served by its content, whoever sent it:
-      ``blake2b(u32le(tok_0) || ... || u32le(tok_n-1), digest_size=16,
-      person="dscache-turn-v1")`` over the prompt's token ids
-      (:func:`prompt_mark`). A chat prompt ends with the assistant's turn marker,
-      so a conversation's earlier turns are the prefixes of its next prompt that
-      end just after that marker: :func:`turn_marks` gives their marks, from one
-      pass over the ids. Marks carry no tenant: they place a request, and never
-      name a cache entry (the KV keys of :mod:`dscache.keys` are salted).
+      in-flight requests in :data:`INFLIGHT_HEADER`, and ``SESSIONS_PATH + id``
+      tells whether the pod served a session (``dscache_server.sessions``).
 """
 
 from __future__ import annotations
@@ -40,22 +30,12 @@ from __future__ import annotations
 import bisect
 import hashlib
 import zlib
-from collections.abc import Iterable, Sequence
-
-import numpy as np
+from collections.abc import Iterable
 
 #: The header in which a model pod reports its in-flight requests to the router.
 INFLIGHT_HEADER = "X-Dscache-Inflight"
 #: Where a model pod answers whether it served a session (followed by the id).
 SESSIONS_PATH = "/dscache/sessions/"
-#: Where a model pod answers (POST) whether it served a session or a conversation's
-#: earlier turn (its turn marks).
-LOCATE_PATH = "/dscache/locate"
-#: Bytes of a turn mark.
-TURN_MARK_BYTES = 16
-#: Turn marks a lookup carries at most (the latest turns: the deepest matter most).
-MAX_TURN_MARKS = 64
-_TURN_PERSON = b"dscache-turn-v1"
 
 #: Points a pod gets on the ring (NGINX's ``hash ... consistent``).
 POINTS_PER_POD = 160
@@ -148,34 +128,3 @@ class Ring:
                 if len(order) == len(self.pods):
                     break
         return order
-
-
-def _token_bytes(ids: Sequence[int]) -> bytes:
-    arr = np.asarray(ids, dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > 0xFFFFFFFF):
-        raise ValueError("token ids must fit in 32 unsigned bits")
-    return arr.astype("<u4").tobytes()
-
-
-def prompt_mark(ids: Sequence[int]) -> bytes:
-    """The turn mark of a served prompt (see the module contract)."""
-    return hashlib.blake2b(
-        _token_bytes(ids), digest_size=TURN_MARK_BYTES, person=_TURN_PERSON
-    ).digest()
-
-
-def turn_marks(ids: Sequence[int], boundary: int, limit: int = MAX_TURN_MARKS) -> list[bytes]:
-    """The marks of the prefixes of ``ids`` that end just after a ``boundary`` token
-    (the assistant's turn marker: each earlier turn's prompt), shallowest first; the
-    last ``limit`` of them. ``turn_marks(ids, b)[k] == prompt_mark(ids[:p + 1])`` for
-    the ``k``-th position ``p`` holding ``b``."""
-    data = _token_bytes(ids)
-    ends = np.flatnonzero(np.frombuffer(data, dtype="<u4") == boundary) + 1
-    h = hashlib.blake2b(digest_size=TURN_MARK_BYTES, person=_TURN_PERSON)
-    marks: list[bytes] = []
-    start = 0
-    for end in ends.tolist():
-        h.update(data[4 * start : 4 * end])
-        start = end
-        marks.append(h.copy().digest())
-    return marks[-limit:] if limit > 0 else []

@@ -23,9 +23,7 @@ Contract:
     * The session header is read, logged and echoed on every answer, errors included;
       an authenticated request records its session in the pod's ledger
       (``AppState.sessions``: router replicas ask it where the session lives), and
-      a request that gets its slot records its prompt's turn mark there (the
-      conversation's next turn is found by it, with or without an id); every
-      answer carries the pod's in-flight count (``X-Dscache-Inflight``);
+      every answer carries the pod's in-flight count (``X-Dscache-Inflight``);
       every answer is counted in ``requests_total{endpoint, code, tenant}`` once the
       model is loaded (a bug counts as 500; a refused request as tenant ``other``).
 """
@@ -46,7 +44,7 @@ from dscache_server.errors import APIError
 from dscache_server.parse import ParsedRequest, parse_request, read_json
 from dscache_server.scheduler import QueueFullError, tenant_session
 from dscache_server.schemas import Endpoint, completion_body
-from dscache_server.sessions import INFLIGHT_HEADER, SessionLedger
+from dscache_server.sessions import INFLIGHT_HEADER
 from dscache_server.state import AppState, Serving, authenticate
 from dscache_server.streaming import SlotStreamingResponse, stream_completion
 
@@ -74,13 +72,7 @@ async def handle_completion(request: Request, endpoint: Endpoint, state: AppStat
         tenant = principal.label
         state.sessions.seen(session_id)  # a refused caller places no session
         response = await _answer(
-            request,
-            endpoint,
-            serving,
-            principal=principal,
-            session_id=session_id,
-            started=started,
-            ledger=state.sessions,
+            request, endpoint, serving, principal=principal, session_id=session_id, started=started
         )
         code = "200"
     except APIError as exc:
@@ -124,7 +116,6 @@ async def _answer(
     principal: Principal,
     session_id: str | None,
     started: float,
-    ledger: SessionLedger,
 ) -> Response:
     rt, scheduler, parsers = serving
     settings = rt.settings
@@ -168,7 +159,6 @@ async def _answer(
                 retry_after=settings.retry_after_s,
             ) from None
         parsed.generation.timings["queue"] = waited
-        ledger.served(parsed.generation.token_ids)  # served here: its next turn may follow
         if parsed.stream:
             events = stream_completion(
                 rt,

@@ -70,7 +70,6 @@ from dscache_sidecar.holdings import (
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dscache.keys import block_keys
-from dscache.routing import turn_marks
 from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer, PieceCache, TemplateError
 
 log = logging.getLogger(__name__)
@@ -236,13 +235,12 @@ class PickerMetrics:
         )
         self.locates = Counter(
             "dscache_picker_locates",
-            "Requests its router replica could not place by memory, looked up on the pods: "
-            "found (a pod served the session), turn (a pod served the conversation's "
-            "latest earlier turn), unknown (none did) or failed (a bad query).",
+            "Sessions its router replica did not know, looked up on the pods: found (a pod "
+            "served it), unknown (none did) or failed (a bad query).",
             ["result"],
             registry=self.registry,
         )
-        for result in ("found", "turn", "unknown", "failed"):
+        for result in ("found", "unknown", "failed"):
             self.locates.labels(result)
         self.pods = Gauge("dscache_picker_pods", "Pods known.", registry=self.registry)
         self.filters = Gauge(
@@ -387,23 +385,6 @@ class Picker:
             self.metrics.matched.observe(choice.blocks)
         self.metrics.seconds.observe(time.perf_counter() - started)
         return choice
-
-    def turn_marks(self, body: bytes) -> list[bytes]:
-        """The turn marks of a chat request's earlier turns
-        (:func:`dscache.routing.turn_marks`), not its own prompt (the same prompt
-        sent again, a benchmark's or a popular opening, is not a conversation, and
-        is placed as new); none for any other body."""
-        try:
-            parsed = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            return []
-        if not isinstance(parsed, dict) or not isinstance(parsed.get("messages"), list):
-            return []
-        ids = self._token_ids(parsed)
-        if not ids:
-            return []
-        marks = turn_marks(ids, self.tokenizer.assistant_id)
-        return marks[:-1] if ids[-1] == self.tokenizer.assistant_id else marks
 
     def _token_ids(self, body: Any) -> list[int] | None:
         if not isinstance(body, dict):

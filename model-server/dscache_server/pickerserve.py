@@ -1,12 +1,10 @@
 """``dscache picker``: the picker's HTTP server (see :mod:`dscache_server.picker`).
 
-Routes: ``POST /pick`` (the decision), ``POST /locate?key=K&pods=ADDR,...&budget_ms=N``
-with the client's request as the body (which of the pods served session ``K``, else
-the latest earlier turn of the body's conversation by its turn marks, asked of the
-pods themselves, so that router replicas agree: :mod:`dscache_server.sessions`; 200
-with the address and ``X-Dscache-Located-By: session | turn | shared``, 404 when none did,
-400 for a bad query; each pod is given ``budget_ms``, else ``--locate-timeout``;
-``GET`` with no body looks up the session alone), ``GET /health``, ``GET /metrics``. The
+Routes: ``POST /pick`` (the decision), ``GET /locate?key=K&pods=ADDR,...&budget_ms=N`` (which
+of the pods served session ``K``, asked of the pods themselves, so that router
+replicas agree: :mod:`dscache_server.sessions`; 200 with the address, 404 when
+none did, 400 for a bad query; each pod is given ``budget_ms``, else
+``--locate-timeout``), ``GET /health``, ``GET /metrics``. The
 decision runs on a worker thread (tokenizing is CPU work); the filters are
 fetched by a background thread, with the internal token of
 ``DSCACHE_PICKER_INTERNAL_TOKEN`` (an environment variable, never a flag: flags
@@ -40,7 +38,7 @@ from dscache_server.picker import (
     PickQuery,
     Refresher,
 )
-from dscache_server.sessions import MAX_SESSION_ID, Located, locate
+from dscache_server.sessions import MAX_SESSION_ID, locate
 from dscache_server.tokenizer import DeepSeekTokenizer
 
 log = logging.getLogger(__name__)
@@ -94,44 +92,25 @@ def create_app(picker: Picker, refresher: Refresher | None = None) -> FastAPI:
         headers = {REASON_HEADER: choice.reason, BLOCKS_HEADER: str(choice.blocks)}
         return PlainTextResponse(choice.pod, headers=headers)
 
-    @app.api_route("/locate", methods=["GET", "POST"])
-    async def locate_session(
-        request: Request, key: str = "", pods: str = "", budget_ms: int = 0
-    ) -> Response:
-        body = await _read_body(request, MAX_BODY) if request.method == "POST" else b""
-        if body is None:
-            return PlainTextResponse("body too large\n", status_code=413)
+    @app.get("/locate")
+    async def locate_session(key: str = "", pods: str = "", budget_ms: int = 0) -> Response:
         addresses = [a for a in pods.split(",") if a]
         bad = [a for a in addresses if not _ADDRESS.fullmatch(a)]
-        if (not key and not body) or len(key) > MAX_SESSION_ID or not addresses or bad:
+        if not key or len(key) > MAX_SESSION_ID or not addresses or bad:
             picker.metrics.locates.labels("failed").inc()
-            why = f"not HOST:PORT: {bad[0]!r}" if bad else "pods and a key or a body are required"
+            why = f"not HOST:PORT: {bad[0]!r}" if bad else "key and pods are required"
             return JSONResponse({"error": why}, status_code=400)
-        marks = await run_in_threadpool(picker.turn_marks, body) if body else []
-        found = Located()
-        if key or marks:
-            # The router's own wait for the picker bounds the lookup (budget_ms), else the flag.
-            timeout = min(budget_ms, 10_000) / 1000 if budget_ms > 0 else None
-            found = await locate(
-                clients[0],
-                addresses[:MAX_LOCATE_PODS],
-                key or None,
-                marks,
-                headers=token,
-                timeout_s=timeout,
-            )
-        picker.metrics.locates.labels(LOCATE_RESULTS.get(found.by, "unknown")).inc()
-        if found.pod is None:
+        # The router's own wait for the picker bounds the lookup (budget_ms), else the flag.
+        timeout = min(budget_ms, 10_000) / 1000 if budget_ms > 0 else None
+        pod, _ = await locate(clients[0], addresses[:MAX_LOCATE_PODS], key, token, timeout)
+        picker.metrics.locates.labels("found" if pod else "unknown").inc()
+        if pod is None:
             return PlainTextResponse("", status_code=404)
-        return PlainTextResponse(found.pod, headers={LOCATED_BY_HEADER: found.by})
+        return PlainTextResponse(pod)
 
     return app
 
 
-#: The locate metric's result for each way a lookup found its pod.
-LOCATE_RESULTS = {"session": "found", "turn": "turn", "shared": "turn"}
-#: How the lookup found the pod it names: ``session``, ``turn`` or ``shared``.
-LOCATED_BY_HEADER = "X-Dscache-Located-By"
 #: A pod address the picker will ask (the router's own config names them).
 _ADDRESS = re.compile(r"[A-Za-z0-9.\-]{1,253}:\d{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:\d{1,5}")
 #: Pods one lookup asks at most (every live pod of a deployment's tracks).

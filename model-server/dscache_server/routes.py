@@ -19,10 +19,6 @@ Contract:
       replicas share placements through it, :mod:`dscache_server.sessions`): 200
       ``{"age_s", "inflight"}`` or 404 ``{"inflight"}``; the internal token as for
       the key info; 503 until the model is loaded.
-    * ``POST /dscache/locate`` ``{"session", "marks"}``: whether this pod served the
-      session or one of a conversation's earlier turns (their turn marks): 200
-      ``{"session_age_s", "turn", "turn_age_s", "inflight"}``; 400 ``invalid_value``
-      for a malformed body (over 16 KiB: 413); token and 503 as above.
     * ``GET /dscache/templates?top=N&tenant=T``: the live template miner's top ``N``
       (default 100, 1 to 1000) templates, of tenant id ``T`` or all, best first:
       ``{"model", "block_tokens", "fingerprint", "templates": [{"tenant", "key",
@@ -57,9 +53,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from dscache_server.auth import DEFAULT_TENANT, GATEWAY_TOKEN_HEADER
 from dscache_server.completions import handle_completion
 from dscache_server.errors import APIError
-from dscache_server.parse import read_json
 from dscache_server.runtime import Runtime
-from dscache_server.sessions import LOCATE_PATH, SESSIONS_PATH, LocateQuery
+from dscache_server.sessions import SESSIONS_PATH
 from dscache_server.state import AppState, StateDep, authenticate
 from dscache_server.templatelog import FILTER_PATH, MAX_TOP, TEMPLATES_PATH, TemplateLog
 
@@ -126,34 +121,6 @@ async def session(session_id: str, request: Request, state: StateDep) -> JSONRes
     if age is None:
         return JSONResponse({"inflight": state.inflight()}, status_code=404)
     return JSONResponse({"age_s": round(age, 3), "inflight": state.inflight()})
-
-
-#: Largest locate body a pod reads (64 marks and a session id are about 3 KiB).
-MAX_LOCATE_BYTES = 16 << 10
-
-
-@probes.post(LOCATE_PATH)
-async def locate(request: Request, state: StateDep) -> JSONResponse:
-    """Whether this pod served a session or a conversation's turn (see the contract)."""
-    rt = state.runtime
-    if rt is None:
-        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
-    _internal_only(rt, request.headers, "the session ledger")
-    try:
-        query = LocateQuery.parse(await read_json(request, MAX_LOCATE_BYTES))
-    except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from None
-    ledger = state.sessions
-    age = ledger.age(query.session) if query.session else None
-    turn = ledger.deepest(query.marks)
-    return JSONResponse(
-        {
-            "session_age_s": None if age is None else round(age, 3),
-            "turn": None if turn is None else turn[0],
-            "turn_age_s": None if turn is None else round(turn[1], 3),
-            "inflight": state.inflight(),
-        }
-    )
 
 
 @probes.get(TEMPLATES_PATH)

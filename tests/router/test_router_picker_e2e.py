@@ -125,10 +125,9 @@ def test_every_turn_reaches_its_history_with_or_without_the_id(stack: LocalStack
             # background; from turn 3 on, at least turn 1's blocks are there).
             assert all(_cached(r) > 0 for r in responses[2:]), [_cached(r) for r in responses]
     picks = _picks(stack.router.url)
-    # The id-less turns were placed on the pod that served their conversation's earlier
-    # turns, as the pods said (a lookup or pick that timed out on a loaded machine falls
-    # back to the hash, so "failed" is bounded, not zero).
-    assert picks["located"] >= 4
+    # The id-less turns were placed by what the pods hold (a pick that timed out on a
+    # loaded machine falls back to the hash, so "failed" is bounded, not zero).
+    assert picks["prefix"] >= 4
     assert picks["failed"] <= 2
 
 
@@ -177,13 +176,15 @@ def test_a_restarted_picker_finds_the_history_in_the_sidecars_filters(stack: Loc
         )
 
     assert poll(fetched_since, timeout=30), "the new picker never fetched every filter"
-    # The same opening, asked further in one message: no earlier turn of it was served
-    # (the pods' ledgers cannot place it), but its blocks are held.
-    follow = [messages[0], {"role": "user", "content": messages[1]["content"] + " Risks?"}]
+    follow = [
+        *messages,
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "Risks?"},
+    ]
     with httpx.Client(base_url=router.url, timeout=300) as client:
         resp = _turn(client, follow, None)
     assert resp.headers["X-Dscache-Upstream"] == pod.address
-    assert _cached(resp) >= (len(keys) - 1) * info["block_tokens"]
+    assert _cached(resp) >= len(keys) * info["block_tokens"]
     assert _picks(router.url)["prefix"] >= 1
 
 

@@ -22,7 +22,6 @@ from srv_helpers import LiveServer, random_text
 
 from dscache.cli import main
 from dscache.keys import KeyChain, tenant_salt
-from dscache.routing import turn_marks
 
 KEYS = {"sk-alpha-1": "alpha", "sk-beta-1": "beta"}
 GATEWAY = "gw-secret-1"
@@ -309,44 +308,3 @@ def test_the_session_ledger_tells_the_picker_which_sessions_this_pod_served(
     assert known.status_code == 200
     assert known.json()["inflight"] == 0 and 0 <= known.json()["age_s"] < 60
     assert httpx.get(url + "conv/2", headers=shown).status_code == 404
-
-
-def test_the_ledger_tells_the_picker_which_pod_served_a_conversations_earlier_turn(
-    live_server: Callable[..., LiveServer], key_file: Path
-) -> None:
-    # A turn without its id (dropped at the gateway, or a reconnect under a new id) is
-    # found by the prompts this pod served: the picker sends the marks of the turn's
-    # earlier turns, the pod says which of them it served.
-    srv = live_server(internal_token="picker-1", api_keys_file=key_file)
-    shown = {"X-Dscache-Internal-Token": "picker-1"}
-    url = srv.url + "/dscache/locate"
-    tok = DeepSeekTokenizer()
-    follow_up = [
-        ChatMessage("user", "hello there"),
-        ChatMessage("assistant", "hi"),
-        ChatMessage("user", "and the cash flow?"),
-    ]
-    marks = [m.hex() for m in turn_marks(tok.apply_chat_template(follow_up), tok.assistant_id)]
-    assert len(marks) == 2  # the first turn's prompt, and the follow-up itself
-    body = {"session": None, "marks": marks}
-    assert_refused(httpx.post(url, json=body), 401, "invalid_internal_token")
-    for bad in ({"marks": ["zz"]}, {"marks": "x"}, {"session": 7}, [1], {"marks": ["00"] * 65}):
-        assert_refused(httpx.post(url, json=bad, headers=shown), 400, "invalid_value")
-    assert httpx.post(url, json=body, headers=shown).json() == {
-        "session_age_s": None,
-        "turn": None,
-        "turn_age_s": None,
-        "inflight": 0,
-    }
-    # A refused caller's prompt is not served here, so it marks nothing.
-    assert chat(srv, "hello there", "not-a-key").status_code == 401
-    assert httpx.post(url, json=body, headers=shown).json()["turn"] is None
-    assert cached(chat(srv, "hello there", "sk-alpha-1", **{"X-Session-ID": "c/9"})) == 0
-    found = httpx.post(url, json={**body, "session": "c/9"}, headers=shown).json()
-    assert found["turn"] == 0 and 0 <= found["turn_age_s"] < 60
-    assert 0 <= found["session_age_s"] < 60
-    # Another conversation's turns are not this one's.
-    other = [ChatMessage("user", "hello therE"), *follow_up[1:]]
-    other_marks = turn_marks(tok.apply_chat_template(other), tok.assistant_id)
-    unknown = {"marks": [m.hex() for m in other_marks]}
-    assert httpx.post(url, json=unknown, headers=shown).json()["turn"] is None

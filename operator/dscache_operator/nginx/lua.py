@@ -9,16 +9,9 @@ text, not logic: its length is the Lua's.
 """
 
 #: With a picker: a session this replica does not remember takes the track of the pod
-#: that served it, and a prompt-keyed request the track of the pod that served its
-#: conversation's latest turn (``dscache_router.locate``), so router replicas agree;
-#: a prompt key's memory is not changed by it (many conversations share an opening).
+#: that served it (``dscache_router.locate``), so router replicas agree.
 LUA_SESSION_LOCATE = """
-            if remember and ngx.var.dscache_key_source == "prompt" then
-                local found = require("dscache_router").locate(key)
-                if found and live[found] then
-                    track, keep = found, false
-                end
-            elseif remember and not track then
+            if remember and not track then
                 track = require("dscache_router").locate(key)
             end"""
 
@@ -27,13 +20,12 @@ LUA_SESSION_MEMORY = """            local live = {%(live)s}
             local key = ngx.var.dscache_key
             -- A fresh request id names no session: nothing to remember.
             local remember = ngx.var.dscache_key_source ~= "new"
-            local keep = remember
             local track = remember and sessions:get(key) or nil%(locate)s
             if not track or not live[track] then
                 track = ngx.var.dscache_new_track
             end
             ngx.var.dscache_chosen_track = track
-            if keep then
+            if remember then
                 local ok, err = sessions:set(key, track, %(ttl)d)
                 if not ok then
                     ngx.log(ngx.WARN, "dscache router: cannot remember a session: ", err)

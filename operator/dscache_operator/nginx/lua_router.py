@@ -40,18 +40,13 @@ applied the load bound from the in-flight counts it was sent). No answer within
 the timeout, or a wrong one: the walk below, as without a picker.
 
 Router replicas agree through the pods (:mod:`dscache_server.sessions`). A
-session (header or cookie) this replica has neither a track nor a pin for, and
-every request without a session (a prompt key: a turn whose id the gateway
-dropped), is looked up once per request: ``locate(key)`` asks the picker, which
-asks every live pod of every track whether it served the session, else the
-latest earlier turn of the body's conversation (turn marks), through the
-internal ``locate_path`` subrequest; the pod that did gives the request its
-track (the session memory takes it for a session, never for a prompt key: that
-key is an opening many conversations share) and its pod (a session's pin; a
-request without one goes there as a pinned one would, whatever its load), so a
-conversation stays where its KV is whichever replica it reaches, with or without
-its id, across weight changes, replica restarts and scale-out. No answer in
-time, or no pod that knows it: placed as before.
+session (header or cookie) this replica has neither a track nor a pin for is
+looked up once per request: ``locate(key)`` asks the picker, which asks every
+live pod of every track whether it served the session, through the internal
+``locate_path`` subrequest; the pod that did gives the session its track (the
+session memory takes it) and its pin, so a session stays where its KV is
+whichever replica it reaches, across weight changes, replica restarts and
+scale-out. No answer in time, or no pod that knows it: placed as before.
 ``report()`` (``header_filter_by_lua``) keeps each pod's own in-flight count,
 ``X-Dscache-Inflight`` on its answers, for ``report_ttl`` seconds as
 ``reported:<pod>``; a pod's load is the larger of this replica's count and the
@@ -214,21 +209,15 @@ LUA_ROUTER = """\
             end
         end
 
-        -- Where this request's conversation lives, and its track (without "dscache_"):
-        -- asked of the pods through the picker, once per request. A session (header or
-        -- cookie) is found by its id, else by its turns; a request without one (a prompt
-        -- key, a fresh key) by its turns only: the pod that served the latest earlier turn
-        -- of its conversation (the body goes along; the client's headers never do).
-        -- The third value says how: "session", "turn" (that pod alone served the
-        -- turn) or "shared" (several did: the same prompt from several conversations).
-        -- nil, nil when no pod knows it or the picker did not answer in time.
+        -- Which pod served this session last, and its track (without "dscache_"): asked
+        -- of the pods through the picker, once per request; nil, nil when none did, the
+        -- key is not a client's session, or the picker did not answer in time.
         function M.locate(key)
             local memo = ngx.ctx.dscache_located
-            if memo then return memo[1], memo[2], memo[3] end
+            if memo then return memo[1], memo[2] end
             ngx.ctx.dscache_located = {}
-            if not config.picker then return end
             local source = ngx.var.dscache_key_source
-            local session = source == "header" or source == "cookie"
+            if not config.picker or (source ~= "header" and source ~= "cookie") then return end
             local parts, owner = {}, {}
             for name, r in pairs(rings) do
                 for _, pod in ipairs(r.pods) do
@@ -239,24 +228,19 @@ LUA_ROUTER = """\
                 end
             end
             if #parts == 0 then return end
-            ngx.req.read_body()
             local res = ngx.location.capture(config.locate_path, {
-                method = ngx.HTTP_POST, always_forward_body = true,
-                args = {key = session and key or "", pods = table.concat(parts, ","),
+                args = {key = key, pods = table.concat(parts, ","),
                         budget_ms = config.locate_budget_ms}})
             local result = "failed"
             if res and res.status == 404 then
                 result = "unknown"
             elseif res and res.status == 200 and owner[res.body] then
-                local by = res.header["X-Dscache-Located-By"]
-                    or res.header["x-dscache-located-by"]
-                if by ~= "session" and by ~= "turn" then by = "shared" end
-                result = by == "session" and "found" or "turn"
-                ngx.ctx.dscache_located = {owner[res.body], res.body, by}
+                result = "found"
+                ngx.ctx.dscache_located = {owner[res.body], res.body}
             end
             dict:incr("locates:" .. result, 1, 0)
             memo = ngx.ctx.dscache_located
-            return memo[1], memo[2], memo[3]
+            return memo[1], memo[2]
         end
 
         -- The pod's own in-flight count from its answer (header filter phase).
@@ -293,23 +277,15 @@ LUA_ROUTER = """\
             end
             if #parts == 0 then return end
             local pinned = ""
-            local session = (source == "header" or source == "cookie") and pins ~= nil
-            if session then pinned = pins:get(name .. "\0" .. key) or "" end
-            if pinned == "" then
-                -- New to this replica, or no session at all: the pod that served the
-                -- session, or its conversation's latest turn, takes it whatever its load
-                -- (its KV is there; see locate); a turn several conversations share (the
-                -- same opening), only while that pod is under the bound.
-                local _, pod, by = M.locate(key)
-                if pod and r.has[pod] and not dict:get("down:" .. pod)
-                        and (by ~= "shared" or cap <= 0 or inflight(pod) < cap) then
-                    if session then
+            if (source == "header" or source == "cookie") and pins ~= nil then
+                pinned = pins:get(name .. "\0" .. key) or ""
+                if pinned == "" then
+                    -- New to this replica: the pod that served it keeps it (see locate).
+                    local _, pod = M.locate(key)
+                    if pod and r.has[pod] and not dict:get("down:" .. pod) then
                         pins:set(name .. "\0" .. key, pod, config.pin_ttl)
-                    else
-                        ngx.ctx.dscache_pick = pod
+                        return
                     end
-                    dict:incr("picks:located", 1, 0)
-                    return
                 end
             end
             ngx.req.read_body()
@@ -407,21 +383,18 @@ LUA_ROUTER = """\
             end
             if config.picker then
                 family(names.picks, "counter",
-                       "Requests placed on the picker's advice, by its reason; located: a "
-                       .. "request without a session, on the pod that served its "
-                       .. "conversation's latest turn; failed: the picker did not answer in "
-                       .. "time or named no pod of the track.")
+                       "Requests placed on the picker's advice, by its reason; failed: the "
+                       .. "picker did not answer in time or named no pod of the track.")
                 for _, reason in ipairs({"pinned", "prefix", "similar", "hash", "overloaded",
-                                         "located", "failed"}) do
+                                         "failed"}) do
                     sample(names.picks, '{reason="' .. reason .. '"}',
                            dict:get("picks:" .. reason) or 0)
                 end
                 family(names.locates, "counter",
-                       "Requests this replica could not place by memory, looked up on the "
-                       .. "pods: found (a pod served the session: it stays there), turn (a "
-                       .. "pod served the conversation's latest earlier turn), unknown (none "
-                       .. "did), failed (no answer in time).")
-                for _, result in ipairs({"found", "turn", "unknown", "failed"}) do
+                       "Sessions this replica did not know, looked up on the pods: found (a "
+                       .. "pod served it: it stays there), unknown (none did), failed (no "
+                       .. "answer in time).")
+                for _, result in ipairs({"found", "unknown", "failed"}) do
                     sample(names.locates, '{result="' .. result .. '"}',
                            dict:get("locates:" .. result) or 0)
                 end

@@ -432,7 +432,8 @@ def _picker_location(c: RouterConfig) -> list[str]:
         "            proxy_pass http://dscache_picker/locate;",
         "            proxy_http_version 1.1;",
         '            proxy_set_header Connection "";',
-        # The query and the client's body (its turns), never its headers (credentials).
+        # Only the query: neither the client's body nor its headers (credentials).
+        "            proxy_pass_request_body off;",
         "            proxy_pass_request_headers off;",
         f"            proxy_connect_timeout {timeout};",
         f"            proxy_send_timeout {timeout};",
