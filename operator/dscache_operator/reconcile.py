@@ -7,10 +7,11 @@ when the state machine says a step is due, lets :func:`.rollout.next_step`
 decide, server-side-applies the desired children, creates the prewarm Job the
 decision names (``Decision.prewarm_job``: the rollout decides which step's
 Job and when; reconcile builds it with the ready canary pods' addresses and
-creates it, never re-applies it: a Job's template is immutable), nudges the live router pods after a router
-config change (an annotation patch, so the kubelet refreshes the ConfigMap
-volume now rather than on its next periodic sync), then writes the status
-(guarded by the resource's resourceVersion) and clears one-shot annotations.
+creates it, never re-applies it: a Job's template is immutable), nudges the
+live router pods after a router config change (an annotation patch, so the
+kubelet refreshes the ConfigMap volume now rather than on its next periodic
+sync), then writes the status (guarded by the resource's resourceVersion) and
+clears one-shot annotations.
 
 Before anything is rendered the spec is held against the admin's policy
 (:func:`dscache_operator.policy.check_spec`; a refusal is ``Ready=False,
