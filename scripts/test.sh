@@ -86,6 +86,7 @@ disk_start=$(used_bytes .)
 (while :; do used_bytes . >>"$run_dir/disk"; sleep 2; done) &
 sampler_pid=$!
 bg_pids=()
+group_pids=()
 run_start=$(date +%s)
 stage_name=""
 stage_start=0
@@ -117,6 +118,14 @@ cleanup() {
   report || true
   kill "$sampler_pid" "${bg_pids[@]}" 2>/dev/null || true
   wait "$sampler_pid" 2>/dev/null || true
+  # A build that changes the host (the image build's private engine) is stopped as a
+  # whole, and waited for: it unwinds, stopping its daemons and unmounting what they
+  # mounted, before the run ends (else a run that failed early leaves it running).
+  local pid
+  for pid in "${group_pids[@]}"; do
+    kill -TERM -- "-$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
   if [ "$rc" -eq 0 ]; then
     rm -rf "$run_dir"
   else
@@ -136,9 +145,17 @@ run_pytest() {
   [ "$rc" -eq 0 ] && rm -rf "$base"
   return "$rc"
 }
-# build NAME SCRIPT: runs a build script in the background; NAME.rc gets its status.
+# build NAME SCRIPT [group]: runs a build script in the background; NAME.rc gets its
+# status. With "group" it runs in a process group of its own, which the run stops as a
+# whole (SIGTERM) and waits for when it ends before the build does.
 build() {
-  local name=$1 script=$2
+  local name=$1 script=$2 group=${3:-}
+  if [ -n "$group" ]; then
+    setsid bash -c 'rc=0; TMPDIR="$1/tmp" bash "$2" >"$1/$3.log" 2>&1 || rc=$?; echo "$rc" >"$1/$3.rc"' \
+      _ "$run_dir" "$script" "$name" &
+    group_pids+=("$!")
+    return
+  fi
   (
     rc=0
     TMPDIR="$run_dir/tmp" bash "$script" >"$run_dir/$name.log" 2>&1 || rc=$?
@@ -163,7 +180,7 @@ else
   # The host as the tests find it (the image build's private engine, which starts next,
   # removes whatever it changed before it ends).
   python3 scripts/host_snapshot.py >"$run_dir/host-before"
-  build images scripts/build-images.sh
+  build images scripts/build-images.sh group
 fi
 export TMPDIR="$run_dir/tmp"
 
@@ -244,6 +261,7 @@ for name in dev-cluster vllm images; do  # a lane that stopped early leaves buil
   while [ ! -f "$run_dir/$name.rc" ]; do sleep 2; done
 done
 bg_pids=()
+group_pids=()
 echo "-- the build lane's output"
 cat "$run_dir/lane.log"
 lane_rc=$(cat "$run_dir/lane.rc" 2>/dev/null || echo 1)
