@@ -150,18 +150,15 @@ run_pytest() {
 # whole (SIGTERM) and waits for when it ends before the build does.
 build() {
   local name=$1 script=$2 group=${3:-}
+  local run=(bash -c 'rc=0; TMPDIR="$1/tmp" bash "$2" >"$1/$3.log" 2>&1 || rc=$?; echo "$rc" >"$1/$3.rc"'
+    _ "$run_dir" "$script" "$name")
   if [ -n "$group" ]; then
-    setsid bash -c 'rc=0; TMPDIR="$1/tmp" bash "$2" >"$1/$3.log" 2>&1 || rc=$?; echo "$rc" >"$1/$3.rc"' \
-      _ "$run_dir" "$script" "$name" &
+    setsid "${run[@]}" &
     group_pids+=("$!")
-    return
+  else
+    "${run[@]}" &
+    bg_pids+=("$!")
   fi
-  (
-    rc=0
-    TMPDIR="$run_dir/tmp" bash "$script" >"$run_dir/$name.log" 2>&1 || rc=$?
-    echo "$rc" >"$run_dir/$name.rc"
-  ) &
-  bg_pids+=("$!")
 }
 
 stage "setup"
