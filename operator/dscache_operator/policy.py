@@ -41,8 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dscache_operator.podspec import DEFAULT_CORE_IMAGE, ImageSpec
 from dscache_operator.quantity import quantity_bytes
+from dscache_operator.revision import DEFAULT_CORE_IMAGE, ImageSpec
 from dscache_operator.schema import InvalidSpecError
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 

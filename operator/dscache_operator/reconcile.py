@@ -67,9 +67,9 @@ from dscache_operator.desired import (
 )
 from dscache_operator.kube import ApiError, Kube
 from dscache_operator.metrics import OperatorMetrics
-from dscache_operator.podspec import RevisionSource, revision_of
 from dscache_operator.policy import check_spec
 from dscache_operator.prometheus import PrometheusClient
+from dscache_operator.revision import RevisionSource, revision_of
 from dscache_operator.rollout import analysis_due, next_step, prewarm_step
 from dscache_operator.rollout_types import (
     Annotations,

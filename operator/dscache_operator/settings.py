@@ -16,13 +16,13 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from dscache_operator.podspec import DEFAULT_CORE_IMAGE, ImageSpec
 from dscache_operator.policy import (
     DEFAULT_HOST_PATH_ROOT,
     DEFAULT_MAX_CACHE_SIZE,
     DEFAULT_METRICS_PEERS,
     AdminPolicy,
 )
+from dscache_operator.revision import DEFAULT_CORE_IMAGE, ImageSpec
 from dscache_operator.schema import QUANTITY_PATTERN
 
 

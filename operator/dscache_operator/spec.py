@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator
 
 from dscache_operator.nginx import DEBIAN_LUA_MODULES
-from dscache_operator.podspec import (
+from dscache_operator.revision import (
     CLAIM_NAME_REFUSED,
     DEFAULT_CORE_IMAGE,
     AuthSpec,

@@ -17,7 +17,7 @@ from typing import Any
 
 import kubernetes_validate
 from dscache_operator.desired import Owner, model_deployment
-from dscache_operator.podspec import RevisionSource, revision_of
+from dscache_operator.revision import RevisionSource, revision_of
 from dscache_operator.rollout import next_step
 from dscache_operator.rollout_types import Observed, TrackObservation
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec

@@ -207,6 +207,7 @@ def _write(tmp_path: Path, groups: list[dict[str, Any]]) -> tuple[Path, Path]:
     return rules_file, tests_file
 
 
+@pytest.mark.slow  # promtool test-rules over every alert: about 2 s
 def test_every_alert_fires_on_bad_series_and_stays_quiet_on_good_ones(
     spec: DeepSeekCacheDeploymentSpec, tmp_path: Path
 ) -> None:
@@ -230,6 +231,7 @@ def test_every_alert_fires_on_bad_series_and_stays_quiet_on_good_ones(
     assert "SUCCESS" in tested.stdout + tested.stderr
 
 
+@pytest.mark.slow  # promtool test-rules over every alert: about 2 s
 def test_a_broken_expression_fails_the_rule_tests(
     spec: DeepSeekCacheDeploymentSpec, tmp_path: Path
 ) -> None:

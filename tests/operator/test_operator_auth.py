@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 from dscache_operator.desired import prewarm_job
 from dscache_operator.desired.prewarm import PREWARM_API_KEY_ENV
-from dscache_operator.podspec import RevisionSource, revision_of
+from dscache_operator.revision import RevisionSource, revision_of
 from dscache_operator.schema import InvalidSpecError
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
 from spec_helpers import (

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from dscache_operator.crd import build_crd
-from dscache_operator.podspec import revision_of
+from dscache_operator.revision import revision_of
 from dscache_operator.schema import InvalidSpecError
 from dscache_operator.spec import parse_spec
 from dscache_server.config import add_server_arguments

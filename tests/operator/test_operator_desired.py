@@ -22,8 +22,8 @@ from dscache_operator.desired import (
 )
 from dscache_operator.nginx import DEBIAN_LUA_MODULES, render_nginx_conf
 from dscache_operator.nginx.render import PICKER_HEALTH_PATH
-from dscache_operator.podspec import revision_of
 from dscache_operator.quantity import quantity_bytes
+from dscache_operator.revision import revision_of
 from dscache_operator.schema import InvalidSpecError
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
@@ -520,7 +520,7 @@ def test_router_runs_nginx_itself_and_watches_its_config(
 ) -> None:
     dep = router_deployment(OWNER, spec)
     pod = dep["spec"]["template"]["spec"]
-    c, picker = pod["containers"]
+    c, picker = containers = pod["containers"]
     assert c["image"] == "ghcr.io/dscache/dscache-router:0.1.0"
     assert c["command"] == ["nginx"]  # exec form, no shell
     assert c["args"] == [
@@ -548,7 +548,16 @@ def test_router_runs_nginx_itself_and_watches_its_config(
     assert picker["command"] == ["dscache"] and picker["image"] == spec.sidecar.image.reference
     assert picker["args"][:5] == ["picker", "--host", "127.0.0.1", "--port", "8090"]
     assert picker["args"][5:7] == ["--holdings-port", str(spec.sidecar.metrics_port)]
-    assert picker["livenessProbe"]["httpGet"] == {"path": PICKER_HEALTH_PATH, "port": "http"}
+    # Probed through NGINX by port number (a named port would be looked up in the
+    # picker's own container, which has none: the kubelet could not run the probe).
+    for kind in ("startupProbe", "livenessProbe"):
+        assert picker[kind]["httpGet"] == {"path": PICKER_HEALTH_PATH, "port": 8080}, kind
+    named = {port["name"] for c in containers for port in c.get("ports", [])}
+    for c in containers:
+        own = {port["name"] for port in c.get("ports", [])}
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+            port = c.get(kind, {}).get("httpGet", {}).get("port")
+            assert not isinstance(port, str) or port in own, (c["name"], kind, named)
     assert cfg.picker == "127.0.0.1:8090" and cfg.picker_timeout_ms == 250
     assert f"location = {PICKER_HEALTH_PATH}" in text and "upstream dscache_picker" in text
 

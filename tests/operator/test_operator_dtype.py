@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from dscache_operator.crd import build_crd
 from dscache_operator.desired import TEMPLATE_HASH
-from dscache_operator.podspec import revision_of
+from dscache_operator.revision import revision_of
 from dscache_operator.schema import InvalidSpecError
 from dscache_operator.spec import parse_spec
 from dscache_server.config import add_server_arguments

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from dscache_operator.desired import Owner, model_deployment
-from dscache_operator.podspec import ImageSpec
 from dscache_operator.policy import (
     DEFAULT_POLICY,
     AdminPolicy,
@@ -21,6 +20,7 @@ from dscache_operator.policy import (
     check_spec,
     normalise_host_path,
 )
+from dscache_operator.revision import ImageSpec
 from dscache_operator.schema import InvalidSpecError
 from dscache_operator.settings import OperatorSettings
 from dscache_operator.spec import parse_spec

@@ -20,7 +20,7 @@ from dscache_operator.crd import (
     targets,
 )
 from dscache_operator.nginx import DEBIAN_LUA_MODULES
-from dscache_operator.podspec import RevisionSource, revision_of
+from dscache_operator.revision import RevisionSource, revision_of
 from dscache_operator.schema import InvalidSpecError, parse_duration
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
 

@@ -39,24 +39,32 @@ HASH = "dscache.io/template-hash"
 def _without_deliberate_changes(new: dict[str, Any], old: dict[str, Any]) -> tuple[Any, Any]:
     """``new`` and ``old`` less the template changes made on purpose since 3c92707, each
     a fix worth the one restart it causes (and so the template hash it changes):
-    vLLM pods' memory-backed /dev/shm (vLLM's multiprocess executor wants more than a
-    container's 64 MiB: without it a CPU or tensor-parallel vLLM pod cannot start)."""
+
+    * vLLM pods' memory-backed /dev/shm (vLLM's multiprocess executor wants more than a
+      container's 64 MiB: without it a CPU or tensor-parallel vLLM pod cannot start);
+    * the router pods' picker probes by port number (the named port was NGINX's, so the
+      kubelet could not run the probe and a hung picker was never restarted): only the
+      stateless router pods restart."""
     if new["kind"] != "Deployment":
         return new, old
+    new, old = json.loads(json.dumps(new)), json.loads(json.dumps(old))
+    changed = False
     pod = new["spec"]["template"]["spec"]
-    if not any(v["name"] == "dshm" for v in pod.get("volumes", ())):
-        return new, old
-    pod = {**pod, "volumes": [v for v in pod["volumes"] if v["name"] != "dshm"]}
-    pod["containers"] = [
-        {**c, "volumeMounts": [m for m in c.get("volumeMounts", ()) if m["name"] != "dshm"]}
-        for c in pod["containers"]
-    ]
-    new = json.loads(json.dumps(new))
-    new["spec"]["template"]["spec"] = pod
-    old = json.loads(json.dumps(old))
+    if any(v["name"] == "dshm" for v in pod.get("volumes", ())):
+        pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "dshm"]
+        for c in pod["containers"]:
+            c["volumeMounts"] = [m for m in c.get("volumeMounts", ()) if m["name"] != "dshm"]
+        changed = True
     for obj in (new, old):
-        obj["metadata"]["labels"].pop(HASH, None)
-        obj["spec"]["template"]["metadata"].get("annotations", {}).pop(HASH, None)
+        for c in obj["spec"]["template"]["spec"]["containers"]:
+            if c["name"] == "picker":
+                c.pop("startupProbe", None)
+                c.pop("livenessProbe", None)
+                changed = True
+    if changed:
+        for obj in (new, old):
+            obj["metadata"]["labels"].pop(HASH, None)
+            obj["spec"]["template"]["metadata"].get("annotations", {}).pop(HASH, None)
     return new, old
 
 

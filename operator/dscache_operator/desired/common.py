@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dscache_operator import API_VERSION, KIND
-from dscache_operator.podspec import ImageSpec, ResourcesSpec, SchedulingSpec
+from dscache_operator.revision import ImageSpec, ResourcesSpec, SchedulingSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
 
 Obj = dict[str, Any]

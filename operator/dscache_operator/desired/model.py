@@ -52,9 +52,9 @@ from dscache_operator.desired.common import (
     selector_labels,
     track_of,
 )
-from dscache_operator.podspec import RevisionSource
 from dscache_operator.policy import DEFAULT_POLICY, AdminPolicy, normalise_host_path
 from dscache_operator.quantity import quantity_bytes
+from dscache_operator.revision import RevisionSource
 from dscache_operator.rollout import slot_replicas
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus

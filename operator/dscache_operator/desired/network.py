@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from dscache_operator.desired.common import Obj, Owner, labels, meta, selector_labels
 from dscache_operator.desired.router import ROUTER_PORT
-from dscache_operator.podspec import RevisionSource
 from dscache_operator.policy import AdminPolicy
+from dscache_operator.revision import RevisionSource
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
 

@@ -96,12 +96,16 @@ def _picker_container(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
     args += ["--similarity-threshold", f"{p.similarity_threshold:g}"]
     for term, weight in sorted(p.domain_terms.items()):
         args += ["--domain-term", f"{term}={weight}"]
-    probe = {"httpGet": {"path": PICKER_HEALTH_PATH, "port": "http"}, "periodSeconds": 10}
+    # By number: a probe's named port is looked up in its own container's ports, and
+    # "http" is NGINX's (the kubelet could not parse it, so the picker was never probed).
+    probe = {"httpGet": {"path": PICKER_HEALTH_PATH, "port": ROUTER_PORT}, "periodSeconds": 10}
     env = internal_token_env(owner, spec.tenant_salt.source, "DSCACHE_PICKER_INTERNAL_TOKEN")
     return {
         **common.container("picker", p.image, ["dscache"], args),
         **({"env": env} if env else {}),
-        "livenessProbe": {**probe, "initialDelaySeconds": 10, "failureThreshold": 6},
+        # Up to 5 minutes to start on a busy node; then 6 misses in a row restart it.
+        "startupProbe": {**probe, "failureThreshold": 30},
+        "livenessProbe": {**probe, "failureThreshold": 6},
         "resources": common.resources(p.resources),
         "volumeMounts": [{"name": "tmp", "mountPath": TMP}],
     }

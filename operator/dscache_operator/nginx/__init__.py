@@ -55,7 +55,8 @@ config value can never inject NGINX directives; upstream lists are rendered in
 the order given (the consistent-hash ring does not depend on it).
 
 Where: :mod:`.config` (the validated :class:`RouterConfig`), :mod:`.render`
-(the text), :mod:`.lua` (the Lua blocks it embeds).
+(the text, from ``templates/nginx.conf.j2``), :mod:`.lua` (the Lua files in ``lua/``
+it embeds).
 """
 
 from __future__ import annotations

@@ -1,138 +1,138 @@
-"""The Lua the router's nginx.conf embeds (needs NGINX's Lua module).
+"""The router's Lua: real ``.lua`` files in ``lua/``, filled in and indented for nginx.conf.
 
-Three blocks, filled in by :mod:`.render`: the prompt key (``%``-format:
-``scan``, ``max_bytes``, ``max_messages``), the session memory (``live``,
-``ttl``, ``locate``: empty, or :data:`LUA_SESSION_LOCATE` with a picker) and
-the config watcher (``@PATH@``, ``@ID@``, ``@INTERVAL@``; kept as placeholders
-because Lua's own ``%`` patterns would clash with ``%``-format). This module is
-text, not logic: its length is the Lua's.
+Each file is plain Lua for NGINX's Lua module, checked by ``luacheck`` (its settings:
+``lua/.luacheckrc``; ``scripts/test.sh`` runs it). What the renderer writes in is a
+global read named ``DSCACHE_<NAME>`` (every one listed in ``.luacheckrc``):
+:func:`fill` replaces each with the Lua literal given for it, and refuses a file
+whose placeholders and values differ. A part that only some configs need sits
+between the comment lines ``-- {<section>...`` and ``-- <section>}``: kept (without
+those lines) when the section is on, dropped when it is off. Every value is built
+from validated config fields (no quote, no backslash in them).
+
+The files:
+
+* ``prompt_key.lua`` (``access_by_lua``): keys a request that carries no session by
+  the leading part of its prompt (``DSCACHE_SCAN``, ``DSCACHE_MAX_BYTES``,
+  ``DSCACHE_MAX_MESSAGES``).
+* ``session_memory.lua`` (``access_by_lua``): the track each session is on
+  (``DSCACHE_LIVE``, ``DSCACHE_TTL``); section ``picker``: a session this replica
+  does not remember takes the track of the pod that served it
+  (``dscache_router.locate``), so router replicas agree.
+* ``watch.lua`` (``init_worker_by_lua``): reloads NGINX when the mounted config's id
+  changes (``DSCACHE_PATH``, ``DSCACHE_ID``, ``DSCACHE_INTERVAL``).
+
+``router.lua`` is the Lua module ``dscache_router`` (bounded-load balancer and request
+counters): :mod:`.render` puts it in ``init_by_lua_block`` with ``DSCACHE_CONFIG`` a
+Lua table literal built from the validated
+:class:`~dscache_operator.nginx.config.RouterConfig` (addresses, factor, metric
+names); the module registers itself in ``package.loaded``, so each phase reaches it
+with ``require("dscache_router")``.
+
+State lives in the ``dscache_router`` shared dict, shared by the workers and
+kept across reloads (counters stay monotonic): ``inflight:<pod>`` (tries in
+progress), ``down:<pod>`` (failed within ``fail_timeout`` seconds; expires on
+its own), and the counters ``requests:<track>:<class>``, ``retries:<track>``,
+``tries:<pod>``, ``errors:<pod>``, ``skips:<pod>``.
+
+A real session (a client's own id: its header or cookie) is pinned: the pod that
+served it is remembered in the ``dscache_pins`` shared dict (``<upstream> \\0 <key>``,
+``pin_ttl`` seconds after its last request) and takes its next requests whatever
+its load, as long as it is up: that pod holds the session's KV, and moving the
+session would recompute its whole history. Only new sessions, prompt-keyed
+requests and retries are placed by the bounded walk below (and a session is pinned
+where that walk put it). A prompt key is never pinned: the opening it stands for
+is worth caching on several pods, and spreading it is the point.
+
+``balance(upstream)`` (``balancer_by_lua``): the pods in NGINX's own
+``hash ... consistent`` ring order from the key's point (160 points a pod,
+``crc32(HOST \\0 PORT PREV_HASH)``, as ``ngx_http_upstream_hash_module`` builds
+it, so with no load it picks exactly the pod NGINX would), skipping pods tried
+by this request or down, and, with a factor, pods whose in-flight count is not
+below ``ceil(factor * (in-flight of the track + 1) / live pods)``. No eligible
+pod under the bound: the first eligible one; none eligible at all: the first
+untried one (better a try than a certain 502). A retry marks the failed pod
+down and ends its in-flight count; ``log()`` ends the last one (and marks its
+pod down when it failed: no answer, 502, 503 or 504, as ``max_fails=1`` does).
+
+``pick(upstream)`` (``access_by_lua``, with a picker configured): asks the
+picker (:mod:`dscache_server.picker`) through the internal ``picker_path``
+subrequest which pod holds the longest cached prefix of the request; the
+balancer's first try takes that pod when it is in the track and up (the picker
+applied the load bound from the in-flight counts it was sent). No answer within
+the timeout, or a wrong one: the walk below, as without a picker.
+
+Router replicas agree through the pods (:mod:`dscache_server.sessions`). A
+session (header or cookie) this replica has neither a track nor a pin for is
+looked up once per request: ``locate(key)`` asks the picker, which asks every
+live pod of every track whether it served the session, through the internal
+``locate_path`` subrequest; the pod that did gives the session its track (the
+session memory takes it) and its pin, so a session stays where its KV is
+whichever replica it reaches, across weight changes, replica restarts and
+scale-out. No answer in time, or no pod that knows it: placed as before.
+``report()`` (``header_filter_by_lua``) keeps each pod's own in-flight count,
+``X-Dscache-Inflight`` on its answers, for ``report_ttl`` seconds as
+``reported:<pod>``; a pod's load is the larger of this replica's count and the
+pod's report, so the bound sees what the other replicas sent.
+
+``log()`` (``log_by_lua``, every proxied request) also counts the request by
+track role and status class, its retries, and each try by pod from
+``$upstream_addr`` / ``$upstream_status`` (so the counters work without the
+balancer too; a pod label is only ever a configured address).
+``metrics()`` serves them in Prometheus' text format.
 """
 
-#: With a picker: a session this replica does not remember takes the track of the pod
-#: that served it (``dscache_router.locate``), so router replicas agree.
-LUA_SESSION_LOCATE = """
-            if remember and not track then
-                track = require("dscache_router").locate(key)
-            end"""
+from __future__ import annotations
 
-LUA_SESSION_MEMORY = """            local live = {%(live)s}
-            local sessions = ngx.shared.dscache_sessions
-            local key = ngx.var.dscache_key
-            -- A fresh request id names no session: nothing to remember.
-            local remember = ngx.var.dscache_key_source ~= "new"
-            local track = remember and sessions:get(key) or nil%(locate)s
-            if not track or not live[track] then
-                track = ngx.var.dscache_new_track
-            end
-            ngx.var.dscache_chosen_track = track
-            if remember then
-                local ok, err = sessions:set(key, track, %(ttl)d)
-                if not ok then
-                    ngx.log(ngx.WARN, "dscache router: cannot remember a session: ", err)
-                end
-            end"""
+import re
+from functools import cache
+from importlib import resources
+
+_PLACEHOLDER = re.compile(r"\bDSCACHE_[A-Z_]+\b")
 
 
-LUA_WATCH = """\
-    init_worker_by_lua_block {
-        if ngx.worker.id() ~= 0 then
-            return
-        end
-        local ffi = require "ffi"
-        pcall(ffi.cdef, "int kill(int pid, int sig); int getppid(void);")
-        local path, loaded, signalled = "@PATH@", "@ID@", nil
-        local function file_id()
-            local f = io.open(path, "rb")
-            if not f then
-                return nil
-            end
-            local head = f:read(512)
-            f:close()
-            return head and string.match(head, "dscache%-config%-id: (%x+)")
-        end
-        local function check(premature)
-            if premature then
-                return
-            end
-            local id = file_id()
-            if id and id ~= loaded and id ~= signalled then
-                signalled = id
-                ngx.log(ngx.NOTICE, "dscache router: ", path, " is now ", id, ", reloading")
-                if ffi.C.kill(ffi.C.getppid(), 1) ~= 0 then
-                    ngx.log(ngx.ERR, "dscache router: cannot signal the master, errno ",
-                            ffi.errno())
-                end
-            end
-        end
-        local ok, err = ngx.timer.every(@INTERVAL@, check)
-        if not ok then
-            ngx.log(ngx.ERR, "dscache router: cannot watch ", path, ": ", err)
-        end
-    }"""
+@cache
+def read(name: str) -> str:
+    """The text of ``lua/<name>`` (shipped inside the package)."""
+    return resources.files(__package__).joinpath("lua", name).read_text(encoding="utf-8")
 
 
-LUA_PROMPT_KEY = """\
-            local function prompt_key()
-            if ngx.var.dscache_key_source ~= "new" then
-                return
-            end
-            ngx.req.read_body()
-            local body = ngx.req.get_body_data()
-            if not body then
-                local path = ngx.req.get_body_file()
-                if path then
-                    local f = io.open(path, "rb")
-                    if f then
-                        body = f:read(%(scan)d)
-                        f:close()
-                    end
-                end
-            end
-            if not body or body == "" then
-                return
-            end
-            local max_bytes, max_messages = %(max_bytes)d, %(max_messages)d
-            local lead
-            local s = string.find(body, '"messages"', 1, true)
-            local i = s and string.find(body, "[", s, true)
-            if i then
-                local limit = math.min(#body, i + max_bytes - 1)
-                local depth, in_str, esc, count = 0, false, false, 0
-                lead = string.sub(body, i, limit)
-                for j = i + 1, limit do
-                    local c = string.byte(body, j)
-                    if in_str then
-                        if esc then
-                            esc = false
-                        elseif c == 92 then
-                            esc = true
-                        elseif c == 34 then
-                            in_str = false
-                        end
-                    elseif c == 34 then
-                        in_str = true
-                    elseif c == 123 or c == 91 then
-                        depth = depth + 1
-                    elseif c == 125 or c == 93 then
-                        if depth == 0 then
-                            lead = string.sub(body, i, j - 1)
-                            break
-                        end
-                        depth = depth - 1
-                        if depth == 0 then
-                            count = count + 1
-                            if count >= max_messages then
-                                lead = string.sub(body, i, j)
-                                break
-                            end
-                        end
-                    end
-                end
-            else
-                local p = string.find(body, '"prompt"', 1, true) or 1
-                lead = string.sub(body, p, p + max_bytes - 1)
-            end
-            ngx.var.dscache_key = "p-" .. ngx.md5(lead)
-            ngx.var.dscache_key_source = "prompt"
-            end
-            prompt_key()"""
+def fill(
+    name: str, values: dict[str, str], *, indent: int, sections: dict[str, bool] | None = None
+) -> str:
+    """``lua/<name>`` with its placeholders replaced and its sections kept or dropped,
+    every non-empty line indented by ``indent`` spaces; no trailing newline.
+
+    Args:
+        name: the file.
+        values: the Lua literal for each placeholder, by name without ``DSCACHE_``.
+        indent: spaces before each line (where the block sits in nginx.conf).
+        sections: on or off, by section name; every section of the file must be named.
+
+    Raises:
+        ValueError: a placeholder without a value, a value without a placeholder, or
+            a section not named.
+    """
+    sections = sections or {}
+    kept: list[str] = []
+    inside: str | None = None
+    for line in read(name).rstrip("\n").split("\n"):
+        opened = re.fullmatch(r"-- \{(\w+).*", line)
+        if opened:
+            inside = opened.group(1)
+            if inside not in sections:
+                raise ValueError(f"lua/{name}: section {inside!r} is not named")
+            continue
+        if inside is not None and line == f"-- {inside}}}":
+            inside = None
+            continue
+        if inside is None or sections[inside]:
+            kept.append(line)
+    body = "\n".join(kept)
+    found = {m.removeprefix("DSCACHE_") for m in _PLACEHOLDER.findall(body)}
+    if found != set(values):
+        raise ValueError(
+            f"lua/{name}: placeholders {sorted(found)} but values for {sorted(values)}"
+        )
+    body = _PLACEHOLDER.sub(lambda m: values[m.group(0).removeprefix("DSCACHE_")], body)
+    pad = " " * indent
+    return "\n".join(pad + line if line else line for line in body.split("\n"))

@@ -1,4 +1,4 @@
-"""The parts of the spec that shape a model pod, and the revision hash over them.
+"""The parts of the spec that make a revision (they shape a model pod), and its hash.
 
 :class:`RevisionSource` gathers them (model, server, sidecar, cache, tenant
 salt, auth, scheduling); :func:`revision_of` hashes it into the rollout revision, so
