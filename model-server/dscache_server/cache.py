@@ -39,8 +39,8 @@ from dataclasses import KW_ONLY, InitVar, dataclass, field
 
 from dscache.keys import KeyChain
 from dscache_server.admission import Admission, CostModel
-from dscache_server.blockstore import CacheError, KVBlockStore, Loaded, Signalling
 from dscache_server.kv import LayoutAdapter, SequenceKV
+from dscache_server.kvstore import CacheError, KVBlockStore, Loaded, Signalling
 from dscache_server.metrics import ServerMetrics
 from dscache_server.storecodec import StorePolicy
 from dscache_server.writer import BlockWriter
@@ -117,7 +117,7 @@ class PrefixCache:
             it gives up on the blocks (and the request recomputes).
         store_nice: niceness of the background store thread (Linux; 0 = as the
             request threads), so stores take what the requests leave.
-        store_policy: the codec of each store job (None: the store's default).
+        store_policy: the encoding of each store job (None: every block raw).
     """
 
     store: KVBlockStore | None

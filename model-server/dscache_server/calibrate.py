@@ -22,9 +22,9 @@ import torch
 
 from dscache.keys import KeyChain, tenant_salt
 from dscache_server.admission import CostModel
-from dscache_server.blockstore import CacheError, KVBlockStore, NewBlock
 from dscache_server.engine import Engine
 from dscache_server.kv import LayoutAdapter
+from dscache_server.kvstore import CacheError, KVBlockStore, NewBlock
 
 log = logging.getLogger(__name__)
 

@@ -42,9 +42,9 @@ from fastapi.responses import JSONResponse, Response
 from dscache_server.auth import OTHER_LABEL, Principal
 from dscache_server.errors import APIError
 from dscache_server.parse import ParsedRequest, parse_request, read_json
-from dscache_server.scheduler import QueueFullError, tenant_session
 from dscache_server.schemas import Endpoint, completion_body
 from dscache_server.sessions import INFLIGHT_HEADER
+from dscache_server.slots import QueueFullError, tenant_session
 from dscache_server.state import AppState, Serving, authenticate
 from dscache_server.streaming import SlotStreamingResponse, stream_completion
 
@@ -117,7 +117,7 @@ async def _answer(
     session_id: str | None,
     started: float,
 ) -> Response:
-    rt, scheduler, parsers = serving
+    rt, slots, parsers = serving
     settings = rt.settings
     next_turn = _next_turn(request.headers.get(settings.next_turn_header.lower()))
     body = await read_json(request, settings.max_request_bytes)
@@ -142,14 +142,14 @@ async def _answer(
         len(parsed.generation.token_ids),
     )
     headers = {settings.session_header: session_id} if session_id else {}
-    if scheduler.active >= scheduler.max_concurrency or scheduler.waiting > 0:
+    if slots.active >= slots.max_concurrency or slots.waiting > 0:
         gen = parsed.generation  # it will wait: keep its prefix until it is served
         await anyio.to_thread.run_sync(
             rt.cache.signal, gen.chain, gen.token_ids, "queued", limiter=parsers
         )
     async with AsyncExitStack() as slot:
         try:
-            waited = await slot.enter_async_context(scheduler.slot(session))
+            waited = await slot.enter_async_context(slots.slot(session))
         except QueueFullError:
             raise APIError(
                 429,

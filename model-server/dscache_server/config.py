@@ -19,6 +19,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dscache_server.auth import read_key_file
 
+#: Codec choices of a deployment (``--store-compress``, ``spec.cache.codec``); the
+#: store policy (``storecodec.py``) turns one into each store job's ``Encoding``.
+StoreMode = Literal["raw", "zstd", "auto", "int8"]
+
 
 class ServerSettings(BaseSettings):
     """Every knob of ``dscache server``."""
@@ -138,7 +142,7 @@ class ServerSettings(BaseSettings):
     circuit_cooldown_s: float = Field(
         default=2.0, ge=0, description="after a sidecar failure, skip the cache this long, seconds"
     )
-    store_compress: Literal["auto", "raw", "zstd", "int8"] = Field(
+    store_compress: StoreMode = Field(
         default="raw",
         description="codec of stored blocks: raw (zero-copy hits), zstd, auto (adaptive zstd: "
         "long prompts whose text repeats, level by CPU headroom, blocks that shrink; every hit "

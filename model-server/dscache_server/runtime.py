@@ -20,12 +20,12 @@ from cachetools import LRUCache
 from dscache.keys import KeyChain, ModelFingerprint, tenant_salt, with_kv_codec
 from dscache_server.auth import Authenticator
 from dscache_server.batcher import Batcher
-from dscache_server.blockstore import KVBlockStore, SidecarBlockStore
 from dscache_server.cache import PrefixCache
 from dscache_server.calibrate import calibrate
 from dscache_server.config import ServerSettings
 from dscache_server.engine import TransformersEngine
 from dscache_server.generate import COMPLETED, GenerationRequest, GenerationResult
+from dscache_server.kvstore import KVBlockStore, SidecarBlockStore
 from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
 from dscache_server.storecodec import AdaptiveZstd, StorePolicy
@@ -144,12 +144,10 @@ def build_store(
     if not settings.sidecar_socket:
         log.warning("no sidecar socket configured: running without a KV cache")
         return None
-    compress = {"auto": None, "raw": False, "zstd": True, "int8": False}[settings.store_compress]
     return SidecarBlockStore(
         settings.sidecar_socket,
         data_dir=settings.sidecar_data_dir,
         timeout_s=settings.sidecar_timeout_s,
-        compress=compress,
         cooldown_s=settings.circuit_cooldown_s,
         lookups=metrics.lookups if metrics is not None else None,
     )

@@ -1,8 +1,8 @@
-"""The state of one app: its runtime once loaded, its scheduler, whether it drains.
+"""The state of one app: its runtime once loaded, its generation slots, whether it drains.
 
 Contract:
     * ``AppState.serving()`` is the one gate of every model route: it returns the
-      runtime, the scheduler and the parsers' thread limiter (made on first use, on
+      runtime, the slots and the parsers' thread limiter (made on first use, on
       the serving event loop), or raises a 503 ``not_ready`` (Retry-After 1 while
       loading, 5 while draining; the loader's error as message if loading failed).
     * ``AppState.lifespan`` runs the loader (if any) on a worker thread after
@@ -29,18 +29,18 @@ from fastapi import Depends, FastAPI, Request
 from dscache_server.auth import AuthError, Principal
 from dscache_server.errors import APIError, refused
 from dscache_server.runtime import Runtime
-from dscache_server.scheduler import Scheduler
 from dscache_server.sessions import SessionLedger
+from dscache_server.slots import GenerationSlots
 
 log = logging.getLogger(__name__)
 
 
 class Serving(NamedTuple):
-    """What a model route needs: the loaded runtime, the app's scheduler, and the
+    """What a model route needs: the loaded runtime, the app's slots, and the
     limiter of the worker threads that parse and tokenize request bodies."""
 
     runtime: Runtime
-    scheduler: Scheduler
+    slots: GenerationSlots
     parsers: anyio.CapacityLimiter
 
 
@@ -51,7 +51,7 @@ class AppState:
     Attributes:
         runtime: the runtime once built or loaded.
         loader: builds the runtime at start-up (None: ``runtime`` is given).
-        scheduler: made on first use, on the serving event loop.
+        slots: made on first use, on the serving event loop.
         draining: set at shutdown; model routes answer 503 from then on.
         load_error: why loading failed, if it did.
         sessions: the sessions this pod served (router replicas ask it where a
@@ -60,7 +60,7 @@ class AppState:
 
     runtime: Runtime | None = None
     loader: Callable[[], Runtime] | None = None
-    scheduler: Scheduler | None = None
+    slots: GenerationSlots | None = None
     parsers: anyio.CapacityLimiter | None = None
     draining: bool = False
     load_error: str | None = None
@@ -68,11 +68,11 @@ class AppState:
 
     def inflight(self) -> int:
         """Requests holding or waiting for a generation slot (0 before the first)."""
-        s = self.scheduler
+        s = self.slots
         return 0 if s is None else s.active + s.waiting
 
     def serving(self) -> Serving:
-        """The runtime and scheduler; raises a 503 ``APIError`` until ready or once draining."""
+        """The runtime and slots; raises a 503 ``APIError`` until ready or once draining."""
         rt = self.runtime
         if rt is None or self.draining:
             raise APIError(
@@ -82,13 +82,13 @@ class AppState:
                 code="not_ready",
                 retry_after=1 if rt is None else 5,
             )
-        if self.scheduler is None or self.parsers is None:
+        if self.slots is None or self.parsers is None:
             settings = rt.settings
-            self.scheduler = Scheduler(settings.max_concurrency, settings.max_queue, rt.metrics)
+            self.slots = GenerationSlots(settings.max_concurrency, settings.max_queue, rt.metrics)
             # Tokenizing is CPU work: off the event loop (probes answer meanwhile), on
             # as many threads as there are slots, not one per request.
             self.parsers = anyio.CapacityLimiter(settings.max_concurrency)
-        return Serving(rt, self.scheduler, self.parsers)
+        return Serving(rt, self.slots, self.parsers)
 
     def not_ready_reason(self) -> str | None:
         """Why ``/ready`` is 503 (``loading``, ``draining`` or the load error); None if ready."""

@@ -1,8 +1,9 @@
 """Which codec each store job uses: the deployment's choice, and adaptive zstd.
 
 Contract:
-    * ``StorePolicy.choose(ids)`` returns the ``StoreCodec`` of one store job (the
-      new full blocks of one prompt) and why; it never raises and costs
+    * ``StorePolicy.choose(ids)`` returns the ``Encoding`` of one store job (the
+      new full blocks of one prompt), the sidecar client's one vocabulary: the
+      layers below carry it to the encoder unchanged; it never raises and costs
       microseconds next to the job (it runs on the writer thread, off the
       request path, as the encoding itself does).
     * ``raw``, ``zstd`` and ``int8`` are fixed: every block so. ``int8`` is lossy:
@@ -18,7 +19,8 @@ Contract:
            1, little -> -1 (zstd's fast mode), none -> raw;
         4. each block is still sampled (the sidecar codec's policy): a block that
            does not shrink stays raw, so its hits stay zero-copy.
-    * Every decision is counted in ``dscache_server_store_codec_total{codec,reason}``.
+    * Every decision is counted in ``dscache_server_store_codec_total{codec,reason}``
+      (``codec`` is the ``Encoding``'s name: ``raw``, ``zstd``, ``int8``, ``sample``).
 """
 
 from __future__ import annotations
@@ -28,29 +30,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
+from dscache_sidecar.client import RAW, Encoding
 from prometheus_client import Counter
 
-#: Codec choices of a deployment (``--store-compress``, ``spec.cache.codec``).
-StoreMode = Literal["raw", "zstd", "auto", "int8"]
-
-
-@dataclass(frozen=True)
-class StoreCodec:
-    """How one store job's blocks are encoded.
-
-    Attributes:
-        codec: ``raw``, ``zstd``, ``int8``, or ``sample`` (zstd where a sample of
-            the block shrinks enough, raw otherwise).
-        level: the zstd level (None: the sidecar codec's own, speed-adapted).
-    """
-
-    codec: Literal["raw", "zstd", "int8", "sample"]
-    level: int | None = None
-
-
-RAW = StoreCodec("raw")
+from dscache_server.config import StoreMode
 
 
 def repetition(ids: Sequence[int], *, window: int = 4096, ngram: int = 4) -> float:
@@ -168,21 +152,21 @@ class StorePolicy:
         headroom: Callable[[], float] | None = None,
         decisions: Counter | None = None,
     ) -> None:
-        self.mode = mode
+        self._fixed = None if mode == "auto" else Encoding.named(mode)  # raises on a typo
         self.adaptive = adaptive or AdaptiveZstd()
         self._headroom = headroom if headroom is not None or mode != "auto" else CpuHeadroom()
         self._decisions = decisions
 
-    def choose(self, ids: Sequence[int]) -> StoreCodec:
+    def choose(self, ids: Sequence[int]) -> Encoding:
         """The codec of the store job of a prompt with token ids ``ids``."""
-        codec, reason = self._choose(ids)
+        encoding, reason = self._choose(ids)
         if self._decisions is not None:
-            self._decisions.labels(codec=codec.codec, reason=reason).inc()
-        return codec
+            self._decisions.labels(codec=encoding.name, reason=reason).inc()
+        return encoding
 
-    def _choose(self, ids: Sequence[int]) -> tuple[StoreCodec, str]:
-        if self.mode != "auto":
-            return StoreCodec(self.mode), "fixed"
+    def _choose(self, ids: Sequence[int]) -> tuple[Encoding, str]:
+        if self._fixed is not None:
+            return self._fixed, "fixed"
         a = self.adaptive
         if len(ids) < a.min_tokens:
             return RAW, "short"
@@ -191,5 +175,5 @@ class StorePolicy:
         headroom = self._headroom() if self._headroom is not None else 1.0
         for floor, level in a.levels:
             if headroom >= floor:
-                return StoreCodec("sample", level), "chosen"
+                return Encoding(None, level), "chosen"
         return RAW, "no_headroom"

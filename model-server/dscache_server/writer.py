@@ -26,9 +26,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from dscache_sidecar.client import RAW
+
 from dscache.keys import KeyChain
-from dscache_server.blockstore import CacheError, KVBlockStore, NewBlock, Signalling
 from dscache_server.kv import LayoutAdapter, SequenceKV
+from dscache_server.kvstore import CacheError, KVBlockStore, NewBlock, Signalling
 from dscache_server.metrics import ServerMetrics
 from dscache_server.storecodec import StorePolicy
 
@@ -90,9 +92,9 @@ class BlockWriter:
                 NewBlock(keys[i], keys[i - 1] if i else b"", self._adapter.export(seq, i), dtype)
                 for i in range(first, last)
             ]
-            codec = self._policy.choose(ids) if self._policy is not None else None
+            encoding = self._policy.choose(ids) if self._policy is not None else RAW
             t0 = time.perf_counter()
-            new = self._store.store(chain.tenant, blocks, codec)
+            new = self._store.store(chain.tenant, blocks, encoding)
             self._metrics.cache_op_seconds.labels(op="store").observe(time.perf_counter() - t0)
             stored.labels(result="stored").inc(new)
             stored.labels(result="existing").inc(len(blocks) - new)

@@ -19,6 +19,10 @@ Contract:
       allocation (no decompression bomb from a forged frame), and the shape itself
       is bounded where the caller knows a limit (``max_bytes``; the store refuses
       blocks whose decoded size is over its largest block, ``BlockSpec.validate``).
+    * One vocabulary names codecs everywhere (the deployment's ``spec.cache.codec``,
+      metric labels, benches): ``CODEC_NAMES`` (``raw``, ``zstd``, ``int8``), plus
+      ``sample`` for "zstd where a sample of the block shrinks, raw otherwise".
+      A store job's decision is one ``Encoding``; the layers below carry it as is.
     * ``CodecPolicy.choose`` compresses a sample of the block and picks zstd only when
       it saves at least ``min_saving`` of the bytes; everything else stays raw.
 
@@ -32,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import zstandard
@@ -51,6 +55,56 @@ class Codec(IntEnum):
     RAW = 0
     ZSTD_SHUFFLE = 1
     INT8_ROWS = 2
+
+
+#: The name of each codec in every vocabulary above the wire.
+CODEC_NAMES: dict[Codec, str] = {
+    Codec.RAW: "raw",
+    Codec.ZSTD_SHUFFLE: "zstd",
+    Codec.INT8_ROWS: "int8",
+}
+#: The name of a sampled encoding (each block zstd where it pays, raw otherwise).
+SAMPLE = "sample"
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How one store job's blocks are encoded: decided once, carried as is.
+
+    Attributes:
+        codec: every block in this codec; None samples each block
+            (``CodecPolicy.choose``).
+        level: the zstd level; None: the policy's own, adapted to its speed budget.
+    """
+
+    codec: Codec | None
+    level: int | None = None
+
+    @property
+    def name(self) -> str:
+        """``raw``, ``zstd``, ``int8`` or ``sample`` (a metric label's value)."""
+        return SAMPLE if self.codec is None else CODEC_NAMES[self.codec]
+
+    @classmethod
+    def named(cls, name: str, level: int | None = None) -> Encoding:
+        """The encoding of a name of ``Encoding.name``'s vocabulary.
+
+        Raises:
+            ValueError: an unknown name.
+        """
+        if name == SAMPLE:
+            return cls(None, level)
+        for codec, known in CODEC_NAMES.items():
+            if known == name:
+                return cls(codec, level)
+        known = ", ".join([*CODEC_NAMES.values(), SAMPLE])
+        raise ValueError(f"unknown codec {name!r}: one of {known}")
+
+
+#: Every block raw (zero-copy hits).
+RAW = Encoding(Codec.RAW)
+#: Each block sampled: zstd where it shrinks enough, raw otherwise.
+SAMPLED = Encoding(None)
 
 
 #: Contract dtypes the int8 codec takes (and decodes back to).
@@ -226,10 +280,9 @@ def decode(
 
 @dataclass
 class CodecPolicy:
-    """Decides per block whether zstd pays.
+    """Decides per block whether zstd pays (an ``Encoding`` without a codec).
 
     Attributes:
-        mode: ``raw`` never compresses, ``zstd`` always does, ``auto`` samples.
         min_saving: the share of bytes a sample must save for zstd to be chosen.
         sample_bytes: bytes compressed to decide.
         min_block_bytes: blocks smaller than this stay raw (not worth the CPU).
@@ -237,7 +290,6 @@ class CodecPolicy:
             (faster) when measured throughput falls below it and up when well above.
     """
 
-    mode: Literal["raw", "zstd", "auto"] = "auto"
     min_saving: float = 0.20
     sample_bytes: int = 256 * 1024
     min_block_bytes: int = 64 * 1024
@@ -247,10 +299,6 @@ class CodecPolicy:
 
     def choose(self, arr: np.ndarray) -> Codec:
         """The codec for this block."""
-        if self.mode == "raw":
-            return Codec.RAW
-        if self.mode == "zstd":
-            return Codec.ZSTD_SHUFFLE
         if arr.nbytes < self.min_block_bytes:
             return Codec.RAW
         flat = np.ascontiguousarray(arr).reshape(-1)

@@ -76,12 +76,10 @@ class MappedSegments:
                 self._maps.pop(name)
                 m = None
             if m is None:
-                m = mmap.mmap(
-                    fd,
-                    os.fstat(fd).st_size,
-                    prot=mmap.PROT_READ,
-                    flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                )
+                # Not MAP_POPULATE: that reads and maps the whole segment (256 MiB by
+                # default) on its first load; a copy out of a block faults in only
+                # its own pages, 64 KiB at a time (the kernel's fault-around).
+                m = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
                 self._maps[name] = m
         # A truncated file would turn a read into SIGBUS: check before touching.
         if sizes is None:

@@ -64,6 +64,12 @@ def checksum(data: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(data))
 
 
+def checksum_hasher() -> xxhash.xxh3_64:
+    """The block checksum computed in parts: ``update`` it with the payload's bytes in
+    order; ``intdigest()`` then equals :func:`checksum` of the whole payload."""
+    return xxhash.xxh3_64()
+
+
 @dataclass(frozen=True, slots=True)
 class BlockHeader:
     """The on-disk header of one block."""

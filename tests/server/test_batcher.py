@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from dscache_server.admission import CostModel
 from dscache_server.batcher import Batcher
-from dscache_server.blockstore import SidecarBlockStore
 from dscache_server.cache import PrefixCache
 from dscache_server.generate import GenerationRequest, GenerationResult, SamplingParams
+from dscache_server.kvstore import SidecarBlockStore
 from dscache_server.metrics import ServerMetrics
 from dscache_server.tokenizer import DeepSeekTokenizer
 from srv_helpers import SidecarDaemon, engine_for, random_text
@@ -166,7 +166,7 @@ def test_a_block_corrupted_on_disk_is_recomputed_before_the_first_token(
     """The checksums are checked while the prefill runs; a mismatch sends the request
     back to a full recompute before it samples, so its answer is the cache-off one."""
     engine = engine_for("mini-gqa")
-    store = SidecarBlockStore(sidecar.socket, data_dir=str(sidecar.data_dir), compress=False)
+    store = SidecarBlockStore(sidecar.socket, data_dir=str(sidecar.data_dir))
     b = _batcher(tokenizer, store=store)
     try:
         req = _request(tokenizer, 11, 200, 6)

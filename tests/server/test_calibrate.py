@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from dscache_server.blockstore import NewBlock
 from dscache_server.calibrate import calibrate
-from dscache_server.storecodec import StoreCodec
+from dscache_server.kvstore import NewBlock
+from dscache_sidecar.client import RAW, Encoding
 from srv_helpers import engine_for
 
 FIRST_CALL_STALL_S = 0.6
@@ -63,9 +63,7 @@ class StallingMemoryStore:
     ) -> _Leased:
         return _Leased(list(keys), [self.blocks[k] for k in keys])
 
-    def store(
-        self, tenant: str, blocks: Sequence[NewBlock], codec: StoreCodec | None = None
-    ) -> int:
+    def store(self, tenant: str, blocks: Sequence[NewBlock], encoding: Encoding = RAW) -> int:
         for b in blocks:
             self.blocks[b.key] = b.array
         return len(blocks)

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 from dscache_server.admission import CostModel
-from dscache_server.blockstore import SidecarBlockStore
 from dscache_server.cache import PrefixCache
 from dscache_server.engine import TransformersEngine
+from dscache_server.kvstore import SidecarBlockStore
 from dscache_server.metrics import ServerMetrics
 from srv_helpers import BLOCK_TOKENS, REPO, SidecarDaemon, engine_for, free_port
 
@@ -37,7 +37,7 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 
 def make_cache(engine: TransformersEngine, sidecar: SidecarDaemon) -> PrefixCache:
-    store = SidecarBlockStore(sidecar.socket, data_dir=str(sidecar.data_dir), compress=False)
+    store = SidecarBlockStore(sidecar.socket, data_dir=str(sidecar.data_dir))
     return PrefixCache(store, engine.adapter, ServerMetrics(), ALWAYS_PAYS, min_tokens=64)
 
 

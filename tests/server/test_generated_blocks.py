@@ -15,9 +15,9 @@ import openai
 import pytest
 from dscache_server.admission import CostModel
 from dscache_server.batcher import Batcher
-from dscache_server.blockstore import SidecarBlockStore
 from dscache_server.cache import PrefixCache
 from dscache_server.generate import GenerationRequest, GenerationResult, SamplingParams
+from dscache_server.kvstore import SidecarBlockStore
 from dscache_server.metrics import ServerMetrics
 from dscache_server.tokenizer import DeepSeekTokenizer
 from srv_helpers import BLOCK_TOKENS, LiveServer, SidecarDaemon, engine_for, random_text
@@ -43,9 +43,7 @@ def batchers(
     def make(preset: str, cached: bool) -> Batcher:
         engine = engine_for(preset)
         store = (
-            SidecarBlockStore(sidecar.socket, data_dir=str(sidecar.data_dir), compress=False)
-            if cached
-            else None
+            SidecarBlockStore(sidecar.socket, data_dir=str(sidecar.data_dir)) if cached else None
         )
         cache = PrefixCache(store, engine.adapter, ServerMetrics(), ALWAYS_PAYS, min_tokens=64)
         b = Batcher(engine, tokenizer, cache, cache.metrics)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 import pytest
-from dscache_server.storecodec import AdaptiveZstd, StoreCodec, StorePolicy, repetition
+from dscache_server.storecodec import AdaptiveZstd, StorePolicy, repetition
+from dscache_sidecar.client import RAW, Codec, Encoding
 from prometheus_client import CollectorRegistry, Counter
 from srv_helpers import BLOCK_TOKENS, LiveServer, SidecarDaemon
 
@@ -105,15 +106,15 @@ def test_adaptive_zstd_compresses_long_repetitive_prompts_at_the_level_the_cpu_a
         decisions=counter,
     )
     repetitive = list(range(100)) * 20  # 2000 tokens, 95% repeated 4-grams
-    assert policy.choose(repetitive[:500]) == StoreCodec("raw")  # short
-    assert policy.choose(list(range(2000))) == StoreCodec("raw")  # never repeats
-    assert policy.choose(repetitive) == StoreCodec("sample", 3)
+    assert policy.choose(repetitive[:500]) == RAW  # short
+    assert policy.choose(list(range(2000))) == RAW  # never repeats
+    assert policy.choose(repetitive) == Encoding(None, 3)
     headroom[0] = 0.4
-    assert policy.choose(repetitive) == StoreCodec("sample", 1)
+    assert policy.choose(repetitive) == Encoding(None, 1)
     headroom[0] = 0.2
-    assert policy.choose(repetitive) == StoreCodec("sample", -1)
+    assert policy.choose(repetitive) == Encoding(None, -1)
     headroom[0] = 0.05
-    assert policy.choose(repetitive) == StoreCodec("raw")  # no CPU to spare
+    assert policy.choose(repetitive) == RAW  # no CPU to spare
 
     def count(codec: str, reason: str) -> float:
         return counter.labels(codec=codec, reason=reason)._value.get()
@@ -121,7 +122,7 @@ def test_adaptive_zstd_compresses_long_repetitive_prompts_at_the_level_the_cpu_a
     assert count("raw", "short") == 1 and count("raw", "low_repetition") == 1
     assert count("sample", "chosen") == 3 and count("raw", "no_headroom") == 1
     fixed = StorePolicy("int8")
-    assert fixed.choose(repetitive) == StoreCodec("int8")
+    assert fixed.choose(repetitive) == Encoding(Codec.INT8_ROWS)
 
 
 def test_an_auto_server_says_why_it_left_a_prompt_raw(

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 from dscache_server.admission import CostModel
-from dscache_server.blockstore import SidecarBlockStore
 from dscache_server.cache import PrefixCache
 from dscache_server.kv import LayoutAdapter
+from dscache_server.kvstore import SidecarBlockStore
 from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
 from srv_helpers import BLOCK_TOKENS, LiveServer, SidecarDaemon, engine_for
@@ -48,7 +48,7 @@ def test_half_precision_blocks_are_half_the_bytes_and_recompute_exactly(
         full_bytes
     )
 
-    store = SidecarBlockStore(sidecar.socket, data_dir=str(sidecar.data_dir), compress=False)
+    store = SidecarBlockStore(sidecar.socket, data_dir=str(sidecar.data_dir))
     cache = PrefixCache(store, engine.adapter, ServerMetrics(), ALWAYS_PAYS, min_tokens=64)
     chain = KeyChain(engine.fingerprint, tenant_salt(f"dtype-{dtype}"))
     ids = ids_for(3 * BLOCK_TOKENS + 17, seed=31)
@@ -84,7 +84,7 @@ def test_half_precision_blocks_are_half_the_bytes_and_recompute_exactly(
 def test_a_float32_block_never_serves_a_bfloat16_engine(sidecar: SidecarDaemon) -> None:
     exact, half = engine_for("tiny-gqa"), engine_for("tiny-gqa", dtype="bfloat16")
     ids = ids_for(2 * BLOCK_TOKENS + 5, seed=41)
-    store = SidecarBlockStore(sidecar.socket, data_dir=str(sidecar.data_dir), compress=False)
+    store = SidecarBlockStore(sidecar.socket, data_dir=str(sidecar.data_dir))
     writer = PrefixCache(store, exact.adapter, ServerMetrics(), ALWAYS_PAYS, min_tokens=64)
     tenant = tenant_salt("mixed")
     seq = exact.new_sequence()

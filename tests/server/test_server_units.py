@@ -1,5 +1,5 @@
 """Pure pieces of the model server: attention merging, block round trip, sampling,
-stop strings, the chat template, the cost model, the scheduler and the settings."""
+stop strings, the chat template, the cost model, the generation slots and the settings."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dscache_server.generate import (
 from dscache_server.kv import flash_part, latent_part, merge_parts
 from dscache_server.metrics import ServerMetrics
 from dscache_server.presets import PRESETS
-from dscache_server.scheduler import QueueFullError, Scheduler
+from dscache_server.slots import GenerationSlots, QueueFullError
 from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer, PieceCache, TemplateError
 from dscache_server.writer import BlockWriter
 from srv_helpers import engine_for
@@ -144,9 +144,9 @@ def test_cost_model_crossover() -> None:
     assert slow_disk.load_cost_s(10_000) > slow_disk.recompute_cost_s(10_000)
 
 
-def test_scheduler_bounds_the_queue_and_keeps_session_order() -> None:
+def test_generation_slots_bound_the_queue_and_keep_session_order() -> None:
     async def run() -> tuple[list[str], bool]:
-        s = Scheduler(max_concurrency=1, max_queue=2, metrics=ServerMetrics())
+        s = GenerationSlots(max_concurrency=1, max_queue=2, metrics=ServerMetrics())
         order: list[str] = []
         gate = asyncio.Event()
 
@@ -268,7 +268,7 @@ def test_the_store_thread_runs_niced(tokenizer: DeepSeekTokenizer) -> None:
     seen: list[int] = []
 
     class Recorder:
-        def store(self, tenant: str, blocks: object, codec: object = None) -> int:
+        def store(self, tenant: str, blocks: object, encoding: object = None) -> int:
             seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             return 0
 

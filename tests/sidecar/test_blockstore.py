@@ -9,7 +9,7 @@ import pytest
 from dscache_sidecar.blockstore import BlockSpec, BlockStore, Leasing, Reserving
 from dscache_sidecar.codec import Codec
 from dscache_sidecar.metrics import SidecarMetrics
-from dscache_sidecar.segments import checksum
+from dscache_sidecar.segments import checksum, checksum_hasher
 from dscache_sidecar.service import KVCacheService, UnimplementedError
 from dscache_sidecar.store import KVStore
 from sidecar_helpers import settings
@@ -81,3 +81,14 @@ def test_a_store_without_leases_or_reservations_answers_unimplemented(tmp_path: 
         found = service.Lookup(pb.LookupRequest(tenant="t", keys=[KEY]), None)  # type: ignore[arg-type]
         assert found.hit_blocks == 1
         assert service.Stats(pb.StatsRequest(), None).blocks == 1  # type: ignore[arg-type]
+
+
+def test_the_checksum_in_parts_equals_the_checksum_of_the_whole() -> None:
+    """The vLLM connector hashes a block layer by layer as it copies it; the sidecar
+    checks the whole payload: both must be the same checksum."""
+    payload = np.random.default_rng(3).integers(0, 256, size=3 * 4096 + 17, dtype=np.uint8)
+    hasher = checksum_hasher()
+    for part in np.array_split(payload, 3):
+        hasher.update(part)
+    assert hasher.intdigest() == checksum(payload.tobytes())
+    assert checksum_hasher().intdigest() != checksum(payload.tobytes())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from dscache_sidecar.codec import Codec, CodecPolicy, decode, encode, int8_stored_bytes
+from dscache_sidecar.codec import Codec, CodecPolicy, Encoding, decode, encode, int8_stored_bytes
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "uint8", "int8"])
@@ -31,14 +31,13 @@ def test_raw_decode_is_a_view_without_copy() -> None:
 
 
 def test_auto_policy_compresses_only_what_pays() -> None:
-    policy = CodecPolicy(mode="auto", min_block_bytes=1024)
+    policy = CodecPolicy(min_block_bytes=1024)
     noise = np.random.default_rng(1).integers(0, 256, size=1 << 18, dtype=np.uint8)
     assert policy.choose(noise) is Codec.RAW
     smooth = np.repeat(np.linspace(-1, 1, 1 << 12, dtype=np.float16), 32)
     assert policy.choose(smooth) is Codec.ZSTD_SHUFFLE
     assert len(policy.encode(smooth, Codec.ZSTD_SHUFFLE)) < smooth.nbytes / 2
-    assert CodecPolicy(mode="raw").choose(smooth) is Codec.RAW
-    assert CodecPolicy(mode="auto").choose(smooth[:100]) is Codec.RAW  # too small to bother
+    assert CodecPolicy().choose(smooth[:100]) is Codec.RAW  # too small to bother
 
 
 def test_shuffle_beats_plain_zstd_on_float_kv() -> None:
@@ -89,3 +88,13 @@ def test_int8_refuses_what_it_cannot_carry() -> None:
         encode(np.zeros((4, 8), dtype=np.uint8), Codec.INT8_ROWS, dtype="uint8")
     with pytest.raises(ValueError, match="size"):
         decode(b"\x00" * 10, Codec.INT8_ROWS, "float32", (4, 8))
+
+
+def test_an_encoding_has_one_name_each_way() -> None:
+    """The names the deployment, the metrics and the benches use map to one decision."""
+    for name in ("raw", "zstd", "int8", "sample"):
+        assert Encoding.named(name).name == name
+    assert Encoding.named("zstd", level=3) == Encoding(Codec.ZSTD_SHUFFLE, 3)
+    assert Encoding.named("sample").codec is None  # each block sampled
+    with pytest.raises(ValueError, match="unknown codec 'lz4': one of raw, zstd, int8, sample"):
+        Encoding.named("lz4")

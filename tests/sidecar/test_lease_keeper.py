@@ -23,13 +23,17 @@ pytestmark = pytest.mark.slow
 TTL_S = 0.3
 
 
-def _churn(s: Sidecar, seconds: float) -> int:
-    """Stores fresh blocks of another tenant for ``seconds`` (the store is small: the
-    space of whatever was freed is written over at once); returns how many."""
+def _churn(s: Sidecar, nbytes: int, seconds: float) -> int:
+    """Stores fresh blocks of another tenant until at least ``nbytes`` were written and
+    at least ``seconds`` went by (the store is small: the space of whatever was freed
+    is written over at once); returns how many. Bounded by volume and time, never by
+    a rate, so a loaded machine only makes it take longer."""
     other = chain("churn")
     stored, seed = 0, 1000
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    while stored * 4096 < nbytes or time.monotonic() < start + seconds:
+        if time.monotonic() > start + 120:  # a store that refuses everything
+            break
         keys = other.keys(prompt(16, seed=seed))
         stored += s.c.store(other.tenant, blocks_for(keys))
         seed += 1
@@ -49,7 +53,7 @@ def test_blocks_in_use_stay_leased_and_unchanged_past_the_ttl(
     assert s.c.stats().active_leases == 1  # before: the lease had run out
     # ... and meanwhile the blocks are deleted and 4x the store is written anew.
     assert s.c.delete(ch.tenant, keys) == 6
-    assert _churn(s, 4 * TTL_S) * 4096 > 4 * 1024 * 1024
+    assert _churn(s, 4 * 1024 * 1024, 4 * TTL_S) * 4096 >= 4 * 1024 * 1024
     # Their space was not reused under the reader's views (before: every block read
     # another block's bytes).
     for key, arr in zip(keys, loaded.arrays, strict=True):

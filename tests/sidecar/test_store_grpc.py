@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from dscache_sidecar.client import BlockData, Codec, SidecarClient, SidecarFullError
+from dscache_sidecar.client import BlockData, Codec, Encoding, SidecarClient, SidecarFullError
 from dscache_sidecar.codec import int8_stored_bytes
 from dscache_sidecar.segments import extent_bytes
 from sidecar_helpers import (
@@ -78,7 +78,7 @@ def test_compressed_blocks_are_decoded_by_the_reader(sidecar: Sidecar) -> None:
         BlockData(k, keys[i - 1] if i else b"", a)
         for i, (k, a) in enumerate(zip(keys, smooth, strict=True))
     ]
-    assert sidecar.c.store(ch.tenant, blocks, compress=True) == 2
+    assert sidecar.c.store(ch.tenant, blocks, Encoding(Codec.ZSTD_SHUFFLE)) == 2
     st = sidecar.c.stats()
     assert st.stored_payload_bytes < st.stored_raw_bytes / 4
     with sidecar.c.load(ch.tenant, keys) as loaded:
@@ -334,7 +334,7 @@ def test_int8_blocks_store_a_quarter_and_load_dequantized(sidecar: Sidecar, volu
         keys = ch.keys(prompt(3, seed=31))
         shape = (2, 2, 2, 64, 64)  # 64 KiB of float32 per block
         blocks = blocks_for(keys, shape)
-        assert client.store(ch.tenant, blocks, codec=Codec.INT8_ROWS) == 3
+        assert client.store(ch.tenant, blocks, Encoding(Codec.INT8_ROWS)) == 3
         with client.load(ch.tenant, keys, block_tokens=16) as loaded:
             assert len(loaded.arrays) == 3
             for b, arr in zip(blocks, loaded.arrays, strict=True):

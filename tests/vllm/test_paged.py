@@ -121,3 +121,25 @@ def test_pages_on_any_device_round_trip_through_host_blocks(
             assert torch.equal(d[:, page], s[:, picked[k]])
         for page in sorted(set(range(24)) - set(targets)):
             assert bool((d[:, page] == -1).all())
+
+
+def test_host_pages_are_copied_by_numpy_and_equal_torchs_copy() -> None:
+    """Host pages take the numpy path (any thread, the GIL released) and land the same
+    bytes as torch's copies (the path of device pages)."""
+    src = cpu_cache(12, 32, torch.float16)
+    paged = PagedKV(src, 256, 32, 12)
+    assert paged.on_host
+    blocks = paged.gather(list(range(8)))
+    targets = [11, 2, 9, 3, 4, 5, 0, 10]  # scattered, with a run inside
+    via_numpy = [torch.zeros_like(t) for t in src]
+    PagedKV(via_numpy, 256, 32, 12).scatter(blocks, 0, 0, targets)
+    via_torch = [torch.zeros_like(t) for t in src]
+    torch_paged = PagedKV(via_torch, 256, 32, 12, numpy_copies=False)
+    assert not torch_paged.on_host
+    torch_paged.scatter(blocks, 0, 0, targets)
+    # And back out by torch: the blocks as they were stored.
+    again = torch_paged.gather(targets)
+    assert all(np.array_equal(a, b) for a, b in zip(blocks, again, strict=True))
+    for a, b, s in zip(via_numpy, via_torch, src, strict=True):
+        assert torch.equal(a, b)
+        assert all(torch.equal(a[p], s[k]) for k, p in enumerate(targets))

@@ -40,6 +40,8 @@ def test_unknown_or_bad_keys_are_refused() -> None:
         ConnectorSettings.from_extra({"data_dri": "/cache"})
     with pytest.raises(ValidationError):
         ConnectorSettings.from_extra({"verify": "maybe"})
+    with pytest.raises(ValidationError, match="copy_threads"):
+        ConnectorSettings.from_extra({"copy_threads": 0})
 
 
 def test_the_tenant_secret_comes_from_a_file_or_the_environment(

@@ -118,10 +118,16 @@ def test_a_corrupt_block_checked_before_the_copy_is_never_copied(daemon: Sidecar
     loader.close()
 
 
+@pytest.mark.parametrize(("layerwise", "copy_threads"), [("on", 1), ("on", 3), ("off", 2)])
 @pytest.mark.parametrize("device", DEVICES)
-def test_layer_by_layer_loads_and_saves_round_trip(daemon: SidecarProcess, device: str) -> None:
-    """Saves layer by layer out of vLLM's pages, loads into other pages, not consecutive,
-    on the copier thread; on a GPU too (the pages on CUDA, the blocks mapped host memory)."""
+def test_layer_by_layer_loads_and_saves_round_trip(
+    daemon: SidecarProcess, device: str, layerwise: str, copy_threads: int
+) -> None:
+    """Saves layer by layer out of vLLM's pages, loads into other pages, not consecutive:
+    on the copier thread beside the forward (host pages shared out among
+    ``copy_threads`` threads, each layer reported filled once every thread copied
+    it), or all before ``start_loads`` returns; on a GPU too (the pages on CUDA, the
+    blocks mapped host memory)."""
     src = kv(fill=True, device=device)
     saver, reg = worker(daemon, src)
     spec = SaveSpec("r", CHAIN.tenant, tuple(KEYS), (b"", KEYS[0], KEYS[1]), tuple(range(6)))
@@ -133,7 +139,8 @@ def test_layer_by_layer_loads_and_saves_round_trip(daemon: SidecarProcess, devic
     assert saver.wait_idle(30)
     assert reg.get_sample_value("dscache_vllm_stored_blocks_total") == 3
     dst = kv(fill=False, device=device)
-    loader, _ = worker(daemon, dst)
+    loader, _ = worker(daemon, dst, copy_threads=copy_threads, layerwise=layerwise)
+    assert loader.layerwise == (layerwise == "on")
     loader.begin_step()
     loader.start_loads([load_spec((9, 3, 4, 5, 14, 15))])  # pages need not be consecutive
     for layer in range(2):

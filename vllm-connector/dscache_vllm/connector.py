@@ -432,6 +432,8 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             saves=self.saves,
             data_dir=self.settings.data_dir,
             memo_ttl_s=self.settings.verified_ttl_s,
+            copy_threads=self.settings.copy_threads,
+            layerwise=self.settings.layerwise_loads,
         )
 
     def _plan(self) -> StepPlan:

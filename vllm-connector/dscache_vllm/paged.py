@@ -14,17 +14,19 @@ pages differ never share a block, and none is misread.
 
 Contract:
     * :meth:`PagedKV.copy_in` and :meth:`PagedKV.copy_out` move one layer's run of
-      pages between a stored block and vLLM's pages in one tensor operation (a slice
-      copy when the page ids are consecutive, an ``index_copy_``/``index_select``
-      otherwise): loads and saves go layer by layer. :meth:`PagedKV.gather` copies
-      whole blocks out of pages into fresh host arrays the caller owns;
-      :meth:`PagedKV.scatter` copies the chosen pages of stored blocks into vLLM's
-      pages (the only copy on the hit path: the stored arrays are read-only views on
-      the mapped segment files).
+      pages between a stored block and vLLM's pages in one array operation (a slice
+      copy when the page ids are consecutive, an indexed copy otherwise): loads and
+      saves go layer by layer. :meth:`PagedKV.gather` copies whole blocks out of
+      pages into fresh host arrays the caller owns; :meth:`PagedKV.scatter` copies
+      the chosen pages of stored blocks into vLLM's pages (the only copy on the hit
+      path: the stored arrays are read-only views on the mapped segment files).
+    * Pages in host memory are copied by numpy over the same memory (a plain
+      ``memcpy`` per contiguous run that releases the GIL), so several threads can
+      copy one load at memory speed; torch's copy, called from a thread that is not
+      the main one, pays for its own intra-op thread team on every call (about 1.7x
+      the time here). Pages on a GPU are copied by torch (the index and source go
+      where the pages are), so the same code serves the CPU and CUDA backends.
     * None ever writes a page it was not given.
-    * vLLM's pages may be on a GPU while stored blocks are host memory: every copy
-      crosses devices as torch does it (the index and source go where the pages
-      are), so the same code serves the CPU and CUDA backends.
     * A layout without a page dimension, with layers of differing shapes, or with
       pages that are not whole tokens is refused at start-up (``LayoutError``).
 """
@@ -35,6 +37,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,6 +93,38 @@ def _as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return t.view(dtype) if t.dtype != dtype else t
 
 
+#: torch dtypes numpy can view, for each storable KV dtype (same element size).
+_NUMPY_VIEW = {
+    torch.float32: torch.float32,
+    torch.float16: torch.float16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def _host_arrays(layers: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
+    """numpy arrays over host-memory KV tensors (same memory, same strides), in the
+    numpy dtype that carries their bytes; None for pages on a device."""
+    if any(t.device.type != "cpu" for t in layers):
+        return None
+    try:
+        return [t.view(_NUMPY_VIEW[t.dtype]).numpy().view(DTYPES[t.dtype][1]) for t in layers]
+    except (RuntimeError, TypeError, ValueError):  # a tensor numpy cannot view
+        return None
+
+
+#: A stored block as :meth:`PagedKV.block_view` gives it: a numpy array for host
+#: pages, a tensor for device pages; ``[layers, pages_per_block, *page_shape]``.
+Block = np.ndarray | torch.Tensor
+
+
+def _as_slice(page_ids: Sequence[int]) -> slice | None:
+    """Consecutive page ids as a slice; None for any other run."""
+    first = page_ids[0]
+    if all(p == first + i for i, p in enumerate(page_ids)):
+        return slice(first, first + len(page_ids))
+    return None
+
+
 class PagedKV:
     """The per-layer KV tensors of one vLLM worker, in layer order.
 
@@ -99,6 +134,7 @@ class PagedKV:
         page_tokens: tokens per vLLM page (``--block-size``).
         num_pages: pages per layer (``kv_cache_config.num_blocks``): the dimension of
             this size is the page dimension.
+        numpy_copies: copy host pages with numpy (False: with torch, as device pages).
     """
 
     def __init__(
@@ -107,6 +143,8 @@ class PagedKV:
         block_tokens: int,
         page_tokens: int,
         num_pages: int,
+        *,
+        numpy_copies: bool = True,
     ) -> None:
         if not layers:
             raise LayoutError("vLLM registered no KV cache tensors")
@@ -140,14 +178,20 @@ class PagedKV:
             block_tokens=block_tokens,
             dtype=first.dtype,
         )
+        self._host = _host_arrays(self.layers) if numpy_copies else None
 
     @property
     def contract_dtype(self) -> str:
         return DTYPES[self.geometry.dtype][0]
 
-    def block_tensor(self, block: np.ndarray) -> torch.Tensor:
-        """A stored block as a tensor ``[layers, pages_per_block, *page_shape]`` over
-        the same memory (no copy).
+    @property
+    def on_host(self) -> bool:
+        """Whether vLLM's pages are host memory (copied by numpy, any thread)."""
+        return self._host is not None
+
+    def block_view(self, block: np.ndarray) -> Block:
+        """A stored block as ``[layers, pages_per_block, *page_shape]`` over the same
+        memory (no copy): a numpy array for host pages, a tensor for device pages.
 
         Raises:
             LayoutError: the block does not have this engine's block shape.
@@ -155,21 +199,35 @@ class PagedKV:
         g = self.geometry
         if block.shape != g.block_shape:
             raise LayoutError(f"stored block of shape {block.shape}, not {g.block_shape}")
+        if self._host is not None:
+            return block.reshape(g.num_layers, g.pages_per_block, *g.page_shape)
         return _as_tensor(block, g.dtype).view(g.num_layers, g.pages_per_block, *g.page_shape)
 
     def _run(self, page_ids: Sequence[int], device: torch.device) -> slice | torch.Tensor:
         """Consecutive page ids as a slice, others as an index on the pages' device."""
-        first = page_ids[0]
-        if all(p == first + i for i, p in enumerate(page_ids)):
-            return slice(first, first + len(page_ids))
+        run = _as_slice(page_ids)
+        if run is not None:
+            return run
         return torch.tensor(list(page_ids), dtype=torch.long, device=device)
 
-    def copy_in(self, layer: int, block: torch.Tensor, first: int, page_ids: Sequence[int]) -> None:
+    def _host_pages(self, layer: int, page_ids: Sequence[int]) -> tuple[np.ndarray, Any]:
+        """Host pages of ``layer`` with the page dimension first (a view), and the
+        index of ``page_ids`` in it: a slice when they are consecutive."""
+        assert self._host is not None
+        pages = np.moveaxis(self._host[layer], self.geometry.page_dim, 0)
+        run = _as_slice(page_ids)
+        return pages, run if run is not None else np.asarray(page_ids)
+
+    def copy_in(self, layer: int, block: Block, first: int, page_ids: Sequence[int]) -> None:
         """Copies pages ``first .. first + len(page_ids) - 1`` of ``block``'s ``layer``
-        (a ``block_tensor``) into vLLM's pages ``page_ids`` of that layer."""
+        (a ``block_view``) into vLLM's pages ``page_ids`` of that layer."""
         if not page_ids:
             return
         d = self.geometry.page_dim
+        if isinstance(block, np.ndarray):
+            pages, at = self._host_pages(layer, page_ids)
+            pages[at] = block[layer, first : first + len(page_ids)]  # memcpy per stretch
+            return
         src = block[layer, first : first + len(page_ids)].movedim(0, d)
         dst = self.layers[layer]
         run = self._run(page_ids, dst.device)
@@ -178,22 +236,24 @@ class PagedKV:
         else:  # index_copy_ wants its index and source where the pages are
             dst.index_copy_(d, run, src.to(dst.device))
 
-    def copy_out(
-        self, layer: int, block: torch.Tensor, first: int, page_ids: Sequence[int]
-    ) -> None:
+    def copy_out(self, layer: int, block: Block, first: int, page_ids: Sequence[int]) -> None:
         """Copies vLLM's pages ``page_ids`` of ``layer`` into pages ``first ..`` of
-        ``block``'s ``layer`` (a writable ``block_tensor``)."""
+        ``block``'s ``layer`` (a writable ``block_view``)."""
         if not page_ids:
             return
         d = self.geometry.page_dim
+        if isinstance(block, np.ndarray):
+            pages, at = self._host_pages(layer, page_ids)
+            block[layer, first : first + len(page_ids)] = pages[at]
+            return
         src = self.layers[layer]
         run = self._run(page_ids, src.device)
-        pages = (
+        pages_t = (
             src.narrow(d, run.start, run.stop - run.start)
             if isinstance(run, slice)
             else src.index_select(d, run)
         )
-        block[layer, first : first + len(page_ids)].copy_(pages.movedim(d, 0))
+        block[layer, first : first + len(page_ids)].copy_(pages_t.movedim(d, 0))
 
     def gather(self, page_ids: Sequence[int]) -> list[np.ndarray]:
         """Whole blocks copied out of their pages (``pages_per_block`` ids per block)."""
@@ -204,7 +264,7 @@ class PagedKV:
         n = len(page_ids) // r
         out = np.empty((n, *g.block_shape), dtype=DTYPES[g.dtype][1])
         for b in range(n):
-            dst = self.block_tensor(out[b])
+            dst = self.block_view(out[b])
             for li in range(g.num_layers):
                 self.copy_out(li, dst, 0, page_ids[b * r : (b + 1) * r])
         return list(out)
@@ -246,8 +306,8 @@ class PagedKV:
             LayoutError: a stored block does not have this engine's block shape.
         """
         runs = self.runs(len(blocks), first_block, first_page, page_ids)
-        tensors = {b: self.block_tensor(blocks[b]) for b, _, _ in runs}
+        views = {b: self.block_view(blocks[b]) for b, _, _ in runs}
         for li in range(self.geometry.num_layers):
             for b, j, ids in runs:
-                self.copy_in(li, tensors[b], j, ids)
+                self.copy_in(li, views[b], j, ids)
         return sum(len(ids) for _, _, ids in runs)

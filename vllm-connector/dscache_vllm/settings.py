@@ -65,6 +65,18 @@ class ConnectorSettings(BaseModel):
         description="seconds a block whose checksum matched is trusted without hashing it "
         "again while its segment file is unchanged (0: hash on every load)",
     )
+    layerwise_loads: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="copy loads layer by layer beside the forward (on) or all of them in "
+        "start_load_kv (off); auto: layer by layer for pages on a GPU, all at once for "
+        "host pages, whose copies and forward share the same cores",
+    )
+    copy_threads: int = Field(
+        2,
+        ge=1,
+        description="threads that copy a load into vLLM's pages when they are host memory "
+        "(the CPU backend); pages on a GPU are copied by one",
+    )
     store_queue_blocks: int = Field(
         256, ge=0, description="blocks waiting to be written; beyond it saves are dropped"
     )

@@ -8,14 +8,17 @@ thread:
 
 * :meth:`KVWorker.start_loads` leases and maps the planned blocks (one Lease call
   per load, zero-copy views on the segment files) and hands the copies to the
-  copier, which fills vLLM's pages layer by layer; :meth:`KVWorker.wait_layer`
-  returns once its layer's pages are filled, so layer ``i``'s attention runs while
-  later layers are still copied.
-* Checksums are checked on the sidecar client's verifier thread while the copies
-  and the forward run (``verify="background"``). :meth:`KVWorker.settle` waits for
-  them once the forward is done and returns every page whose block failed (or was
-  evicted since the lookup, or whose copy failed); the connector reports them
-  through ``get_block_ids_with_load_errors`` in that same step.
+  copier, which fills vLLM's pages layer by layer (host pages: with
+  ``copy_threads - 1`` helper threads, each a share of the blocks);
+  :meth:`KVWorker.wait_layer` returns once its layer's pages are filled, so layer
+  ``i``'s attention runs while later layers are still copied.
+* Checksums are checked while the copies and the forward run
+  (``verify="background"``): for host pages by the copy threads, each layer's slab
+  of a block hashed right after its copy (the bytes are read from memory once);
+  for pages on a GPU by the sidecar client's verifier thread. :meth:`KVWorker.settle`
+  waits for them once the forward is done and returns every page whose block
+  failed (or was evicted since the lookup, or whose copy failed); the connector
+  reports them through ``get_block_ids_with_load_errors`` in that same step.
 * :meth:`KVWorker.save_layer` copies a layer's pages of this step's completed
   blocks out on the copier while the forward goes on to the next layer;
   :meth:`KVWorker.finish_saves` waits for the copies and queues the blocks for the
@@ -32,7 +35,8 @@ Contract:
     * A block verified once is not hashed again while its segment file is
       unchanged (same inode, size, mtime and ctime, last written over a second
       before it was checked, every write to a segment being a ``pwrite`` that moves
-      mtime and ctime) and for at most ``memo_ttl_s``: see :class:`VerifiedBlocks`.
+      mtime and ctime) and for at most ``memo_ttl_s``: see
+      :class:`dscache_vllm.verified.VerifiedBlocks`.
     * Saves never block the forward: the copy out runs on the copier, the write on
       the writer thread; a full write queue drops blocks (counted).
     * ``load`` and ``save`` never raise for a cache failure: it is counted, and
@@ -45,22 +49,29 @@ Contract:
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from dscache_sidecar.client import BlockData, Codec, LoadedBlocks, SidecarClient
+from dscache_sidecar.client import (
+    RAW,
+    BlockData,
+    Codec,
+    LoadedBlocks,
+    SidecarClient,
+    checksum_hasher,
+)
 
 from dscache_vllm.metrics import ConnectorMetrics
-from dscache_vllm.paged import DTYPES, PagedKV
+from dscache_vllm.paged import DTYPES, Block, PagedKV
 from dscache_vllm.plan import LoadSpec, SaveSpec
+from dscache_vllm.verified import VerifiedBlocks
 
 log = logging.getLogger(__name__)
 
@@ -70,86 +81,6 @@ VerifyMode = Literal["background", "sync", "off"]
 #: The longest a step waits for a copy or a background check before it gives the
 #: pages up as failed (recomputed): a stuck disk must not hang vLLM.
 WAIT_S = 60.0
-#: A segment written less than this long before a check may still change within
-#: the file system's timestamp granularity: its blocks are not remembered as checked.
-QUIET_S = 1.0
-
-
-class VerifiedBlocks:
-    """Blocks whose checksum matched, remembered while their segment file is unchanged.
-
-    An entry binds a block's location (segment, offset, length, checksum, key) to the
-    segment file's stamp (device, inode, size, mtime, ctime) taken *before* the block
-    was read for its check. It counts as verified again only while the file's
-    stamp is still exactly that one and for at most ``ttl_s`` seconds. This is
-    safe because:
-
-    * every change to a segment's bytes (a new block, an evicted block's space
-      reused, a repair) is a ``pwrite`` by the sidecar or a client, which sets mtime
-      and ctime to the current time; truncation changes size and ctime; a replaced
-      file has another inode. ctime cannot be set back from user space;
-    * entries are only made for files whose mtime and ctime were over ``QUIET_S``
-      old when stamped, so a later write cannot land within the same timestamp
-      tick and leave the stamp unchanged;
-    * what no stamp shows (a drive returning other bytes than it stored, without an
-      error, after the page cache dropped them) is bounded by ``ttl_s``: past it
-      the block is hashed again.
-    """
-
-    def __init__(self, data_dir: str | None, ttl_s: float, capacity: int = 65_536) -> None:
-        self._dir = Path(data_dir) if data_dir else None
-        self.ttl_s = ttl_s
-        self._capacity = capacity
-        self._lock = threading.Lock()
-        self._entries: dict[tuple[Any, ...], tuple[tuple[int, ...], float]] = {}
-
-    @property
-    def enabled(self) -> bool:
-        return self._dir is not None and self.ttl_s > 0
-
-    def stamp(self, segment: str) -> tuple[int, ...] | None:
-        """The segment file's identity and change times, None when it cannot be read
-        or changed too recently to be trusted."""
-        if self._dir is None:
-            return None
-        try:
-            st = os.stat(self._dir / segment)
-        except OSError:
-            return None
-        now = time.time_ns()
-        if now - max(st.st_mtime_ns, st.st_ctime_ns) < QUIET_S * 1e9:
-            return None
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-    def all_known(self, locations: Sequence[Any], stamps: dict[str, Any]) -> bool:
-        """Whether every leased block is remembered as verified under its current stamp."""
-        if not self.enabled or not locations:
-            return False
-        now = time.monotonic()
-        with self._lock:
-            for loc in locations:
-                stamp = stamps.get(loc.segment)
-                entry = self._entries.get(_where(loc))
-                if stamp is None or entry is None or entry[0] != stamp or now > entry[1]:
-                    return False
-        return True
-
-    def remember(self, locations: Sequence[Any], stamps: dict[str, Any]) -> None:
-        """Records blocks that just passed their check under the stamps taken before it."""
-        if not self.enabled:
-            return
-        expires = time.monotonic() + self.ttl_s
-        with self._lock:
-            for loc in locations:
-                stamp = stamps.get(loc.segment)
-                if stamp is not None:
-                    self._entries[_where(loc)] = (stamp, expires)
-            while len(self._entries) > self._capacity:
-                self._entries.pop(next(iter(self._entries)))
-
-
-def _where(loc: Any) -> tuple[Any, ...]:
-    return (loc.segment, loc.offset, loc.info.stored_bytes, loc.info.checksum, bytes(loc.key))
 
 
 @dataclass
@@ -160,13 +91,22 @@ class _Load:
     loaded: LoadedBlocks | None = None
     #: (block, first page in it, page ids) of the pages whose block was leased.
     runs: list[tuple[int, int, list[int]]] = field(default_factory=list)
-    tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    views: dict[int, Block] = field(default_factory=dict)
     #: Why nothing (or not everything) could be copied, as a load_failures reason.
     failed: str | None = None
     locations: list[Any] = field(default_factory=list)
     stamps: dict[str, Any] = field(default_factory=dict)
-    checked: bool = False  # the client checks these blocks in the background
+    checked: bool = False  # these blocks' checksums are hashed (not all remembered)
+    #: Hashed on the copy threads as their layers are copied (host pages), not by the
+    #: client's verifier: the checksums each block must have, and the blocks that
+    #: did not match.
+    expected: list[int] | None = None
+    mismatched: set[int] = field(default_factory=set)
     start: float = 0.0
+
+
+#: One block's share of a load: the load, the block, its first page, vLLM's page ids.
+_Copy = tuple[_Load, int, int, list[int]]
 
 
 @dataclass
@@ -175,7 +115,7 @@ class _Save:
     keys: tuple[bytes, ...]
     parents: tuple[bytes, ...]
     out: np.ndarray
-    tensors: list[torch.Tensor]
+    views: list[Block]
 
 
 @dataclass
@@ -224,6 +164,13 @@ class KVWorker:
             stamped for ``VerifiedBlocks``); None: no memo.
         memo_ttl_s: how long a verified block stays trusted while its segment is
             unchanged (0: hash on every load).
+        copy_threads: threads that copy a load into host pages (the copier, or the
+            caller, and ``copy_threads - 1`` helpers); pages on a device are copied by
+            the copier.
+        layerwise: "on": loads are copied on the copier, layer by layer, while the
+            forward runs; "off": ``start_loads`` copies them before it returns;
+            "auto": "on" for pages on a device, "off" for host pages (the forward and
+            the copies share the CPU: running beside each other, both go slower).
     """
 
     def __init__(
@@ -238,6 +185,8 @@ class KVWorker:
         saves: bool = True,
         data_dir: str | None = None,
         memo_ttl_s: float = 60.0,
+        copy_threads: int = 2,
+        layerwise: Literal["auto", "on", "off"] = "auto",
     ) -> None:
         self.client = client
         self.paged = paged
@@ -258,9 +207,19 @@ class KVWorker:
         self.wait_seconds = 0.0
         #: Loads whose checksums were hashed (the others were all remembered).
         self.checked_loads = 0
+        self._threads = max(1, copy_threads) if paged.on_host else 1
+        self.layerwise = layerwise == "on" or (layerwise == "auto" and not paged.on_host)
+        self._helpers = ThreadPoolExecutor(
+            max_workers=max(1, self._threads - 1), thread_name_prefix="dscache-copy"
+        )
+        for _ in range(self._threads - 1):  # started now, not on the first load
+            self._helpers.submit(lambda: None)
         self._copies: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._copier = threading.Thread(target=self._copy_loop, name="dscache-copier", daemon=True)
         self._copier.start()
+        # Connect to the sidecar now, off vLLM's thread, so that the first load does
+        # not pay for it (the channel, the health check, the shared-tier question).
+        self._copies.put(self._connect)
         self._writes: queue.Queue[_Write | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -294,7 +253,8 @@ class KVWorker:
         return self._step
 
     def start_loads(self, specs: Sequence[LoadSpec]) -> None:
-        """Leases and maps this step's loads and starts their layer-wise copies."""
+        """Leases and maps this step's loads and copies them: on the copier, layer by
+        layer beside the forward, or before returning (``layerwise``)."""
         step = self._current()
         if not specs:
             return
@@ -304,7 +264,14 @@ class KVWorker:
         for e in step.filled:
             e.clear()
         step.loads_done.clear()
-        self._copies.put(lambda: self._copy_in(step, loads))
+        if self.layerwise:
+            self._copies.put(lambda: self._copy_in(step, loads))
+            return
+        try:  # here, before the forward; the copier only ever reads pages meanwhile
+            with torch.inference_mode():
+                self._copy_in(step, loads)
+        except Exception:  # _copy_in catches its own; never fail vLLM's step
+            log.exception("dscache copies failed")
 
     def _lease(self, spec: LoadSpec, start: float) -> _Load:
         job = _Load(spec, start=start)
@@ -319,6 +286,9 @@ class KVWorker:
                 raw = all(Codec(loc.info.codec) is Codec.RAW for loc in job.locations)
                 job.checked = not (raw and self.memo.all_known(job.locations, job.stamps))
                 mode = "background" if job.checked else False
+                if job.checked and raw and self.paged.on_host:
+                    job.expected = [loc.info.checksum for loc in job.locations]
+                    mode = False  # hashed by the copy threads, see _copy_share
                 self.checked_loads += job.checked
             job.loaded = self.client.map_lease(grant, verify=mode, tenant=spec.tenant, keys=keys)
         except Exception as exc:  # the cache never fails a request
@@ -329,7 +299,7 @@ class KVWorker:
             job.runs = self.paged.runs(
                 len(job.loaded), spec.first_block, spec.first_page, spec.page_ids
             )
-            job.tensors = {b: self.paged.block_tensor(job.loaded.arrays[b]) for b, _, _ in job.runs}
+            job.views = {b: self.paged.block_view(job.loaded.arrays[b]) for b, _, _ in job.runs}
         except Exception as exc:
             log.warning("dscache blocks did not fit vLLM's pages (%s); recomputing", exc)
             job.failed = "layout"
@@ -337,19 +307,32 @@ class KVWorker:
         return job
 
     def _copy_in(self, step: _Step, loads: list[_Load]) -> None:
-        """The copier's load job: every load's pages, layer by layer."""
+        """The copier's load job: every load's pages, layer by layer; host pages are
+        shared out by block among ``copy_threads`` threads (this one and helpers)."""
+        work = [(job, b, j, ids) for job in loads if job.failed is None for b, j, ids in job.runs]
+        shares: list[list[_Copy]] = [[] for _ in range(self._threads)]
+        pages = [0] * len(shares)
+        for item in work:  # fewest pages first: one block's copies stay in one thread
+            k = pages.index(min(pages))
+            shares[k].append(item)
+            pages[k] += len(item[3])
+        shares = [share for share in shares if share] or [[]]
+        remaining = [len(shares)] * step.layers
+        lock = threading.Lock()
+
+        def copy(share: list[_Copy]) -> None:
+            self._copy_share(step, share, remaining, lock)
+
         try:
-            for li in range(step.layers):
-                for job in loads:
-                    if job.failed is not None or step.cancelled:
-                        continue
-                    try:
-                        for b, j, ids in job.runs:
-                            self.paged.copy_in(li, job.tensors[b], j, ids)
-                    except Exception as exc:
-                        log.warning("dscache copy into vLLM's pages failed: %s", exc)
-                        job.failed = "layout"
-                step.filled[li].set()
+            helpers = [self._helpers.submit(copy, share) for share in shares[1:]]
+            copy(shares[0])
+            for f in helpers:
+                try:
+                    f.result(WAIT_S)
+                except TimeoutError:  # a stuck copy: its pages are recomputed
+                    step.cancelled = True
+                    for job in loads:
+                        job.failed = job.failed or "unavailable"
             end = time.perf_counter()
             for job in loads:
                 step.load_s = max(step.load_s, end - job.start)
@@ -357,6 +340,43 @@ class KVWorker:
             for e in step.filled:
                 e.set()
             step.loads_done.set()
+
+    def _copy_share(
+        self, step: _Step, share: list[_Copy], remaining: list[int], lock: threading.Lock
+    ) -> None:
+        """One thread's blocks, layer by layer; a layer is reported filled once every
+        thread copied it. A block to check is hashed as its layers are copied (each
+        layer's slab of the block right after its copy, while it is in the CPU's
+        cache, in the block's byte order), so its bytes are read from memory once."""
+        hashers = {
+            (id(job), b): checksum_hasher() for job, b, _, _ in share if job.expected is not None
+        }
+        for li in range(step.layers):
+            for job, b, j, ids in share:
+                if job.failed is not None or step.cancelled:
+                    continue
+                try:
+                    self.paged.copy_in(li, job.views[b], j, ids)
+                    hasher = hashers.get((id(job), b))
+                    if hasher is not None:
+                        hasher.update(job.loaded.arrays[b][li])  # type: ignore[union-attr]
+                except Exception as exc:
+                    log.warning("dscache copy into vLLM's pages failed: %s", exc)
+                    job.failed = "layout"
+            with lock:
+                remaining[li] -= 1
+                if remaining[li] == 0:
+                    step.filled[li].set()
+        for job, b, _, _ in share:
+            hasher = hashers.get((id(job), b))
+            if (
+                hasher is not None
+                and job.expected is not None
+                and job.failed is None
+                and hasher.intdigest() != job.expected[b]
+            ):
+                with lock:
+                    job.mismatched.add(b)
 
     def wait_layer(self, layer: int) -> None:
         """Returns once ``layer``'s pages of this step's loads are filled."""
@@ -403,6 +423,9 @@ class KVWorker:
             except Exception as exc:  # a stuck check: give the pages up
                 log.warning("dscache checksum check did not end: %s", exc)
                 reason = "unavailable"
+            if job.mismatched:  # hashed on the copy threads
+                good_blocks = min(job.mismatched)
+                self.client.report_corrupt([loaded.keys[good_blocks]])
             if good_blocks < len(loaded):
                 reason = "corrupt"
             elif len(loaded) < len(spec.keys):
@@ -441,7 +464,7 @@ class KVWorker:
                 self._idle.clear()
             keys, parents = spec.keys_for(self.shard)
             arr = np.empty((n, *g.block_shape), dtype=np_dtype)
-            out.append(_Save(spec, keys, parents, arr, [self.paged.block_tensor(a) for a in arr]))
+            out.append(_Save(spec, keys, parents, arr, [self.paged.block_view(a) for a in arr]))
         return out
 
     def save_layer(self, layer: int, specs: Sequence[SaveSpec]) -> None:
@@ -467,7 +490,7 @@ class KVWorker:
             try:
                 for li in layers:
                     for s in saves:
-                        for b, block in enumerate(s.tensors):
+                        for b, block in enumerate(s.views):
                             self.paged.copy_out(li, block, 0, s.spec.page_ids[b * r : (b + 1) * r])
             except Exception as exc:
                 log.warning("dscache could not copy blocks out for saving: %s", exc)
@@ -544,6 +567,12 @@ class KVWorker:
 
     # -- threads
 
+    def _connect(self) -> None:
+        try:
+            self.client.has_shared_tier()  # connects first; never raises
+        except Exception as exc:  # a dead sidecar: the first load finds out again
+            log.debug("dscache sidecar not reachable yet: %s", exc)
+
     def _copy_loop(self) -> None:
         while True:
             job = self._copies.get()
@@ -569,7 +598,7 @@ class KVWorker:
             if item is None:
                 return
             try:
-                self.client.store(item.tenant, item.blocks, compress=False)
+                self.client.store(item.tenant, item.blocks, RAW)
                 self.metrics.stored(len(item.blocks))
             except Exception as exc:  # a failed store is a future miss, nothing more
                 log.warning("dscache store of %d blocks failed: %s", len(item.blocks), exc)
@@ -587,5 +616,6 @@ class KVWorker:
         self._copies.put(None)
         self._writes.put(None)
         self._copier.join(timeout_s)
+        self._helpers.shutdown(wait=False)
         self._writer.join(timeout_s)
         self.client.close()

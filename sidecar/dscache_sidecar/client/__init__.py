@@ -42,7 +42,7 @@ from dscache_sidecar.client.loads import BlockLoader, LoadedBlocks, Verify
 from dscache_sidecar.client.lookup import DirectIndex, LookupAnswer, tenant_id
 from dscache_sidecar.client.rpc import Connection, call
 from dscache_sidecar.client.stores import BlockData, BlockWriter
-from dscache_sidecar.codec import Codec, CodecPolicy
+from dscache_sidecar.codec import RAW, SAMPLED, Codec, CodecPolicy, Encoding
 from dscache_sidecar.errors import (
     SidecarError,
     SidecarFullError,
@@ -50,6 +50,7 @@ from dscache_sidecar.errors import (
     SidecarUnavailableError,
 )
 from dscache_sidecar.mapped import MappedSegments
+from dscache_sidecar.segments import checksum_hasher
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ _SIGNAL_KINDS = {
 __all__ = [
     "BlockData",
     "Codec",
+    "Encoding",
+    "RAW",
+    "SAMPLED",
     "Verify",
     "LoadedBlocks",
     "LookupAnswer",
@@ -70,6 +74,7 @@ __all__ = [
     "SidecarFullError",
     "SidecarRejectedError",
     "SidecarUnavailableError",
+    "checksum_hasher",
 ]
 
 #: Seconds between two asks whether the daemon has a shared tier.
@@ -233,31 +238,24 @@ class SidecarClient:
         """Ends a lease by id (``LoadedBlocks.release`` does this for its own)."""
         self._loader.release(lease_id)
 
+    def report_corrupt(self, keys: Sequence[bytes]) -> None:
+        """Tells the daemon these blocks failed their checksum (it drops them), for a
+        caller that checked mapped blocks itself; best effort."""
+        self._loader.report_corrupt(list(keys))
+
     def get(self, tenant: str, key: bytes, *, verify: bool = True) -> np.ndarray | None:
         """One block's array over streaming Get (a copy), or None on a miss."""
         return self._loader.get(tenant, key, verify)
 
     # -- writes
 
-    def store(
-        self,
-        tenant: str,
-        blocks: Sequence[BlockData],
-        *,
-        compress: bool | None = None,
-        codec: Codec | None = None,
-        level: int | None = None,
-    ) -> int:
-        """Stores blocks; returns how many were newly stored.
+    def store(self, tenant: str, blocks: Sequence[BlockData], encoding: Encoding = SAMPLED) -> int:
+        """Stores blocks encoded as ``encoding``; returns how many were newly stored.
 
-        Args:
-            compress: True forces zstd, False forces raw, None lets the codec
-                policy sample each block.
-            codec: this codec for every block (overrides ``compress``); a lossy
-                one (int8) only under keys whose fingerprint names it.
-            level: zstd level (None: the policy's, adapted to its speed budget).
+        The default samples each block: zstd where it shrinks enough, raw otherwise.
+        A lossy codec (int8) only under keys whose fingerprint names it.
         """
-        return self._writer.store(tenant, blocks, compress, codec, level)
+        return self._writer.store(tenant, blocks, encoding)
 
     # -- admin
 

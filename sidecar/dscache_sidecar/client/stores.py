@@ -21,7 +21,7 @@ import numpy as np
 
 from dscache.v1 import kvcache_pb2 as pb
 from dscache_sidecar.client.rpc import Connection, call
-from dscache_sidecar.codec import Codec, CodecPolicy, dtype_name
+from dscache_sidecar.codec import Codec, CodecPolicy, Encoding, dtype_name
 from dscache_sidecar.errors import SidecarError
 from dscache_sidecar.mapped import MappedSegments
 from dscache_sidecar.segments import checksum
@@ -79,15 +79,13 @@ class BlockWriter:
         self,
         tenant: str,
         blocks: Sequence[BlockData],
-        compress: bool | None,
-        codec: Codec | None,
-        level: int | None,
+        encoding: Encoding,
     ) -> int:
         """Stores blocks (see ``SidecarClient.store``); returns how many were new."""
         if not blocks:
             return 0
         self._conn.ready()
-        encoded = [self._encode(b, compress, codec, level) for b in blocks]
+        encoded = [self._encode(b, encoding) for b in blocks]
         if self._segments is None:
             return sum(
                 self._put(tenant, b, codec, data)
@@ -125,15 +123,9 @@ class BlockWriter:
         result = call(stub.Commit, pb.CommitRequest(writes=writes), long_s)
         return sum(1 for r in result.results if r == pb.COMMIT_OK)
 
-    def _encode(
-        self, b: BlockData, compress: bool | None, codec: Codec | None, level: int | None
-    ) -> tuple[Codec, bytes | memoryview]:
-        if codec is None:
-            if compress is None:
-                codec = self.codec.choose(b.array)
-            else:
-                codec = Codec.ZSTD_SHUFFLE if compress else Codec.RAW
-        return codec, self.codec.encode(b.array, codec, dtype=b.dtype, level=level)
+    def _encode(self, b: BlockData, encoding: Encoding) -> tuple[Codec, bytes | memoryview]:
+        codec = encoding.codec if encoding.codec is not None else self.codec.choose(b.array)
+        return codec, self.codec.encode(b.array, codec, dtype=b.dtype, level=encoding.level)
 
     def _put(self, tenant: str, b: BlockData, codec: Codec, data: bytes | memoryview) -> int:
         block = _new_block(b, codec, data)

@@ -32,9 +32,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 from dscache_sidecar import client as sidecar
+from dscache_sidecar.client import RAW, Encoding
 from prometheus_client import Counter
-
-from dscache_server.storecodec import StoreCodec
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +104,8 @@ class KVBlockStore(Protocol):
         """Leases and maps the leading stored blocks (checked now, or in the background)."""
         ...
 
-    def store(
-        self, tenant: str, blocks: Sequence[NewBlock], codec: StoreCodec | None = None
-    ) -> int:
-        """Stores blocks (encoded as ``codec``; None: the store's default); returns
-        how many were new."""
+    def store(self, tenant: str, blocks: Sequence[NewBlock], encoding: Encoding = RAW) -> int:
+        """Stores blocks encoded as ``encoding``; returns how many were new."""
         ...
 
     def healthy(self) -> bool:
@@ -142,14 +138,6 @@ def failure_reason(exc: BaseException) -> str:
     return "error"
 
 
-#: The sidecar codec of each ``StoreCodec.codec`` (None: sample each block).
-_CODECS: dict[str, sidecar.Codec | None] = {
-    "raw": sidecar.Codec.RAW,
-    "zstd": sidecar.Codec.ZSTD_SHUFFLE,
-    "int8": sidecar.Codec.INT8_ROWS,
-    "sample": None,
-}
-
 #: Failures that say the connection is bad (not the request): they open the circuit.
 _CONNECTION_FAILURES = frozenset({"timeout", "unavailable", "error"})
 
@@ -161,7 +149,6 @@ class SidecarBlockStore:
         socket_path: the daemon's unix socket.
         data_dir: the cache volume as mounted here, for zero-copy reads.
         timeout_s: deadline of each lookup/lease call.
-        compress: True/False force zstd/raw; None lets the codec sample.
         cooldown_s: how long to skip the sidecar after a failure.
     """
 
@@ -171,7 +158,6 @@ class SidecarBlockStore:
         *,
         data_dir: str | None = None,
         timeout_s: float = 0.5,
-        compress: bool | None = None,
         cooldown_s: float = 2.0,
         lookups: Counter | None = None,
     ) -> None:
@@ -179,7 +165,6 @@ class SidecarBlockStore:
             sidecar.SidecarClient, socket_path, data_dir=data_dir, timeout_s=timeout_s
         )
         self._lookups = lookups
-        self._compress = compress
         self._cooldown = cooldown_s
         self._lock = threading.Lock()  # guards the client swap and the circuit state
         self._client = self._connect()
@@ -237,22 +222,12 @@ class SidecarBlockStore:
         except Exception as exc:
             raise self._failed(exc) from exc
 
-    def store(
-        self, tenant: str, blocks: Sequence[NewBlock], codec: StoreCodec | None = None
-    ) -> int:
+    def store(self, tenant: str, blocks: Sequence[NewBlock], encoding: Encoding = RAW) -> int:
         """Stores blocks through Allocate/Commit (or Put without the volume)."""
         client = self._get_client()
         data = [sidecar.BlockData(b.key, b.parent, b.array, b.dtype or None) for b in blocks]
         try:
-            if codec is None:
-                return client.store(tenant, data, compress=self._compress)
-            return client.store(
-                tenant,
-                data,
-                compress=None,
-                codec=_CODECS[codec.codec],
-                level=codec.level,
-            )
+            return client.store(tenant, data, encoding)
         except Exception as exc:
             raise self._failed(exc) from exc
 

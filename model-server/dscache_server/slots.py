@@ -39,7 +39,7 @@ class _SessionLock:
     users: int = 0
 
 
-class Scheduler:
+class GenerationSlots:
     """Hands out generation slots; one per event loop."""
 
     def __init__(self, max_concurrency: int, max_queue: int, metrics: ServerMetrics) -> None:
