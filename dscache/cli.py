@@ -3,11 +3,15 @@
 Each component contributes its subcommands through a
 ``register(subparsers, bench_subparsers)`` function in a light module
 (``<component>.cli``) that imports nothing heavy at module level, so
-``dscache sidecar`` never loads torch. A component whose extra is not installed
-is reported with the ``pip install`` line that adds it: a command whose handler
-cannot import a third-party module exits 2 with ``dscache X needs the 'E' extra:
-pip install 'dscache[E]'`` (no traceback), and a component whose light module
-cannot even be imported is listed at the end of ``dscache --help``.
+``dscache sidecar`` never loads torch. The modules are found through the
+``dscache.commands`` entry points of the installed distributions (``dscache``'s
+runtime components, ``dscache-tools``' benches, demo and dev cluster); the core
+names none of them. Each entry point names, in brackets, the extra that brings its
+dependencies. A component whose extra is not installed is reported with the
+``pip install`` line that adds it: a command whose handler cannot import a
+third-party module exits 2 with ``dscache X needs the 'E' extra: pip install
+'dscache[E]'`` (no traceback), and a component whose light module cannot even be
+imported is listed at the end of ``dscache --help``.
 """
 
 from __future__ import annotations
@@ -17,23 +21,21 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 from typing import TypeAlias
 
 from dscache import __version__
 
-#: (module with ``register``, extra that provides it)
-_COMPONENTS: tuple[tuple[str, str], ...] = (
-    ("dscache_sidecar.cli", "sidecar"),
-    ("dscache_server.cli", "server"),
-    ("dscache_operator.cli", "operator"),
-    ("dscache_vllm.cli", "vllm"),
-    ("dscache_tools.benchcli", "bench"),
-    ("dscache_tools.devcli", "dev"),
-    ("dscache_tools.democli", "all"),
-    ("dscache_tools.chaoscli", "all"),
-    ("dscache_tools.traincli", "server"),
-    ("dscache_tools.templatescli", "server"),
-)
+#: The entry point group of the ``dscache`` subcommands.
+COMMANDS_GROUP = "dscache.commands"
+
+
+def components() -> list[tuple[str, str]]:
+    """(module with ``register``, extra that provides it) of every installed component,
+    in a stable order (by entry point name)."""
+    found = sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name)
+    return [(ep.module, ep.extras[0] if ep.extras else ep.name) for ep in found]
+
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -59,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     bench.set_defaults(handler=lambda _args: _print_help(bench))
     missing: list[str] = []
-    for module_name, extra in _COMPONENTS:
+    for module_name, extra in components():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:

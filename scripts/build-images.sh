@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds (or reuses) dscache's container images without any registry:
 #   server  ghcr.io/dscache/dscache:<version>         model server + everything in core
-#   core    ghcr.io/dscache/dscache-core:<version>    sidecar, operator, prewarm, load (no torch)
+#   core    ghcr.io/dscache/dscache-core:<version>    sidecar, operator, prewarm, picker (no torch)
 #   router  ghcr.io/dscache/dscache-router:<version>  NGINX with the Lua module
 #   pause   dscache.local/pause:1.0                   the dev cluster's pod sandbox
 #   vllm    ghcr.io/dscache/dscache-vllm:<version>    vLLM's CPU build with the dscache connector

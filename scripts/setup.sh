@@ -24,10 +24,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 stamp=.venv/.dscache-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ tools/pyproject.toml -nt "$stamp" ]; then
   log "installing dscache and its pinned dependencies into .venv (torch is large: minutes the first time)"
   .venv/bin/pip install -q --upgrade pip==26.3 "uv==${UV_VERSION}"
-  .venv/bin/uv pip install -q --python .venv/bin/python -e '.[all]'
+  # The runtime (dscache) and the tooling (dscache-tools: benches, demo, dev cluster).
+  .venv/bin/uv pip install -q --python .venv/bin/python -e '.[all]' -e ./tools
   touch "$stamp"
 fi
 log "ready: $(.venv/bin/dscache --version)"

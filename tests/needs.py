@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from dscache_tools.demo.procs import StartError
 from dscache_tools.demo.stack import find_nginx
+from dscache_tools.procs import StartError
 
 
 def missing(message: str) -> NoReturn:

@@ -52,3 +52,28 @@ def test_help_lists_a_component_that_cannot_load() -> None:
     done = _dscache(["dscache_tools.chaoscli"], "--help")
     assert done.returncode == 0
     assert "not installed:" in done.stdout and "pip install 'dscache[all]'" in done.stdout
+
+
+def test_commands_come_from_entry_points_runtime_and_tooling_apart() -> None:
+    """The core names no component: the runtime distribution brings the runtime
+    commands, the dscache-tools distribution the benches, demo and dev cluster."""
+    from importlib.metadata import distribution
+
+    from dscache.cli import COMMANDS_GROUP, build_parser, components
+
+    def modules(dist: str) -> set[str]:
+        return {ep.module for ep in distribution(dist).entry_points if ep.group == COMMANDS_GROUP}
+
+    runtime, tooling = modules("dscache"), modules("dscache-tools")
+    assert runtime == {
+        "dscache_sidecar.cli",
+        "dscache_server.cli",
+        "dscache_operator.cli",
+        "dscache_vllm.cli",
+    }
+    assert "dscache_tools.benchcli" in tooling and "dscache_tools.democli" in tooling
+    assert all(m.startswith("dscache_tools.") for m in tooling)
+    assert {m for m, _ in components()} == runtime | tooling
+    commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    for name in ("sidecar", "server", "operator", "vllm", "prewarm", "picker", "load", "demo"):
+        assert name in commands, name

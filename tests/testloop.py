@@ -15,14 +15,22 @@ Contract:
       time fails the run (listed at the end, with the marker to add). The fast
       tier runs with ``S = 2``.
     * ``--durations-json FILE`` writes every test's wall time (setup + call +
-      teardown, seconds) and outcome, for ``scripts/test.sh --timings``.
+      teardown, seconds), CPU time and outcome, for ``scripts/test.sh --timings``.
+    * ``--cpu-durations N`` lists the N tests that used the most CPU: the pytest
+      process's own plus that of every child process it waited for (a server a
+      test starts and stops, and the children that server waited for). On a
+      machine whose cores are all busy this, not wall time, says what a test
+      costs the run. A session fixture's processes count where they are
+      stopped (the last test's teardown).
     * Both work under pytest-xdist (the controller keeps the table).
 """
 
 from __future__ import annotations
 
 import json
+import resource
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -61,7 +69,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--durations-json",
         default=None,
-        help="write every test's wall seconds (setup + call + teardown) to this JSON file",
+        help="write every test's wall and CPU seconds (setup + call + teardown) to this JSON file",
+    )
+    group.addoption(
+        "--cpu-durations",
+        type=int,
+        default=0,
+        metavar="N",
+        help="list the N tests that used the most CPU (with the child processes they waited for)",
     )
 
 
@@ -69,6 +84,38 @@ def pytest_configure(config: pytest.Config) -> None:
     # Under pytest-xdist the controller sees every worker's reports: it keeps the table.
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(_Timings(config), "dscache-timings")
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU of this process and of every child it has waited for."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _measured(item: pytest.Item, when: str) -> Iterator[None]:
+    """Wraps one phase of a test: its CPU goes into the item's user properties, which
+    the phase's report carries (to the controller under pytest-xdist too)."""
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append((f"cpu_seconds_{when}", _cpu_seconds() - start))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    yield from _measured(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    yield from _measured(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    yield from _measured(item, "teardown")
 
 
 def is_slow(item: pytest.Item) -> bool:
@@ -97,12 +144,20 @@ class _Timings:
     def __init__(self, config: pytest.Config) -> None:
         self.limit: float | None = config.getoption("--max-unmarked-seconds")
         self.out: str | None = config.getoption("--durations-json")
+        self.cpu_top: int = config.getoption("--cpu-durations")
         self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.cpu: defaultdict[str, float] = defaultdict(float)
         self.outcomes: dict[str, str] = {}
         self.slow: set[str] = set()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid] += report.duration
+        key = f"cpu_seconds_{report.when}"
+        self.cpu[report.nodeid] += sum(
+            float(v)
+            for k, v in report.user_properties
+            if k == key  # type: ignore[arg-type]
+        )
         if report.when == "call" or report.outcome != "passed":
             self.outcomes.setdefault(report.nodeid, report.outcome)
         if "slow" in report.keywords:
@@ -121,6 +176,7 @@ class _Timings:
                 {
                     "test": n,
                     "seconds": round(s, 3),
+                    "cpu_seconds": round(self.cpu.get(n, 0.0), 3),
                     "outcome": self.outcomes.get(n, "passed"),
                     "slow": n in self.slow,
                 }
@@ -131,6 +187,15 @@ class _Timings:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if self.cpu_top > 0 and self.cpu:
+            top = sorted(self.cpu.items(), key=lambda x: -x[1])[: self.cpu_top]
+            total = sum(self.cpu.values())
+            terminalreporter.section(
+                f"most CPU: {len(top)} tests ({total:.0f} CPU-s for all, with their children)"
+            )
+            for nodeid, cpu in top:
+                wall = self.seconds.get(nodeid, 0.0)
+                terminalreporter.write_line(f"{cpu:8.1f} CPU-s {wall:8.1f} s  {nodeid}")
         late = self.too_slow()
         if not late:
             return

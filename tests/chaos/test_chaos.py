@@ -61,6 +61,7 @@ def test_quick_matrix_loses_no_request(tmp_path: Path) -> None:
     assert _mounts_under(workdir) == []  # every tmpfs unmounted
 
 
+@pytest.mark.slow  # a CLI run: a process, or a real tokenizer loaded twice
 def test_bad_flag_is_a_clear_error_before_anything_starts() -> None:
     proc = _chaos("--requests", "0", timeout=60)
     assert proc.returncode != 0

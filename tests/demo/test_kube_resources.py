@@ -12,7 +12,7 @@ import copy
 from typing import Any
 
 import pytest
-from dscache_operator.podspec import revision_of
+from dscache_operator.revision import revision_of
 from dscache_operator.spec import parse_spec
 from dscache_tools.demo.kube.cluster import bad_revision_patches, resource
 from dscache_tools.demo.kube.options import (

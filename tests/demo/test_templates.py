@@ -178,6 +178,7 @@ def _workload_file(chats: list[Chat], path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # a CLI run: a process, or a real tokenizer loaded twice
 def test_the_cli_writes_prompts_report_and_filter_and_matches(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

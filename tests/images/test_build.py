@@ -174,6 +174,7 @@ def test_new_files_and_the_exec_bit_count_caches_and_tests_do_not(tree: Path) ->
     (tree / "dscache/.mypy_cache").mkdir()
     (tree / "dscache/.mypy_cache/x.json").write_text("{}")
     (tree / "tests/test_x.py").write_text("def test(): assert 0\n")
+    (tree / "README.md").write_text("# dscache, documented anew\n")  # docs rebuild no image
     assert _digest(tree, "core") == before
     (tree / "model-server/dscache_server/new.py").write_text("")
     added = _digest(tree, "core")

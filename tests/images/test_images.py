@@ -12,8 +12,11 @@ of a model pod, sharing the cache volume. How they are built is tested in
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
+import subprocess
 import tarfile
 import time
 import tomllib
@@ -27,6 +30,7 @@ from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_ngin
 from dscache_tools.devcluster import images, wait_until
 from dscache_tools.devcluster.images import IMAGES, ImageArchive, PrivateDocker
 from dscache_tools.devcluster.images.builder import ca_bundle
+from dscache_tools.devcluster.images.load import load_images
 from dscache_tools.net import free_port
 from dscache_tools.polling import poll
 from prometheus_client.parser import text_string_to_metric_families
@@ -147,13 +151,20 @@ def test_server_runs_dscache_and_a_forward_of_mini_gqa(run_image: RunImage) -> N
 
 
 @pytest.mark.images
-def test_core_runs_every_light_command_and_has_no_torch(run_image: RunImage) -> None:
+def test_core_runs_every_light_command_and_has_no_torch_nor_tooling(run_image: RunImage) -> None:
     ref = IMAGES["core"].ref
     assert run_image(ref, "--version").strip() == f"dscache {__version__}"
-    for command in ("sidecar", "operator", "prewarm", "load", "picker"):
+    for command in ("sidecar", "operator", "prewarm", "picker"):
         assert "usage: dscache" in run_image(ref, command, "--help"), command
-    probe = "import importlib.util as u; print([m for m in ('torch', 'triton') if u.find_spec(m)])"
+    probe = (
+        "import importlib.util as u; "
+        "print([m for m in ('torch', 'triton', 'dscache_tools') if u.find_spec(m)])"
+    )
     assert run_image(ref, "-c", probe, entrypoint="python").strip() == "[]"
+    # The tooling's commands (benches, demo, load generator, dev cluster) are not there.
+    listed = run_image(ref, "--help")
+    for tool in ("demo", "load", "dev", "chaos", "train"):
+        assert f"    {tool} " not in listed, tool
     # The router pod's picker runs from this image: tokenizer, similarity, a decision.
     assert run_image(ref, "-c", PICKER_SMOKE, entrypoint="python").strip() == "10.0.0.2:8000 hash"
 
@@ -282,7 +293,11 @@ def test_vllm_and_sidecar_images_share_the_cache_like_a_pod(
         for name in reversed(names):  # SIGTERM: both stop, neither is killed
             docker.run(["stop", "--time", "60", name])
             state = json.loads(docker.run(["inspect", "--format", "{{json .State}}", name]))
-            assert state["ExitCode"] == 0 and not state["OOMKilled"], (name, state)
+            assert state["ExitCode"] == 0 and not state["OOMKilled"], (
+                name,
+                state,
+                docker.run(["logs", "--tail", "60", name], check=False),
+            )
     finally:
         for name in names:
             docker.run(["rm", "--force", name], check=False)
@@ -296,19 +311,20 @@ def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 120) ->
         return text
 
 
-def _get_or_none(url: str) -> str | None:
-    """The body of a GET, or None while the server refuses or answers an error."""
+def _get_or_none(url: str) -> tuple[str] | None:
+    """The body of a GET (in a tuple: vLLM's /health answers 200 with an empty body,
+    which is still an answer), or None while the server refuses or answers an error."""
     try:
-        return _http(url, timeout=2)
+        return (_http(url, timeout=2),)
     except OSError:  # refused, or 503 while the model loads
         return None
 
 
 def _wait_http(url: str, timeout: float, why: Callable[[], str]) -> str:
-    body = poll(lambda: _get_or_none(url), timeout, interval=0.5)
-    if body is None:
+    answered = poll(lambda: _get_or_none(url), timeout, interval=0.5)
+    if answered is None:
         raise AssertionError(f"{url} not ready in {timeout:.0f} s:\n{why()}")
-    return body
+    return answered[0]
 
 
 @pytest.mark.images
@@ -426,3 +442,77 @@ def test_pause_exits_0_on_sigterm(docker: PrivateDocker, run_image: RunImage) ->
         assert stopped_in < 10  # SIGTERM ended it, not the SIGKILL after 30 s
     finally:
         docker.run(["rm", "--force", name], check=False)
+
+
+# -- loading into a node's containerd ------------------------------------------------------------
+
+
+def _docker_archive(path: Path, ref: str, payload: bytes) -> ImageArchive:
+    """A one-layer ``docker save`` archive of ``ref`` whose layer holds ``payload``."""
+    layer = path.with_suffix(".layer.tar")
+    with tarfile.open(layer, "w") as tar:
+        info = tarfile.TarInfo("payload")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    diff_id = "sha256:" + hashlib.sha256(layer.read_bytes()).hexdigest()
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Cmd": ["/payload"]},
+            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        }
+    ).encode()
+    config_hex = hashlib.sha256(config).hexdigest()
+    manifest = [{"Config": f"{config_hex}.json", "RepoTags": [ref], "Layers": ["layer/layer.tar"]}]
+    with tarfile.open(path, "w") as tar:
+        for name, data in (
+            (f"{config_hex}.json", config),
+            ("layer/layer.tar", layer.read_bytes()),
+            ("manifest.json", json.dumps(manifest).encode()),
+        ):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    layer.unlink()
+    return ImageArchive(ref, path, f"sha256:{config_hex}", path.stat().st_size)
+
+
+@pytest.mark.images
+def test_a_rebuilt_image_replaces_the_old_one_in_a_nodes_containerd(
+    docker: PrivateDocker, tmp_path: Path
+) -> None:
+    """A node's store keeps one version of an image: loading a rebuild collects the
+    previous build's layers at once (two server builds used to hold 5 GiB more)."""
+    namespace = f"dscache-test-load-{os.getpid()}"
+    base = ["ctr", "--address", str(docker.containerd_socket), "--namespace", namespace]
+
+    def blobs() -> set[str]:
+        listed = subprocess.run(
+            [*base, "content", "list", "--quiet"], capture_output=True, text=True, check=True
+        )
+        return set(listed.stdout.split())
+
+    ref = "dscache.local/load-test:1"
+    old = _docker_archive(tmp_path / "old.tar", ref, os.urandom(1 << 20))
+    new = _docker_archive(tmp_path / "new.tar", ref, os.urandom(1 << 20))
+    lines: list[str] = []
+    try:
+        load_images([old], docker.containerd_socket, namespace=namespace, progress=lines.append)
+        old_blobs = blobs()
+        load_images([old], docker.containerd_socket, namespace=namespace, progress=lines.append)
+        assert "already in" in lines[-1]
+        load_images([new], docker.containerd_socket, namespace=namespace, progress=lines.append)
+        assert any("previous build's unshared layers collected" in x for x in lines), lines
+        assert old.image_id in old_blobs
+        left = blobs()
+        # Nothing of the old build is left (config, layer, manifest); the new one is there.
+        assert new.image_id in left
+        assert not old_blobs & left, (old_blobs, left)
+    finally:
+        subprocess.run([*base, "images", "rm", "--sync", ref], capture_output=True, check=False)
+        subprocess.run(
+            ["ctr", "--address", str(docker.containerd_socket), "namespaces", "rm", namespace],
+            capture_output=True,
+            check=False,
+        )

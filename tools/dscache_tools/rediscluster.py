@@ -11,8 +11,6 @@ never answer, as an overloaded or partitioned cluster does), :meth:`resume` and
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -22,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dscache_tools.net import free_port
+from dscache_tools.procs import Child, start_child
 
 __all__ = ["LocalRedisCluster", "RedisClusterStartError", "TlsFiles"]
 
@@ -92,7 +91,7 @@ class LocalRedisCluster:
         self.host = host
         self.tls = tls
         self.ports: list[int] = []
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._procs: list[Child] = []
 
     @property
     def nodes(self) -> str:
@@ -160,9 +159,7 @@ class LocalRedisCluster:
             ]  # fmt: skip
             if self.password:
                 args += ["--requirepass", self.password, "--masterauth", self.password]
-            self._procs.append(
-                subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
-            )
+            self._procs.append(start_child(f"redis-{port}", args, node_dir / "stdout.log"))
             self.ports.append(port)
         deadline = time.monotonic() + timeout_s
         for port in self.ports:
@@ -192,16 +189,15 @@ class LocalRedisCluster:
 
     def _check_alive(self) -> None:
         for port, proc in zip(self.ports, self._procs, strict=False):
-            if proc.poll() is not None:
+            if not proc.alive():
                 log_file = self.work_dir / f"node-{self.ports.index(port)}" / "redis.log"
                 tail = log_file.read_text()[-2000:] if log_file.exists() else ""
                 raise RedisClusterStartError(f"redis-server on {port} exited:\n{tail}")
 
     def _signal(self, sig: int) -> None:
         for proc in self._procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, sig)
+            if proc.alive():
+                proc.signal(sig)
 
     def pause(self) -> None:
         """Freezes every node (SIGSTOP): connections open, no answers."""
@@ -214,21 +210,15 @@ class LocalRedisCluster:
     def kill(self) -> None:
         """Kills every node at once (SIGKILL), as a lost cluster."""
         self._signal(signal.SIGCONT)
-        self._signal(signal.SIGKILL)
         for proc in self._procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
+            proc.kill()
 
     def stop(self) -> None:
         """Stops every node (SIGTERM, then SIGKILL); idempotent."""
         self._signal(signal.SIGCONT)
         self._signal(signal.SIGTERM)
         for proc in self._procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+            proc.stop(grace_s=10.0)
         self._procs.clear()
 
     def __enter__(self) -> LocalRedisCluster:

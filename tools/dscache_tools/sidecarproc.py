@@ -9,7 +9,8 @@ Contract:
       with the tail of its log.
     * :meth:`kill` is the crash case (SIGKILL), :meth:`terminate` the clean one
       (SIGTERM, the exit code); :meth:`stop` is idempotent and never leaves a
-      child behind (SIGKILL after a grace period).
+      child behind (SIGKILL after a grace period). The child runs under the
+      tooling's supervisor (:mod:`dscache_tools.procs`), in a session of its own.
     * The log (stdout and stderr) goes to ``<data_dir>.log`` beside the data
       directory, appended across restarts; :attr:`http_port` is the HTTP port
       (metrics, probes, ``/debug/fault``) of the latest start, read from it.
@@ -26,6 +27,7 @@ from pathlib import Path
 from dscache_sidecar.client import SidecarClient
 
 from dscache_tools.polling import wait_until
+from dscache_tools.procs import Child, start_child
 
 _READY = "dscache sidecar ready:"
 
@@ -45,8 +47,13 @@ class SidecarProcess:
         self.socket = str(data_dir / "sidecar.sock")
         self.extra = extra
         self.log = data_dir.parent / f"{data_dir.name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
         self._ready_lines = 0
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The latest start's process (None before the first)."""
+        return self.child.proc if self.child is not None else None
 
     def command(self) -> list[str]:
         """The command line :meth:`start` runs."""
@@ -71,16 +78,14 @@ class SidecarProcess:
         # HTTP port) is printed just after it returns: wait for both, or a
         # caller reading http_port races the print.
         self._ready_lines = self._count_ready_lines()
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        self.child = start_child("sidecar", self.command(), self.log)
         wait_until(f"the sidecar on {self.socket}", self._healthy, timeout, interval=0.05)
 
     def _count_ready_lines(self) -> int:
         return self.log.read_text().count(_READY) if self.log.exists() else 0
 
     def _healthy(self) -> bool:
-        assert self.proc is not None
-        if self.proc.poll() is not None:
+        if not self.running():
             raise RuntimeError(f"sidecar exited: {self.log.read_text()[-3000:]}")
         if not Path(self.socket).exists() or self._count_ready_lines() <= self._ready_lines:
             return False
@@ -100,26 +105,25 @@ class SidecarProcess:
 
     def running(self) -> bool:
         """Whether the child is alive."""
-        return self.proc is not None and self.proc.poll() is None
+        return self.child is not None and self.child.alive()
 
     def kill(self) -> None:
         """SIGKILL: the crash case."""
-        if self.proc is not None and self.running():
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
+        if self.child is not None and self.running():
+            self.child.kill()
 
     def terminate(self, timeout: float = 20.0) -> int:
-        """SIGTERM and the exit code: the clean case."""
-        assert self.proc is not None, "never started"
+        """SIGTERM and the exit code: the clean case.
+
+        Raises:
+            subprocess.TimeoutExpired: it still runs after ``timeout`` s.
+        """
+        assert self.child is not None, "never started"
         if self.running():
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+            self.child.signal(signal.SIGTERM)
+        return self.child.proc.wait(timeout)
 
     def stop(self) -> None:
         """Stops the child if it runs: SIGTERM, then SIGKILL after 20 s."""
-        if not self.running():
-            return
-        try:
-            self.terminate()
-        except subprocess.TimeoutExpired:
-            self.kill()
+        if self.child is not None and self.running():
+            self.child.stop(grace_s=20.0)

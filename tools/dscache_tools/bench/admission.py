@@ -32,9 +32,9 @@ from typing import Any
 import httpx
 
 from dscache_tools.bench import Doc, ratio, report
-from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.demo.stack import LocalStack, StackOptions
 from dscache_tools.loadgen.replay import LoadConfig, run_load
+from dscache_tools.procs import terminate_on_sigterm
 from dscache_tools.workload import ChatRequest, ideal_hit_ratio, load_server_tokenizer
 from dscache_tools.workload.chat import chat_workload
 

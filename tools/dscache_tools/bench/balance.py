@@ -38,9 +38,9 @@ from typing import Any
 from dscache import metricnames as names
 from dscache_tools.bench import ratio
 from dscache_tools.chaos import counters
-from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.demo.stack import LocalStack, StackOptions
 from dscache_tools.loadgen import LoadConfig, LoadReport, run_load
+from dscache_tools.procs import terminate_on_sigterm
 from dscache_tools.workload import ChatRequest, WorkloadConfig, generate
 
 #: Factors compared: the plain consistent hash (the baseline) and the router's default.

@@ -126,22 +126,20 @@ FULL = Profile(
 
 
 def _encode(blocks: Sequence[np.ndarray], dtype: str, codec: str) -> list[bytes]:
-    from dscache_sidecar.codec import Codec, CodecPolicy, encode
+    from dscache_sidecar.codec import Encoding, encode
 
-    if codec == "raw":
-        return [bytes(encode(b, Codec.RAW)) for b in blocks]
-    if codec == "int8":
-        return [bytes(encode(b, Codec.INT8_ROWS, dtype=dtype)) for b in blocks]
-    policy = CodecPolicy(mode="zstd")
-    return [bytes(policy.encode(b, Codec.ZSTD_SHUFFLE, level=1)) for b in blocks]
+    c = Encoding.named(codec).codec
+    assert c is not None, "the codec bench measures fixed codecs"
+    return [bytes(encode(b, c, dtype=dtype, level=1)) for b in blocks]
 
 
 def _decode(
     payloads: Sequence[bytes], dtype: str, codec: str, shape: tuple[int, ...]
 ) -> list[np.ndarray]:
-    from dscache_sidecar.codec import Codec, decode
+    from dscache_sidecar.codec import Encoding, decode
 
-    c = {"raw": Codec.RAW, "int8": Codec.INT8_ROWS, "zstd": Codec.ZSTD_SHUFFLE}[codec]
+    c = Encoding.named(codec).codec
+    assert c is not None, "the codec bench measures fixed codecs"
     return [decode(p, c, dtype, shape) for p in payloads]
 
 

@@ -48,9 +48,9 @@ from typing import Any
 
 from dscache_tools.bench import Doc, report
 from dscache_tools.chaos.counters import counter_total
-from dscache_tools.demo.procs import Child, ProcessGroup, terminate_on_sigterm
 from dscache_tools.devcluster.nodes import SIMULATED_PLACEMENT
 from dscache_tools.loadgen import percentile
+from dscache_tools.procs import Child, ProcessGroup, terminate_on_sigterm
 
 log = logging.getLogger(__name__)
 

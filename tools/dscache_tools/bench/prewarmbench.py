@@ -37,9 +37,9 @@ from typing import Any, Literal
 
 from dscache_tools.bench import Doc, ratio, report
 from dscache_tools.bench.sharedtier import settle
-from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.demo.stack import LocalStack, StackOptions
 from dscache_tools.loadgen.replay import LoadConfig, run_load
+from dscache_tools.procs import terminate_on_sigterm
 from dscache_tools.workload import (
     ChatRequest,
     WorkloadConfig,

@@ -73,16 +73,15 @@ from dscache.keys import block_keys
 from dscache_tools.bench import Doc, ratio
 from dscache_tools.demo.output import pyplot
 from dscache_tools.demo.parts import child_env, find_nginx
-from dscache_tools.demo.procs import (
+from dscache_tools.loadgen.report import percentile
+from dscache_tools.net import free_port
+from dscache_tools.procs import (
     Child,
     ProcessGroup,
     StartError,
     http_ok,
     terminate_on_sigterm,
-    wait_until,
 )
-from dscache_tools.loadgen.report import percentile
-from dscache_tools.net import free_port
 from dscache_tools.workload import (
     ChatRequest,
     WorkloadConfig,
@@ -287,7 +286,7 @@ def start_stand_ins(procs: ProcessGroup, work: Path, filters: Sequence[bytes]) -
         pods.append(StandInPod(port, child))
     for pod in pods:
         ready = functools.partial(http_ok, f"http://{pod.address}/dscache/keyinfo")
-        wait_until(ready, child=pod.child, timeout_s=60, what="serving")
+        pod.child.wait_ready(ready, timeout_s=60, what="serving")
     return pods
 
 
@@ -300,7 +299,7 @@ def start_picker(procs: ProcessGroup, pods: Sequence[StandInPod]) -> tuple[str, 
     argv = [sys.executable, "-m", "dscache.cli", "--log-level", "WARNING", *args]
     child = procs.start("picker", argv, env=child_env())
     url = f"http://127.0.0.1:{port}/health"
-    wait_until(lambda: http_ok(url), child=child, timeout_s=60, what="serving")
+    child.wait_ready(lambda: http_ok(url), timeout_s=60, what="serving")
     return f"127.0.0.1:{port}", child
 
 
@@ -332,9 +331,7 @@ def start_router(
     argv = [nginx, "-p", str(workdir), "-c", str(conf), "-e", "stderr", "-g", "daemon off;"]
     child = procs.start(f"nginx-{name}", argv, stop_signal=signal.SIGQUIT)
     url = f"http://127.0.0.1:{port}"
-    wait_until(
-        lambda: http_ok(url + "/dscache/router/health"), child=child, timeout_s=30, what="serving"
-    )
+    child.wait_ready(lambda: http_ok(url + "/dscache/router/health"), timeout_s=30, what="serving")
     return url
 
 
@@ -489,9 +486,8 @@ def run_bench(quick: bool, seed: int = 0, limit: int | None = None) -> Doc:
         work = Path(tmp)
         pods = start_stand_ins(procs, work, filters)
         picker, picker_child = start_picker(procs, pods)
-        wait_until(
+        picker_child.wait_ready(
             lambda: picker_filters(picker) >= len(pods),
-            child=picker_child,
             timeout_s=30,
             what="holding the stand-ins' filters",
         )

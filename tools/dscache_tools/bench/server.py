@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from dscache_server.admission import CostModel
 from dscache_server.batcher import Batcher
-from dscache_server.blockstore import SidecarBlockStore
 from dscache_server.cache import PrefixCache
 from dscache_server.engine import TransformersEngine
 from dscache_server.generate import GenerationRequest, SamplingParams
+from dscache_server.kvstore import SidecarBlockStore
 from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
 from dscache_server.tokenizer import DeepSeekTokenizer
@@ -148,9 +148,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     daemon = SidecarProcess(data_dir, "--capacity", args.capacity)
 
     def make_store() -> SidecarBlockStore:
-        return SidecarBlockStore(
-            daemon.socket, data_dir=str(data_dir), timeout_s=5.0, compress=False
-        )
+        return SidecarBlockStore(daemon.socket, data_dir=str(data_dir), timeout_s=5.0)
 
     try:
         daemon.start()

@@ -39,8 +39,8 @@ from typing import Any
 import httpx
 
 from dscache_tools.bench import Doc, ratio, report
-from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.demo.stack import LocalStack, Server, StackOptions
+from dscache_tools.procs import terminate_on_sigterm
 from dscache_tools.rediscluster import LocalRedisCluster, RedisClusterStartError
 from dscache_tools.workload import ChatRequest, WorkloadConfig, generate
 

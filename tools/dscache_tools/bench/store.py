@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from dscache_sidecar.client import BlockData, LoadedBlocks, SidecarClient
+from dscache_sidecar.client import RAW, BlockData, LoadedBlocks, SidecarClient
 
 from dscache.keys import KeyChain, KVLayout, LayoutKind, ModelFingerprint, tenant_salt
 from dscache_tools.bench import evictioncost
@@ -132,7 +132,7 @@ def _time_write(client: SidecarClient, chains: _Chains, repeat: int) -> float:
     n_blocks = chains.tokens // BLOCK_TOKENS
 
     def do_write() -> None:
-        stored = client.store(chains.tenant, pending.pop(), compress=False)
+        stored = client.store(chains.tenant, pending.pop(), RAW)
         assert stored == n_blocks, stored
 
     return _median(do_write, repeat, setup=lambda: pending.append(chains.fresh()))
@@ -164,7 +164,7 @@ def _time_zero_copy(
         while held:
             held.pop().release()
 
-    zero_copy(False)()  # first map of the segments (MAP_POPULATE) happens here
+    zero_copy(False)()  # the first map of the segments (and its page faults) happens here
     release_held()
     plain = _median(zero_copy(False), repeat, setup=release_held)
     verified = _median(zero_copy(True), repeat, setup=release_held)
@@ -212,7 +212,7 @@ def _dscache(arrays: list[np.ndarray], tokens: int, repeat: int, data_dir: Path)
     try:
         out: dict[str, Any] = {"write_s": _time_write(client, chains, repeat)}
         blocks = chains.fresh()
-        client.store(chains.tenant, blocks, compress=False)
+        client.store(chains.tenant, blocks, RAW)
         keys = [b.key for b in blocks]
         out["zero_copy_read_s"], out["zero_copy_read_verified_s"] = _time_zero_copy(
             client, chains.tenant, keys, repeat
@@ -232,7 +232,7 @@ def _dscache(arrays: list[np.ndarray], tokens: int, repeat: int, data_dir: Path)
                 BlockData(k, lookup_blocks[i - 1] if i else b"", lookup_arrays[i])
                 for i, k in enumerate(lookup_blocks)
             ],
-            compress=False,
+            RAW,
         )
         lat_ms = _lookup_ms(_lookup_by(streamer, direct=False), chains)
         out["lookup_p50_ms"] = float(np.percentile(lat_ms, 50))

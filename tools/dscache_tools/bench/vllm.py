@@ -16,8 +16,9 @@ local checkpoint, in one run, so each is a ratio to a baseline measured beside i
   context and compute the same tail; ``*_load_s`` is the time inside each
   connector's load path: for ExampleConnector the time in its ``start_load_kv``
   (file reads and copies into vLLM's pages), for dscache from ``start_load_kv``
-  (lease, mapping) to its last page copied by the copier thread, which overlaps
-  the forward's first layers (``dscache_load_wait_s`` is what the forward waited).
+  (lease, mapping) to its last page copied and checked (host pages: all within
+  ``start_load_kv``; GPU pages: by the copier thread beside the forward's first
+  layers); ``dscache_load_wait_s`` is what the forward waited for it.
   ``memcpy_s`` is one plain copy of the same bytes in the same engine process:
   ``load_over_memcpy`` = ``dscache_load_s / memcpy_s`` and
   ``example_connector_load_ratio`` = ``example_connector_load_s / dscache_load_s``;
@@ -125,7 +126,7 @@ def _median_run(runs: list[_Run]) -> _Run:
 
 def _lookup_cost(sidecar: SidecarProcess, fingerprint: Any, repeat: int) -> dict[str, float]:
     """The scheduler side's lookup for new 32-block requests, against stored blocks."""
-    from dscache_sidecar.client import SidecarClient
+    from dscache_sidecar.client import RAW, SidecarClient
     from dscache_vllm.plan import Planner
 
     from dscache.keys import KeyChain, tenant_salt
@@ -134,7 +135,7 @@ def _lookup_cost(sidecar: SidecarProcess, fingerprint: Any, repeat: int) -> dict
     prompt = _prompt(32 * BLOCK_TOKENS + 1, 4242)
     with SidecarClient(sidecar.socket, data_dir=str(sidecar.data_dir)) as client:
         keys = chain.keys(prompt)
-        client.store(chain.tenant, _blocks(chain, prompt, fingerprint), compress=False)
+        client.store(chain.tenant, _blocks(chain, prompt, fingerprint), RAW)
         assert client.find(chain.tenant, keys).direct, "the index was not read in-process"
         planner = Planner(
             lambda _t: chain,
@@ -381,15 +382,25 @@ def _worst(results: list[dict[str, Any]], key: str, worst: Any) -> float | None:
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from dscache_vllm.models import SIZES
-    from dscache_vllm.settings import fingerprint
-
+    """The whole benchmark; its stores and engine logs go to ``--work-dir`` (kept) or
+    to a temporary directory removed at the end (several GB: the stores of both
+    connectors)."""
     if getattr(args, "quick", False):
         args.repeat, args.sessions = 1, 0
         args.lookup_repeat = min(args.lookup_repeat, 1000)
+    if args.work_dir:
+        base = Path(args.work_dir)
+        base.mkdir(parents=True, exist_ok=True)
+        return _run_in(base, args)
+    with tempfile.TemporaryDirectory(prefix="dscache-bench-vllm-") as tmp:
+        return _run_in(Path(tmp), args)
+
+
+def _run_in(base: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from dscache_vllm.models import SIZES
+    from dscache_vllm.settings import fingerprint
+
     layouts = _layouts([n.strip() for n in str(args.layout).split(",") if n.strip()], args.model)
-    base = Path(args.work_dir or tempfile.mkdtemp(prefix="dscache-bench-vllm-"))
-    base.mkdir(parents=True, exist_ok=True)
     sidecar = SidecarProcess(base / "store", "--capacity", args.capacity, "--segment-size", "64MiB")
     sidecar.start()
     results: list[dict[str, Any]] = []

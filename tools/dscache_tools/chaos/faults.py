@@ -6,7 +6,7 @@ starts from the whole stack. Each call returns a short note for the report.
 
 Contract:
     * Start and restart children from the main thread only: a child dies with
-      the thread that started it (``PR_SET_PDEATHSIG``, :mod:`demo.procs`).
+      the thread that started it (``PR_SET_PDEATHSIG``, :mod:`dscache_tools.procs`).
     * A full disk is the real thing when the stack mounted a tmpfs per sidecar
       (root): a ballast file fills it, and removing it frees it. Otherwise it is
       the sidecar's injected ``enospc`` fault. :attr:`FaultDriver.disk_method`

@@ -6,7 +6,7 @@ Contract:
       meets warm caches and sends the same requests in the same order.
     * A case's load runs in a worker thread; its fault is done on the main thread
       (children restarted there live as long as this process, see
-      :mod:`dscache_tools.demo.procs`) after a third of the requests finished,
+      :mod:`dscache_tools.procs`) after a third of the requests finished,
       and undone after two thirds. The case ends when both the load and the
       undo have, so the next case starts from the healthy stack.
     * Every child is stopped and every tmpfs unmounted on exit, also on error,
@@ -30,9 +30,9 @@ from dscache_tools.chaos import counters
 from dscache_tools.chaos.cases import CASES, Case
 from dscache_tools.chaos.faults import DiskMethod, FaultDriver
 from dscache_tools.chaos.report import CaseResult, ChaosReport
-from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.demo.stack import LocalStack, StackOptions
 from dscache_tools.loadgen import LoadConfig, LoadReport, RequestResult, run_load
+from dscache_tools.procs import terminate_on_sigterm
 from dscache_tools.workload import ChatRequest, WorkloadConfig, generate
 
 log = logging.getLogger(__name__)

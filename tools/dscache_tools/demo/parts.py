@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscache_tools.demo.procs import Child, StartError
+from dscache_tools.procs import Child, StartError
 
 #: Debian packages the router needs (``scripts/setup.sh`` installs them).
 NGINX_PACKAGES = ("nginx-light", "libnginx-mod-http-lua", "libnginx-mod-http-ndk")

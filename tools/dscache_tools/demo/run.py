@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from dscache_tools.demo.output import publish
-from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.demo.run_report import check_targets, format_table, write_png
 from dscache_tools.demo.stack import LocalStack, Server, StackOptions
 from dscache_tools.loadgen import LoadConfig, LoadReport, run_load
+from dscache_tools.procs import terminate_on_sigterm
 from dscache_tools.workload import (
     ChatRequest,
     WorkloadConfig,

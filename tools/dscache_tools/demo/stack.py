@@ -42,9 +42,9 @@ from dscache_tools.demo.parts import (
     render_router,
     worker_pids,
 )
-from dscache_tools.demo.procs import Child, ProcessGroup, StartError, http_ok, wait_until
 from dscache_tools.net import free_port
 from dscache_tools.polling import poll
+from dscache_tools.procs import Child, ProcessGroup, StartError, http_ok
 
 __all__ = [
     "NGINX_PACKAGES",
@@ -120,9 +120,8 @@ class LocalStack:
             env=self._env,
         )  # fmt: skip
         sidecar = Sidecar(name, data, sock, port, child)
-        wait_until(
+        child.wait_ready(
             lambda: sock.exists() and http_ok(sidecar.metrics_url),
-            child=child,
             timeout_s=120,
             what="serving",
         )
@@ -140,9 +139,8 @@ class LocalStack:
         ``/readyz`` answers, which checks the gRPC socket the server uses.
         """
         child = self._respawn(sidecar.child)
-        wait_until(
+        child.wait_ready(
             lambda: http_ok(f"http://127.0.0.1:{sidecar.metrics_port}/readyz"),
-            child=child,
             timeout_s=120,
             what="ready",
         )
@@ -214,9 +212,8 @@ class LocalStack:
             child = self.procs.start(name, self._python(*args), env=self._env)
             started.append(Server(name, port, child, sidecar, track))
         for server in started:
-            wait_until(
+            server.child.wait_ready(
                 lambda s=server: http_ok(s.url + "/ready"),  # type: ignore[misc]
-                child=server.child,
                 timeout_s=self.options.ready_timeout_s,
                 what="ready",
                 interval_s=0.5,
@@ -231,9 +228,8 @@ class LocalStack:
     def restart_server(self, server: Server) -> Server:
         """Starts a stopped or killed server again on its port; returns once ready."""
         child = self._respawn(server.child)
-        wait_until(
+        child.wait_ready(
             lambda: http_ok(server.url + "/ready"),
-            child=child,
             timeout_s=self.options.ready_timeout_s,
             what="ready",
             interval_s=0.5,
@@ -313,9 +309,8 @@ class LocalStack:
         argv = [nginx, "-p", str(workdir), "-c", str(router.conf), "-e", "stderr"]
         argv += ["-g", "daemon off;"]
         router.child = self.procs.start("nginx", argv, stop_signal=signal.SIGQUIT)
-        wait_until(
+        router.child.wait_ready(
             lambda: http_ok(router.url + "/dscache/router/health"),
-            child=router.child,
             timeout_s=30,
             what="serving",
         )
@@ -373,9 +368,8 @@ class LocalStack:
                 url = f"http://127.0.0.1:{s.sidecar.metrics_port}/dscache/holdings"
                 args += ["--holdings", f"{s.address}={url}"]
         child = self.procs.start(self._name("picker"), self._python(*args), env=self._env)
-        wait_until(
+        child.wait_ready(
             lambda: http_ok(f"http://127.0.0.1:{port}/health"),
-            child=child,
             timeout_s=60,
             what="serving",
             interval_s=0.2,
@@ -414,9 +408,8 @@ class LocalStack:
                 f"--web.listen-address=127.0.0.1:{port}",
             ],
         )
-        wait_until(
+        child.wait_ready(
             lambda: http_ok(f"http://127.0.0.1:{port}/-/ready"),
-            child=child,
             timeout_s=60,
             what="ready",
         )

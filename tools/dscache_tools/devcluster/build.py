@@ -13,8 +13,9 @@ Contract:
       recipe and whose binaries exist is not touched, so a second run takes
       well under a second. Binaries are moved into ``bin/`` only after a whole
       part built, and the stamp is written last.
-    * Builds run under ``nice -n 19`` with the standard GOMODCACHE and GOCACHE,
-      so the machine stays usable and later builds reuse the caches. A file
+    * Builds run under ``nice -n 19`` with the standard GOMODCACHE (sources, kept)
+      and a build cache of their own (``<root>/go-build``, several GiB), removed
+      once every part is built; the user's GOCACHE is left alone. A file
       lock serialises concurrent builders (CI's background build and a test
       fixture); the second waits and then finds everything built.
     * Standard library only (``scripts/build-dev-cluster.sh`` runs it before
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ from dscache_tools.devcluster.gobuild import (
     STAMP,
     BuildError,
     Part,
+    build_cache,
     build_part,
     find_go,
 )
@@ -199,7 +202,7 @@ def locate(versions: Versions = PINNED, root: Path | None = None) -> Binaries:
 def is_built(versions: Versions = PINNED, root: Path | None = None) -> bool:
     """True when every part's stamp matches its recipe and its binaries exist."""
     base = root or cache_root()
-    return all(_is_current(part, base) for part in _parts(versions))
+    return all(is_part_current(part, base) for part in _parts(versions))
 
 
 def ensure_built(
@@ -221,21 +224,38 @@ def ensure_built(
     say: Progress = progress or (lambda line: logger.info("%s", line))
     base = root or cache_root()
     parts = _parts(versions)
-    if all(_is_current(part, base) for part in parts):
+    if all(is_part_current(part, base) for part in parts):
         say(f"all binaries present in {base}")
         return locate(versions, base)
+    build_parts(parts, base, say)
+    return locate(versions, base)
+
+
+def build_parts(parts: list[Part], base: Path, say: Progress) -> None:
+    """Builds each part of ``parts`` not current under ``base``, one builder at a time.
+
+    Go's build cache (:func:`.gobuild.build_cache`) is shared by the parts and
+    removed once all are built; a failure keeps it, so a retry resumes warm.
+
+    Raises:
+        BuildError: As :func:`.gobuild.build_part`.
+    """
     base.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(base / ".build.lock", say):
         go = find_go()
         for part in parts:
-            if _is_current(part, base):
+            if is_part_current(part, base):
                 say(f"{part.name} {part.version}: cached in {part.directory(base) / 'bin'}")
                 continue
             build_part(part, base, go, say)
-    return locate(versions, base)
+        scratch = build_cache(base)
+        if scratch.exists():
+            say(f"every part built: removing Go's build cache {scratch}")
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _is_current(part: Part, base: Path) -> bool:
+def is_part_current(part: Part, base: Path) -> bool:
+    """True when ``part``'s stamp matches its recipe and its binaries exist under ``base``."""
     bindir = part.directory(base) / "bin"
     try:
         stamp = json.loads((bindir / STAMP).read_text())

@@ -106,8 +106,11 @@ def find_go() -> Path:
     return Path(found)
 
 
-def _go_env() -> dict[str, str]:
+def _go_env(gocache: Path | None = None) -> dict[str, str]:
+    """Go's environment; ``gocache`` replaces the user's build cache (GOCACHE)."""
     env = dict(os.environ)
+    if gocache is not None:
+        env["GOCACHE"] = str(gocache)
     env.update(
         {
             "CGO_ENABLED": "0",
@@ -170,8 +173,18 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def build_cache(base: Path) -> Path:
+    """Go's build cache for the parts built under ``base``: several GiB of compiled
+    packages, worth keeping only until every part is built (a new pin rebuilds
+    nearly everything anyway), so the user's own GOCACHE is not filled."""
+    return base / "go-build"
+
+
 def build_part(part: Part, base: Path, go: Path, say: Progress) -> None:
     """Fetches, compiles and installs ``part`` under ``part.directory(base)``.
+
+    Go's build cache is :func:`build_cache` (``base/go-build``), shared by the
+    parts of one build and removed by the caller when every part is built.
 
     Raises:
         BuildError: The download or the compilation failed.
@@ -184,7 +197,15 @@ def build_part(part: Part, base: Path, go: Path, say: Progress) -> None:
     info = _module_download(go, part.module, part.version, src)
     ldflags = _write_wrapper(part, info, src)
     cpu_before = _children_cpu_seconds()
-    out_tmp = _compile(part, go, ldflags=ldflags, directory=directory, started=started, say=say)
+    out_tmp = _compile(
+        part,
+        go,
+        ldflags=ldflags,
+        directory=directory,
+        gocache=build_cache(base),
+        say=say,
+        started=started,
+    )
     _install(part, directory, out_tmp, Path(info["Dir"]))
     cpu = _children_cpu_seconds() - cpu_before
     bindir = directory / "bin"
@@ -229,7 +250,14 @@ def _write_wrapper(part: Part, info: dict[str, str], src: Path) -> list[str]:
 
 
 def _compile(
-    part: Part, go: Path, *, ldflags: list[str], directory: Path, started: float, say: Progress
+    part: Part,
+    go: Path,
+    *,
+    ldflags: list[str],
+    directory: Path,
+    gocache: Path,
+    started: float,
+    say: Progress,
 ) -> Path:
     """Runs ``go build`` into ``<directory>/bin.partial``; returns that directory."""
     log_path = directory / "build.log"
@@ -254,7 +282,7 @@ def _compile(
         proc = subprocess.Popen(
             command,
             cwd=directory / "src",
-            env=_go_env(),
+            env=_go_env(gocache),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -22,7 +22,6 @@ Contract:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import os
 import re
@@ -34,8 +33,6 @@ from pathlib import Path
 
 #: Called with one line of human-readable progress.
 Progress = Callable[[str], None]
-
-_PR_SET_PDEATHSIG = 1
 
 
 def process_state(pid: int) -> str:
@@ -56,16 +53,6 @@ def process_running(pid: int, exe: str) -> bool:
         return False
     state = process_state(pid)
     return state not in ("", "Z", "X") and target.removesuffix(" (deleted)") == exe
-
-
-def die_with_parent(sig: signal.Signals) -> Callable[[], None]:
-    """A ``preexec_fn`` that sends ``sig`` to the child when its parent dies (even by SIGKILL)."""
-
-    def preexec() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-
-    return preexec
 
 
 def tail(path: Path, lines: int = 25) -> str:

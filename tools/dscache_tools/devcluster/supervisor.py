@@ -1,10 +1,11 @@
 """The processes of one dev cluster: started with a log each, recorded, waited on, stopped.
 
 Contract:
-    * :meth:`Supervisor.launch` starts a command in its own session with
-      stdout and stderr appended to ``<state_dir>/logs/<name>.log`` (the
-      command line first), records it as a :class:`ProcessRecord` and calls
-      ``on_change`` so the cluster's ``state.json`` always lists every process.
+    * :meth:`Supervisor.launch` starts a command through the tooling's supervisor
+      (:func:`dscache_tools.procs.start_child`: its own session, stdout and stderr
+      appended to ``<state_dir>/logs/<name>.log``, the command line first),
+      records it as a :class:`ProcessRecord` and calls ``on_change`` so the
+      cluster's ``state.json`` always lists every process.
     * With ``tie_to_parent`` each process also gets PR_SET_PDEATHSIG (SIGKILL),
       so none outlives the process that started it even if that process is
       killed. SIGKILL, not SIGTERM: with its parent gone nobody stops the
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shlex
 import signal
 import subprocess
 import time
@@ -31,8 +31,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from dscache_tools.devcluster.procs import die_with_parent, process_running, tail
+from dscache_tools.devcluster.procs import process_running, tail
 from dscache_tools.polling import poll
+from dscache_tools.procs import start_child
 
 logger = logging.getLogger(__name__)
 
@@ -89,18 +90,9 @@ class Supervisor:
     def launch(self, name: str, command: list[str]) -> None:
         """Starts ``command`` as component ``name``."""
         log_path = self.log_dir / f"{name}.log"
-        with log_path.open("ab") as log:
-            log.write(("# " + shlex.join(command) + "\n").encode())
-            log.flush()
-            popen = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.state_dir,
-                start_new_session=True,
-                preexec_fn=die_with_parent(signal.SIGKILL) if self.tie_to_parent else None,  # noqa: PLW1509
-            )
+        tie = signal.SIGKILL if self.tie_to_parent else None
+        child = start_child(name, command, log_path, cwd=self.state_dir, tie=tie, header=True)
+        popen = child.proc
         self._popens[name] = popen
         # /proc/<pid>/exe is the resolved path; compare like with like.
         exe = os.path.realpath(command[0])

@@ -41,8 +41,8 @@ from dscache_tools.demo.kube.report import (
 )
 from dscache_tools.demo.kube.watch import LoadThread, Phase, Watcher
 from dscache_tools.demo.output import publish
-from dscache_tools.demo.procs import terminate_on_sigterm
 from dscache_tools.polling import wait_until
+from dscache_tools.procs import terminate_on_sigterm
 from dscache_tools.workload import (
     ChatRequest,
     WorkloadConfig,

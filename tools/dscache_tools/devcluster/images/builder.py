@@ -141,8 +141,10 @@ def ensure_images(
                     base_id=identity,
                     say=say,
                 )
-            # Old tags' images, and build cache beyond what a warm rebuild of
-            # every image uses (pip's cache mount included), least recently used first.
+            # Containers a killed test run left (they pin old images), old tags'
+            # images, and build cache beyond what a warm rebuild of every image
+            # uses (pip's cache mount included), least recently used first.
+            docker.run(["container", "prune", "--force"], check=False)
             docker.run(["image", "prune", "--force"], check=False)
             docker.run(["builder", "prune", "--force", "--keep-storage", "10GB"], check=False)
     return {spec.name: results[spec.name] for spec in wanted}

@@ -39,13 +39,13 @@ from dscache_tools.devcluster.images.specs import ImageError
 from dscache_tools.devcluster.procs import (
     Progress,
     cmdline,
-    die_with_parent,
     mount_points,
     process_name,
     remove_cgroup,
     tail,
     terminate,
 )
+from dscache_tools.procs import start_child
 
 logger = logging.getLogger(__name__)
 
@@ -231,17 +231,10 @@ class PrivateDocker(DockerClient):
         return self._dockerd.returncode if self._dockerd else None
 
     def _spawn(self, command: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-        with log_path.open("ab") as log:
-            return subprocess.Popen(
-                ["nice", "-n", str(self._nice), *command],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                # SIGTERM when the builder dies: the daemons shut down cleanly instead of
-                # holding the data root until the next build stops them as leftovers.
-                preexec_fn=die_with_parent(signal.SIGTERM),  # noqa: PLW1509
-            )
+        argv = ["nice", "-n", str(self._nice), *command]
+        # SIGTERM when the builder dies: the daemons shut down cleanly instead of
+        # holding the data root until the next build stops them as leftovers.
+        return start_child(Path(command[0]).name, argv, log_path, tie=signal.SIGTERM).proc
 
     @staticmethod
     def _wait_for_socket(

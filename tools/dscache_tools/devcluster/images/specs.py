@@ -5,10 +5,12 @@ Contract:
       ``images/Dockerfile`` tagged with a fixed reference.
     * Staleness is a content hash of an image's build inputs
       (:func:`inputs_digest`): every file under ``images/`` and, for the
-      Python images, ``pyproject.toml``, ``README.md`` and every file of
+      Python images, ``pyproject.toml`` and every file of
       ``dscache/``, ``sidecar/``, ``model-server/``, ``operator/`` and
-      ``tools/`` that exists (``__pycache__``, ``*.pyc`` and tool caches
-      excluded, as in ``.dockerignore``), plus the reference, target, base
+      ``vllm-connector/`` that exists (``__pycache__``, ``*.pyc`` and tool caches
+      excluded, as in ``.dockerignore``; the tooling, ``tools/``, is no image's
+      input, nor is ``README.md``: the image writes the wheel's long description
+      itself), plus the reference, target, base
       image and build arguments.
     * A stamp (``<cache>/images/archives/<name>.json``) holds the hash, the
       image id and the archive's size; it is written after the archive, and an
@@ -35,12 +37,10 @@ _EXCLUDED_DIRS = frozenset({"__pycache__", ".mypy_cache", ".pytest_cache", ".ruf
 _EXCLUDED_SUFFIXES = (".pyc", ".pyo")
 _PYTHON_INPUTS = (
     "pyproject.toml",
-    "README.md",
     "dscache",
     "sidecar",
     "model-server",
     "operator",
-    "tools",
     "vllm-connector",
 )
 
