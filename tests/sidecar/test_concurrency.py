@@ -65,6 +65,7 @@ def fill_with_new_chains(sc: Sidecar, first_seed: int, n_chains: int) -> None:
         assert sc.c.store(tenant, blocks_for(keys)) == 4
 
 
+@pytest.mark.slow  # pushes 300 chains through a real sidecar: 3 s here
 def test_leased_blocks_are_not_evicted_and_their_space_is_reused_after_release(
     make_sidecar: Callable[..., Sidecar],
 ) -> None:
