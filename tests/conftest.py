@@ -96,10 +96,61 @@ def dev_cluster(
         cluster.stop(keep_logs=True)
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Keeps each phase's report on the item, so fixtures can tell a failed test."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
+def _dump_pod_logs(cluster: DevCluster, namespace: str, out: str) -> None:
+    """Every container's log (and the previous one's, after a restart) and the
+    namespace's events, written under OUT: a failed cluster test's pods are gone
+    once its namespace is deleted, and their logs are what explains the failure."""
+    os.makedirs(out, exist_ok=True)
+    try:
+        pods = cluster.kubectl_json("get", "pods", "-n", namespace)["items"]
+        events = cluster.kubectl(
+            "get", "events", "-n", namespace, "--sort-by=.lastTimestamp"
+        ).stdout
+    except Exception as err:  # the cluster itself may be the failure
+        logger.warning("no pod logs for %s: %s", namespace, err)
+        return
+    with open(os.path.join(out, "events.txt"), "w") as f:
+        f.write(events)
+    for pod in pods:
+        statuses = pod.get("status", {}).get("containerStatuses", [])
+        for status in statuses:
+            pod_name, container = pod["metadata"]["name"], status["name"]
+            runs = [()] + ([("--previous",)] if status.get("restartCount") else [])
+            for extra in runs:
+                suffix = "-previous" if extra else ""
+                try:
+                    run = cluster.kubectl(
+                        "logs", "-n", namespace, pod_name, "-c", container, *extra, check=False
+                    )
+                    text = run.stdout + run.stderr
+                except Exception as err:
+                    text = f"(no log: {err})"
+                with open(os.path.join(out, f"{pod_name}.{container}{suffix}.log"), "w") as f:
+                    f.write(text)
+    logger.warning("pod logs of the failed test: %s", out)
+
+
 @pytest.fixture
-def namespace(dev_cluster: DevCluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A namespace of its own for one test, named after it, deleted afterwards (without waiting)."""
+def namespace(
+    dev_cluster: DevCluster,
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[str]:
+    """A namespace of its own for one test, named after it, deleted afterwards (without
+    waiting). When the test failed, its pods' logs and events are kept first, under
+    ``<basetemp>/podlogs*/``."""
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.removeprefix("test_").lower())
     name = f"t{os.getpid() % 10000}-{next(_namespaces)}-{slug}"[:63].strip("-")
     with dev_cluster.temporary_namespace(name):
         yield name
+        report = getattr(request.node, "report_call", None)
+        if report is not None and report.failed:
+            _dump_pod_logs(dev_cluster, name, str(tmp_path_factory.mktemp("podlogs")))

@@ -2,8 +2,12 @@
 
 Contract:
     * :class:`RedisClusterTier` is a :class:`~dscache_sidecar.remote.RemoteTier`.
-      It connects lazily (a cluster that is down when the sidecar starts is an
-      error of the first call, not of the start), pipelines every batch (redis-py
+      It connects when asked (``connect``: the slot map and a socket to every
+      node) or else on the first call; a cluster that is down when the sidecar
+      starts is an error of that call, not of the start. A read made while
+      another call is connecting fails at once (``connection``) instead of
+      waiting behind it; a write (the sidecar's writer thread) waits for that
+      connect. It pipelines every batch (redis-py
       groups the commands by node: one round trip per node) and never retries:
       the caller decides what a failure costs.
     * Every socket operation is bounded by ``timeout_s``; a failure of any kind is
@@ -86,41 +90,76 @@ class RedisClusterTier:
                 ssl_check_hostname=verify_hostname,
             )
         self._client: RedisCluster | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _client; held only to swap it
+        self._connecting = threading.Lock()  # held while a client is being built
 
-    def _connected(self) -> RedisCluster:
+    def _connected(self, wait: bool = False) -> RedisCluster:
+        """The client, built here when there is none and no other call is building
+        one. While another call is, this one fails at once (a read: its request is
+        waiting, and on a frozen cluster a connect takes seconds per node), or with
+        ``wait`` (the background writer) waits for that connect and uses its client,
+        failing when it failed (never a second connect in a row)."""
         client = self._client
         if client is not None:
             return client
-        with self._lock:
-            if self._client is None:
-                self._client = RedisCluster(
-                    startup_nodes=list(self._nodes),
-                    retry=Retry(NoBackoff(), 0),
-                    require_full_coverage=True,
-                    **self._kwargs,
-                )
-            return self._client
-
-    def _reset(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            try:
-                client.close()
-            except Exception as exc:  # closing a broken client must not raise
-                log.debug("closing the Redis Cluster client failed: %s", exc)
-
-    def _pipeline(self, build: Any) -> list[Any]:
-        """Runs ``build(pipe)`` then the pipeline; any failure is RemoteTierError."""
+        if not self._connecting.acquire(blocking=False):
+            if not wait:
+                raise RemoteTierError("connection", "not connected yet: a connect is under way")
+            with self._connecting:
+                client = self._client
+            if client is None:
+                raise RemoteTierError("connection", "the connect under way failed")
+            return client
         try:
-            pipe = self._connected().pipeline(transaction=False)  # type: ignore[no-untyped-call]
+            client = self._client
+            if client is None:
+                try:
+                    client = RedisCluster(
+                        startup_nodes=list(self._nodes),
+                        retry=Retry(NoBackoff(), 0),
+                        require_full_coverage=True,
+                        **self._kwargs,
+                    )
+                except Exception as exc:
+                    raise RemoteTierError(_kind(exc), f"{type(exc).__name__}: {exc}") from exc
+                with self._lock:
+                    self._client = client
+            return client
+        finally:
+            self._connecting.release()
+
+    def _reset(self, failed: RedisCluster | None) -> None:
+        """Drops ``failed`` (None: whichever client there is) if it is still the
+        client: the next call builds a new one and re-reads the slot map."""
+        with self._lock:
+            if self._client is None or (failed is not None and self._client is not failed):
+                return
+            client, self._client = self._client, None
+        try:
+            client.close()
+        except Exception as exc:  # closing a broken client must not raise
+            log.debug("closing the Redis Cluster client failed: %s", exc)
+
+    def _pipeline(self, build: Any, wait: bool = False) -> list[Any]:
+        """Runs ``build(pipe)`` then the pipeline; any failure is RemoteTierError.
+        ``wait``: see :meth:`_connected`."""
+        client = self._connected(wait)
+        try:
+            pipe = client.pipeline(transaction=False)  # type: ignore[no-untyped-call]
             build(pipe)
             results: list[Any] = pipe.execute(raise_on_error=True)
         except Exception as exc:  # redis-py raises more than RedisError on a broken socket
-            self._reset()
+            self._reset(client)
             raise RemoteTierError(_kind(exc), f"{type(exc).__name__}: {exc}") from exc
         return results
+
+    def connect(self) -> None:
+        client = self._connected()
+        try:
+            client.ping(target_nodes=RedisCluster.ALL_NODES)
+        except Exception as exc:
+            self._reset(client)
+            raise RemoteTierError(_kind(exc), f"{type(exc).__name__}: {exc}") from exc
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         if not names:
@@ -150,7 +189,7 @@ class RedisClusterTier:
             for name, value in items:
                 pipe.set(name, value, ex=ttl_s)
 
-        self._pipeline(build)
+        self._pipeline(build, wait=True)  # the writer's thread: no request waits
 
     def delete(self, names: Sequence[str]) -> None:
         if not names:
@@ -163,4 +202,4 @@ class RedisClusterTier:
         self._pipeline(build)
 
     def close(self) -> None:
-        self._reset()
+        self._reset(None)

@@ -40,6 +40,11 @@ class RemoteTier(Protocol):
         """Short engine name for Stats and logs, e.g. ``redis-cluster``."""
         ...
 
+    def connect(self) -> None:
+        """Opens a connection to every node now, so that no request pays for it
+        (the sidecar calls this in the background at start and after a failure)."""
+        ...
+
     def exists(self, names: Sequence[str]) -> list[bool]:
         """Whether each name holds a value."""
         ...

@@ -24,6 +24,10 @@ Contract:
       stored block whose parent was hit, fetched or queued (a conversation that has
       come back once will likely come back again); single-use prompts never leave
       the node. Policy ``all`` queues every stored block.
+    * Connections are opened in the background: at start, and again once
+      ``shared_retry_s`` has passed after a failure, so no request's bound is spent
+      on a slot map or a handshake (a first lookup that paid for them timed out
+      under load and read as a miss).
     * A remote failure or timeout is a miss, never an error: the tier is then
       skipped for ``shared_retry_s`` (lookups cost nothing meanwhile) and tried
       again. A Lease spends at most ``shared_fetch_budget_s`` fetching.
@@ -140,6 +144,7 @@ class SharedTier:
         # when the client library would go on (reconnecting, re-reading slots).
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-remote")
         self._writer: threading.Thread | None = None
+        self._reconnect: threading.Timer | None = None
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -151,12 +156,27 @@ class SharedTier:
             target=self._write_loop, name="kv-remote-write", daemon=True
         )
         self._writer.start()
+        self._calls.submit(self._connect)
+
+    def _connect(self) -> None:
+        """Opens the engine's connections (a background call); a failure is one."""
+        if self._closed:
+            return
+        try:
+            self.tier.connect()
+        except RemoteTierError as exc:
+            self._failed("connect", exc)
+        except Exception:  # a background call must not die silently
+            log.exception("shared tier connect failed")
 
     def close(self) -> None:
         """Stops the writer (queued writes are dropped) and closes the engine."""
         if self._closed:
             return
         self._closed = True
+        with self._lock:
+            if self._reconnect is not None:
+                self._reconnect.cancel()
         try:
             self._queue.put(None, timeout=5.0)  # wakes the writer (it drains a full queue)
         except queue.Full:
@@ -183,6 +203,11 @@ class SharedTier:
         self.metrics.remote_errors.labels(op=op, kind=exc.kind).inc()
         now = self._now()
         self._down_until = now + self.settings.shared_retry_s
+        with self._lock:
+            if not self._closed and (self._reconnect is None or not self._reconnect.is_alive()):
+                self._reconnect = threading.Timer(self.settings.shared_retry_s, self._connect)
+                self._reconnect.daemon = True
+                self._reconnect.start()
         if now - self._last_warning >= _WARN_EVERY_S:
             self._last_warning = now
             log.warning(

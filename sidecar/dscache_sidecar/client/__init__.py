@@ -79,6 +79,8 @@ __all__ = [
 
 #: Seconds between two asks whether the daemon has a shared tier.
 SHARED_RECHECK_S = 30.0
+#: Seconds before a daemon that did not answer that question is asked again.
+SHARED_UNANSWERED_RECHECK_S = 2.0
 #: Leases granted and not yet mapped remembered at most (their TTL and when asked).
 _ASKED_KEPT = 1024
 
@@ -163,7 +165,9 @@ class SidecarClient:
 
     def has_shared_tier(self) -> bool:
         """Whether the daemon has a shared tier (asked once per ``SHARED_RECHECK_S``;
-        a daemon that does not answer counts as without one)."""
+        a daemon that does not answer counts as without one and is asked again after
+        ``SHARED_UNANSWERED_RECHECK_S``: a model server that starts before its
+        sidecar must not skip the tier for the next ``SHARED_RECHECK_S``)."""
         now = time.monotonic()
         if self._shared is None or now - self._shared_asked > SHARED_RECHECK_S:
             self._shared_asked = now
@@ -173,6 +177,7 @@ class SidecarClient:
             except SidecarError as exc:
                 log.debug("could not ask the daemon about its shared tier: %s", exc)
                 self._shared = False
+                self._shared_asked = now - SHARED_RECHECK_S + SHARED_UNANSWERED_RECHECK_S
         return self._shared
 
     def load(
