@@ -140,7 +140,9 @@ def _chat(c: DevCluster, ns: str, name: str, messages: list[dict[str, str]]) -> 
 def _chat_when_served(
     c: DevCluster, ns: str, name: str, messages: list[dict[str, str]]
 ) -> dict[str, Any]:
-    """:func:`_chat`, retried while the router has no ready pod to send it to (503)."""
+    """:func:`_chat`, retried while the router has no ready pod to send it to (503),
+    and while the router itself is not ready yet (the Service refuses connections:
+    the resource's ``Available`` phase says the model track is ready, not the router)."""
 
     def answer() -> dict[str, Any] | None:
         try:
@@ -148,6 +150,10 @@ def _chat_when_served(
         except urllib.error.HTTPError as exc:
             # One pod per track here: until the router's config lists a (new) pod.
             if exc.code in (502, 503):
+                return None
+            raise
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, ConnectionRefusedError):
                 return None
             raise
 
@@ -427,6 +433,22 @@ def _pod_metric(ip: str, port: int, name: str, **labels: str) -> float:
         )
 
 
+def _shared_tier_blocks(cluster: LocalRedisCluster, password: str) -> dict[str, int]:
+    """Blocks in the shared tier by tenant id (names end ``:<tenant hex>:<key hex>``)."""
+    import redis as redis_py
+
+    counts: dict[str, int] = {}
+    for port in cluster.ports:
+        node = redis_py.Redis(host=cluster.host, port=port, password=password)
+        try:
+            for name in node.scan_iter(count=1000):
+                tenant = name.decode().rsplit(":", 2)[-2]
+                counts[tenant] = counts.get(tenant, 0) + 1
+        finally:
+            node.close()
+    return counts
+
+
 def _pod_chat(ip: str, messages: list[dict[str, str]]) -> dict[str, Any]:
     """A chat request straight to one model pod (no router: the test picks the pod)."""
     body = json.dumps({"messages": messages, "max_tokens": 2, "temperature": 0}).encode()
@@ -473,11 +495,14 @@ def test_a_session_moved_to_another_pod_finds_its_prefix_in_the_shared_tier(
         turn1 = [{"role": "system", "content": text}, {"role": "user", "content": "Summary?"}]
         first = _pod_chat(a, turn1)
         assert first["usage"]["prompt_tokens"] > 256
+        # Waited for in the tier itself: each pod's start-up calibration writes two
+        # blocks of its own tenant too, so A's push counter alone said "written"
+        # before turn 1's blocks were, and on a loaded machine B then missed them.
+        full_blocks = first["usage"]["prompt_tokens"] // 256
         wait_until(
-            "pod A's sidecar to write its blocks to the shared tier",
+            f"pod A's sidecar to write turn 1's {full_blocks} blocks to the shared tier",
             lambda: (
-                _pod_metric(a, 9102, "dscache_sidecar_remote_blocks_total", op="push", result="ok")
-                > 0
+                max(_shared_tier_blocks(redis, "e2e-shared").values(), default=0) >= full_blocks
             ),
             120,
         )
