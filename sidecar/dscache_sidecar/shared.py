@@ -204,7 +204,13 @@ class SharedTier:
         now = self._now()
         self._down_until = now + self.settings.shared_retry_s
         with self._lock:
-            if not self._closed and (self._reconnect is None or not self._reconnect.is_alive()):
+            # One reconnect pending at a time; a failed reconnect (this thread, the
+            # timer's own) schedules the next.
+            timer = self._reconnect
+            pending = (
+                timer is not None and timer.is_alive() and timer is not threading.current_thread()
+            )
+            if not self._closed and not pending:
                 self._reconnect = threading.Timer(self.settings.shared_retry_s, self._connect)
                 self._reconnect.daemon = True
                 self._reconnect.start()

@@ -262,6 +262,19 @@ def test_a_killed_cluster_changes_no_answer(
         assert b.c.store(ch.tenant, blocks_for(more)) == 3  # writes go on locally
         assert b.c.find(ch.tenant, more).found == 3
 
+        # With no request at all, the sidecar keeps trying to reconnect, once per
+        # retry pause: a failed reconnect schedules the next one.
+        def reconnects() -> float:
+            return sum(
+                b.metric("dscache_sidecar_remote_errors_total", op="connect", kind=kind)
+                for kind in ("timeout", "connection", "other")
+            )
+
+        tries = reconnects()
+        wait_until(
+            "two more background reconnects, each failing", lambda: reconnects() >= tries + 2, 20
+        )
+
 
 @pytest.mark.slow
 def test_a_password_protected_cluster_needs_the_right_password(
