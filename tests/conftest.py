@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from dscache_tools.devcluster import DevCluster, ensure_built, is_built
@@ -104,37 +105,34 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
-def _dump_pod_logs(cluster: DevCluster, namespace: str, out: str) -> None:
+def _dump_pod_logs(cluster: DevCluster, namespace: str, out: Path) -> None:
     """Every container's log (and the previous one's, after a restart) and the
     namespace's events, written under OUT: a failed cluster test's pods are gone
     once its namespace is deleted, and their logs are what explains the failure."""
-    os.makedirs(out, exist_ok=True)
     try:
         pods = cluster.kubectl_json("get", "pods", "-n", namespace)["items"]
-        events = cluster.kubectl(
-            "get", "events", "-n", namespace, "--sort-by=.lastTimestamp"
-        ).stdout
+        events = cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp")
     except Exception as err:  # the cluster itself may be the failure
         logger.warning("no pod logs for %s: %s", namespace, err)
         return
-    with open(os.path.join(out, "events.txt"), "w") as f:
-        f.write(events)
+    (out / "events.txt").write_text(events.stdout)
+
+    def save(pod: str, container: str, *previous: str) -> None:
+        try:
+            run = cluster.kubectl(
+                "logs", "-n", namespace, pod, "-c", container, *previous, check=False
+            )
+            text = run.stdout + run.stderr
+        except Exception as err:  # a kubectl timeout: keep the other logs
+            text = f"(no log: {err})"
+        suffix = "-previous" if previous else ""
+        (out / f"{pod}.{container}{suffix}.log").write_text(text)
+
     for pod in pods:
-        statuses = pod.get("status", {}).get("containerStatuses", [])
-        for status in statuses:
-            pod_name, container = pod["metadata"]["name"], status["name"]
-            runs = [()] + ([("--previous",)] if status.get("restartCount") else [])
-            for extra in runs:
-                suffix = "-previous" if extra else ""
-                try:
-                    run = cluster.kubectl(
-                        "logs", "-n", namespace, pod_name, "-c", container, *extra, check=False
-                    )
-                    text = run.stdout + run.stderr
-                except Exception as err:
-                    text = f"(no log: {err})"
-                with open(os.path.join(out, f"{pod_name}.{container}{suffix}.log"), "w") as f:
-                    f.write(text)
+        for status in pod.get("status", {}).get("containerStatuses", []):
+            save(pod["metadata"]["name"], status["name"])
+            if status.get("restartCount"):
+                save(pod["metadata"]["name"], status["name"], "--previous")
     logger.warning("pod logs of the failed test: %s", out)
 
 
@@ -153,4 +151,4 @@ def namespace(
         yield name
         report = getattr(request.node, "report_call", None)
         if report is not None and report.failed:
-            _dump_pod_logs(dev_cluster, name, str(tmp_path_factory.mktemp("podlogs")))
+            _dump_pod_logs(dev_cluster, name, tmp_path_factory.mktemp("podlogs"))

@@ -48,6 +48,11 @@ def _kind(exc: BaseException) -> str:
     return "other"
 
 
+def _error(exc: BaseException) -> RemoteTierError:
+    """What any failure of redis-py (or of the socket under it) becomes."""
+    return RemoteTierError(_kind(exc), f"{type(exc).__name__}: {exc}")
+
+
 class RedisClusterTier:
     """A Redis Cluster as the shared tier's engine.
 
@@ -121,7 +126,7 @@ class RedisClusterTier:
                         **self._kwargs,
                     )
                 except Exception as exc:
-                    raise RemoteTierError(_kind(exc), f"{type(exc).__name__}: {exc}") from exc
+                    raise _error(exc) from exc
                 with self._lock:
                     self._client = client
             return client
@@ -150,7 +155,7 @@ class RedisClusterTier:
             results: list[Any] = pipe.execute(raise_on_error=True)
         except Exception as exc:  # redis-py raises more than RedisError on a broken socket
             self._reset(client)
-            raise RemoteTierError(_kind(exc), f"{type(exc).__name__}: {exc}") from exc
+            raise _error(exc) from exc
         return results
 
     def connect(self) -> None:
@@ -159,7 +164,7 @@ class RedisClusterTier:
             client.ping(target_nodes=RedisCluster.ALL_NODES)
         except Exception as exc:
             self._reset(client)
-            raise RemoteTierError(_kind(exc), f"{type(exc).__name__}: {exc}") from exc
+            raise _error(exc) from exc
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         if not names:
