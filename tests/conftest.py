@@ -26,11 +26,11 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 from dscache_tools.devcluster import DevCluster, ensure_built, is_built
 from dscache_tools.devcluster.images import image_loader
+from dscache_tools.podlogs import save_pod_logs
 
 logger = logging.getLogger(__name__)
 _namespaces = itertools.count()
@@ -105,37 +105,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
-def _dump_pod_logs(cluster: DevCluster, namespace: str, out: Path) -> None:
-    """Every container's log (and the previous one's, after a restart) and the
-    namespace's events, written under OUT: a failed cluster test's pods are gone
-    once its namespace is deleted, and their logs are what explains the failure."""
-    try:
-        pods = cluster.kubectl_json("get", "pods", "-n", namespace)["items"]
-        events = cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp")
-    except Exception as err:  # the cluster itself may be the failure
-        logger.warning("no pod logs for %s: %s", namespace, err)
-        return
-    (out / "events.txt").write_text(events.stdout)
-
-    def save(pod: str, container: str, *previous: str) -> None:
-        try:
-            run = cluster.kubectl(
-                "logs", "-n", namespace, pod, "-c", container, *previous, check=False
-            )
-            text = run.stdout + run.stderr
-        except Exception as err:  # a kubectl timeout: keep the other logs
-            text = f"(no log: {err})"
-        suffix = "-previous" if previous else ""
-        (out / f"{pod}.{container}{suffix}.log").write_text(text)
-
-    for pod in pods:
-        for status in pod.get("status", {}).get("containerStatuses", []):
-            save(pod["metadata"]["name"], status["name"])
-            if status.get("restartCount"):
-                save(pod["metadata"]["name"], status["name"], "--previous")
-    logger.warning("pod logs of the failed test: %s", out)
-
-
 @pytest.fixture
 def namespace(
     dev_cluster: DevCluster,
@@ -143,12 +112,14 @@ def namespace(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[str]:
     """A namespace of its own for one test, named after it, deleted afterwards (without
-    waiting). When the test failed, its pods' logs and events are kept first, under
-    ``<basetemp>/podlogs*/``."""
+    waiting). When the test failed (or ``DSCACHE_TEST_KEEP_POD_LOGS=1``), its pods'
+    logs and events are kept first, under ``<basetemp>/podlogs*/``."""
     slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.removeprefix("test_").lower())
     name = f"t{os.getpid() % 10000}-{next(_namespaces)}-{slug}"[:63].strip("-")
     with dev_cluster.temporary_namespace(name):
         yield name
         report = getattr(request.node, "report_call", None)
-        if report is not None and report.failed:
-            _dump_pod_logs(dev_cluster, name, tmp_path_factory.mktemp("podlogs"))
+        keep = os.environ.get("DSCACHE_TEST_KEEP_POD_LOGS") == "1"
+        if keep or (report is not None and report.failed):
+            out = tmp_path_factory.mktemp("podlogs")
+            save_pod_logs(str(dev_cluster.binaries.kubectl), dev_cluster.kubeconfig, name, out)

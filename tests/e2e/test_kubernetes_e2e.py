@@ -174,6 +174,8 @@ def test_demo_kubernetes_promotes_the_good_revision_and_rolls_back_the_bad_one(
         prometheus_url=dev_cluster.prometheus_url,
         namespace="e2e-demo",
         operator_namespace=release,
+        # A failed run keeps its pods' logs here (pod-logs/<namespace>/).
+        workdir=tmp_path,
         # A light load: the test checks the behaviour, the benchmark the figures.
         concurrency=8,
         think_s=3.0,

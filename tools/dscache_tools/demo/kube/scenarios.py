@@ -28,6 +28,7 @@ from dscache_tools.demo.kube.cluster import (
     patch_revision,
     prewarm_configmap,
     resource,
+    workdir_for,
 )
 from dscache_tools.demo.kube.options import NAME, KubeDemoOptions, options_report
 from dscache_tools.demo.kube.plot import write_png
@@ -41,6 +42,7 @@ from dscache_tools.demo.kube.report import (
 )
 from dscache_tools.demo.kube.watch import LoadThread, Phase, Watcher
 from dscache_tools.demo.output import publish
+from dscache_tools.podlogs import save_pod_logs
 from dscache_tools.polling import wait_until
 from dscache_tools.procs import terminate_on_sigterm
 from dscache_tools.workload import (
@@ -96,6 +98,13 @@ def run_kubernetes_demo(opts: KubeDemoOptions, say: Callable[[str], None]) -> di
         targets = [f"http://{ip}:8080" for ip in api.router_ips(ns)]
         try:
             report.update(_scenarios(cluster, api, opts, targets, slices, say=say))
+        except BaseException:
+            # The namespace goes next, and with it the logs that explain the failure.
+            keep = workdir_for(opts) / "pod-logs"
+            for namespace in (ns, opts.operator_namespace):
+                save_pod_logs(cluster.kubectl_bin, cluster.kubeconfig, namespace, keep / namespace)
+            say(f"failed: the pods' logs and events are kept in {keep}")
+            raise
         finally:
             cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
     report["wall_s"] = round(time.monotonic() - began, 1)
