@@ -20,9 +20,16 @@ context length, ``upper`` is the context length.
 Contract:
     * Decisions are ``admit``, ``no_gain`` or ``probe``; the floor (``short``) and a
       missing store (``disabled``) are the caller's.
-    * A share ``probe`` of refused prompts is admitted anyway, so the sizes the
-      model refuses keep being measured and a range that shrank on a slow moment
-      can widen again.
+    * A share ``probe`` of refused prompts is admitted anyway, and with
+      ``probe_every_s`` one refused prompt of each size class per that many seconds
+      (one whose class had no load sample in that time), so the sizes the model
+      refuses keep being measured and a range that shrank on a slow moment widens
+      again within seconds, whatever the traffic: a share alone brings a class back
+      only after hundreds of its requests (its median needs fresh samples).
+    * Samples older than ``max_age_s`` are dropped at each refit: a slow moment (a
+      sidecar starved of CPU while it writes a prewarm's blocks) stops counting
+      once it is over, and a class left without fresh samples is costed on the
+      calibrated line again.
     * Samples never raise and never block: a refit is a few medians, done on the
       call that finds the last refit ``refit_s`` old. ``refit_s`` None keeps the
       calibrated model for the process's life.
@@ -119,6 +126,10 @@ class Admission:
         window: samples kept per size class and path.
         min_samples: samples a class needs before its median replaces the line.
         probe: share of refused prompts admitted anyway (0 <= probe <= 1).
+        probe_every_s: also admit one refused prompt per size class this often,
+            seconds (None: the share alone).
+        max_age_s: samples older than this many seconds are dropped at a refit
+            (None: kept until the window pushes them out).
         metrics: where the range and the estimates are exported (None: nowhere).
         seed: seed of the probe draws.
         clock: monotonic seconds (tests inject one).
@@ -134,6 +145,8 @@ class Admission:
         window: int = 32,
         min_samples: int = 4,
         probe: float = 0.0,
+        probe_every_s: float | None = None,
+        max_age_s: float | None = 60.0,
         metrics: ServerMetrics | None = None,
         seed: int = 0,
         clock: Callable[[], float] = time.monotonic,
@@ -142,22 +155,32 @@ class Admission:
             raise ValueError("block_tokens and max_tokens must be >= 1")
         if not 0.0 <= probe <= 1.0:
             raise ValueError(f"probe must be within [0, 1], got {probe}")
-        if refit_s is not None and refit_s < 0:
-            raise ValueError(f"refit_s must be >= 0, got {refit_s}")
+        for name, value in (
+            ("refit_s", refit_s),
+            ("probe_every_s", probe_every_s),
+            ("max_age_s", max_age_s),
+        ):
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         self.cost = cost
         self.block_tokens = block_tokens
         self.max_blocks = max(max_tokens // block_tokens, 1)
         self.refit_s = refit_s
         self.min_samples = max(min_samples, 1)
         self.probe = probe
+        self.probe_every_s = probe_every_s
+        self.max_age_s = max_age_s
         self.metrics = metrics
         self._clock = clock
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._classes = (self.max_blocks - 1).bit_length() + 1
-        self._samples: dict[Path, list[deque[float]]] = {
+        # (monotonic time, seconds per token), newest last
+        self._samples: dict[Path, list[deque[tuple[float, float]]]] = {
             p: [deque(maxlen=max(window, 1)) for _ in range(self._classes)] for p in PATHS
         }
+        # per size class: when it last had a load sample or a timed probe
+        self._last_load = [clock()] * self._classes
         self._per_token: dict[Path, list[float | None]] = {p: [None] * self._classes for p in PATHS}
         self._last_refit = clock()
         self.range = self._fit()
@@ -167,13 +190,19 @@ class Admission:
 
     def decide(self, usable_tokens: int) -> Decision:
         """``admit`` when loading ``usable_tokens`` is in the range, else ``no_gain``
-        or, for a ``probe`` share of those, ``probe`` (loaded to be measured)."""
+        or, for a ``probe`` share of those and the first of its size class in
+        ``probe_every_s``, ``probe`` (loaded to be measured)."""
         if self.range.admits(usable_tokens):
             return "admit"
-        if usable_tokens > 0 and self.probe > 0:
-            with self._lock:
-                draw = self._rng.random()
-            if draw < self.probe:
+        if usable_tokens <= 0:
+            return "no_gain"
+        with self._lock:
+            if self.probe_every_s is not None:
+                c, now = self._class_of(usable_tokens), self._clock()
+                if now - self._last_load[c] >= self.probe_every_s:
+                    self._last_load[c] = now  # one timed probe per class and period
+                    return "probe"
+            if self.probe > 0 and self._rng.random() < self.probe:
                 return "probe"
         return "no_gain"
 
@@ -184,18 +213,26 @@ class Admission:
         if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
         with self._lock:
-            self._samples[path][self._class_of(tokens)].append(seconds / tokens)
+            c, now = self._class_of(tokens), self._clock()
+            self._samples[path][c].append((now, seconds / tokens))
+            if path == "load":
+                self._last_load[c] = now
         if self.refit_s is not None and self._clock() - self._last_refit >= self.refit_s:
             self.refit()
 
     def refit(self) -> AdmissionRange:
         """Recomputes the estimates and the range from the samples now."""
         with self._lock:
+            now = self._clock()
             for path in PATHS:
                 for i, samples in enumerate(self._samples[path]):
+                    if self.max_age_s is not None:
+                        while samples and now - samples[0][0] > self.max_age_s:
+                            samples.popleft()
                     enough = len(samples) >= self.min_samples
-                    self._per_token[path][i] = statistics.median(samples) if enough else None
-            self._last_refit = self._clock()
+                    median = statistics.median(x for _, x in samples) if enough else None
+                    self._per_token[path][i] = median
+            self._last_refit = now
             old, self.range = self.range, self._fit()
         if self.range != old:
             log.info(

@@ -106,7 +106,8 @@ class PrefixCache:
         min_tokens: a floor: prompts shorter than this skip the cache (no lookup, no
             store) whatever the cost model says; 0 = the cost model alone decides.
         admission_refit_s: refit the cost model from the requests' own timings at
-            most this often (None: the calibrated model stays; see ``admission``).
+            most this often, and probe each refused size class once per this period
+            (None: the calibrated model stays; see ``admission``).
         admission_probe: share of prompts refused on cost that are loaded anyway,
             to keep measuring the sizes refused.
         lease_ttl_s: lease requested on loads.
@@ -153,6 +154,9 @@ class PrefixCache:
             max_tokens=max_tokens,
             refit_s=admission_refit_s,
             probe=admission_probe,
+            # A refused size class is measured again at each refit period, so one
+            # slow moment cannot keep a warm cache unused (see the admission module).
+            probe_every_s=admission_refit_s,
             metrics=self.metrics,
         )
         if self.store is not None:

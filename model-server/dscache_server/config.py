@@ -127,7 +127,8 @@ class ServerSettings(BaseSettings):
         default=5.0,
         ge=0,
         description="refit the admission cost model from served requests' timings at most "
-        "this often, seconds (0: keep the start-up calibration)",
+        "this often, and probe each refused size class once per this period, seconds "
+        "(0: keep the start-up calibration)",
     )
     admission_probe: float = Field(
         default=0.02,

@@ -103,6 +103,52 @@ def test_probes_admit_a_bounded_share_of_refused_prompts() -> None:
     assert {never.decide(4 * BT) for _ in range(200)} == {"no_gain"}
 
 
+def test_a_range_shut_by_a_slow_moment_reopens_from_timed_probes() -> None:
+    """A canary's sidecar, busy writing its prewarm's blocks, answers four leases
+    slowly: loads of 5..8 blocks measure 3x the recompute and that class is refused.
+    The moment passes. Refused prompts still send one timed probe per class every
+    refit period, the slow samples age out, and the class is admitted again within
+    a minute: a share of 2% alone would need hundreds of that class's requests."""
+
+    def run(**recovery: float | None) -> list[AdmissionRange]:
+        clock = Clock()
+        a = Admission(FAST_DISK, block_tokens=BT, max_tokens=MAX, refit_s=5.0, clock=clock,
+                      **recovery)  # fmt: skip
+        for _ in range(4):
+            a.observe("load", 8 * BT, 8 * BT * 3e-3)
+        ranges = []
+        for second in range(5, 65, 5):
+            clock.now = float(second)
+            for _ in range(20):  # 20 prompts of the refused class per period
+                if a.decide(8 * BT) in ("admit", "probe"):
+                    a.observe("load", 8 * BT, 8 * BT * 1e-4)  # fast again
+                else:
+                    a.observe("recompute", 8 * BT, 8 * BT * 1e-3)
+            ranges.append(a.range)
+        return ranges
+
+    timed = run(probe_every_s=5.0, max_age_s=30.0)
+    assert timed[0] == AdmissionRange(BT, 4 * BT)  # shut above 4 blocks by the slow loads
+    assert timed[-1] == AdmissionRange(BT, MAX)  # open again
+    # Share-less and ageless (the old behaviour), the class stays refused: no load
+    # sample ever replaces the slow ones.
+    assert run(probe_every_s=None, max_age_s=None)[-1] == AdmissionRange(BT, 4 * BT)
+
+
+def test_timed_probes_are_one_per_size_class_and_period() -> None:
+    clock = Clock()
+    a = Admission(SLOW_DISK, block_tokens=BT, max_tokens=MAX, probe_every_s=10.0, clock=clock)
+    assert {a.decide(4 * BT) for _ in range(50)} == {"no_gain"}  # none before a period
+    clock.now = 10.0
+    first = [a.decide(4 * BT) for _ in range(50)]
+    other = [a.decide(16 * BT) for _ in range(50)]
+    assert first.count("probe") == 1 and other.count("probe") == 1
+    clock.now = 15.0
+    assert {a.decide(4 * BT) for _ in range(50)} == {"no_gain"}
+    clock.now = 20.0
+    assert [a.decide(3 * BT) for _ in range(5)].count("probe") == 1  # 3 blocks: same class
+
+
 def test_bad_samples_are_ignored_and_bad_settings_refused() -> None:
     a = Admission(FAST_DISK, block_tokens=BT, max_tokens=MAX, refit_s=0.0, min_samples=1)
     for tokens, seconds in ((0, 1.0), (BT, 0.0), (BT, float("nan")), (-5, 1.0)):
@@ -115,6 +161,8 @@ def test_bad_samples_are_ignored_and_bad_settings_refused() -> None:
         Admission(FAST_DISK, block_tokens=BT, max_tokens=MAX, probe=1.5)
     with pytest.raises(ValueError, match="refit_s"):
         Admission(FAST_DISK, block_tokens=BT, max_tokens=MAX, refit_s=-1.0)
+    with pytest.raises(ValueError, match="max_age_s"):
+        Admission(FAST_DISK, block_tokens=BT, max_tokens=MAX, max_age_s=-1.0)
 
 
 # ---------------------------------------------------------------- through the server
