@@ -271,7 +271,8 @@ class _RemoteCollector(Collector):
         s = self._read()
         yield GaugeMetricFamily(
             "dscache_sidecar_remote_up",
-            "1 while the shared tier answers, 0 while it is skipped after a failure",
+            "1 while the shared tier answers, 0 until its first connect and while it is "
+            "skipped after a failure",
             value=1.0 if s.up else 0.0,
         )
         yield GaugeMetricFamily(

@@ -33,7 +33,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from dscache_sidecar.remote import RemoteTierError
+from dscache_sidecar.remote import RemoteTierConnectingError, RemoteTierError
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class RedisClusterTier:
             return client
         if not self._connecting.acquire(blocking=False):
             if not wait:
-                raise RemoteTierError("connection", "not connected yet: a connect is under way")
+                raise RemoteTierConnectingError()
             with self._connecting:
                 client = self._client
             if client is None:

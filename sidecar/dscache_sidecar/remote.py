@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-__all__ = ["RemoteTier", "RemoteTierError"]
+__all__ = ["RemoteTier", "RemoteTierConnectingError", "RemoteTierError"]
 
 
 class RemoteTierError(Exception):
@@ -30,6 +30,15 @@ class RemoteTierError(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class RemoteTierConnectingError(RemoteTierError):
+    """The engine is still connecting (another call builds its connections): this
+    call cannot use it yet. A miss for a read, not a failure: the tier is not
+    skipped for it."""
+
+    def __init__(self) -> None:
+        super().__init__("connection", "not connected yet: a connect is under way")
 
 
 class RemoteTier(Protocol):

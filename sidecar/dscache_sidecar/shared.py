@@ -55,7 +55,7 @@ from dscache_sidecar.blockstore import BlockSpec, StoreFullError, tenant_bytes
 from dscache_sidecar.config import SidecarSettings
 from dscache_sidecar.index import BlockRecord
 from dscache_sidecar.metrics import SidecarMetrics
-from dscache_sidecar.remote import RemoteTier, RemoteTierError
+from dscache_sidecar.remote import RemoteTier, RemoteTierConnectingError, RemoteTierError
 from dscache_sidecar.sharedvalue import CorruptValueError, ForgedValueError, ValueFormat
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,9 @@ class SharedTier:
         self._pending = 0
         self._idle = threading.Condition(self._lock)
         self._down_until = 0.0
+        # The tier answered since the last failure (the first connect included):
+        # ``remote_up`` reads 0 until then.
+        self._answered = False
         self._last_warning = -_WARN_EVERY_S
         # Remote calls run here so a request waits at most its bound for them, even
         # when the client library would go on (reconnecting, re-reading slots).
@@ -168,6 +171,8 @@ class SharedTier:
             self._failed("connect", exc)
         except Exception:  # a background call must not die silently
             log.exception("shared tier connect failed")
+        else:
+            self._answered = True
 
     def close(self) -> None:
         """Stops the writer (queued writes are dropped) and closes the engine."""
@@ -187,7 +192,8 @@ class SharedTier:
         self.tier.close()
 
     def status(self) -> SharedStatus:
-        return SharedStatus(self.tier.engine, self._available(), self._queue.qsize())
+        up = self._answered and self._available()
+        return SharedStatus(self.tier.engine, up, self._queue.qsize())
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Blocks until every queued write was written or dropped (tests, benches)."""
@@ -201,6 +207,7 @@ class SharedTier:
 
     def _failed(self, op: str, exc: RemoteTierError) -> None:
         self.metrics.remote_errors.labels(op=op, kind=exc.kind).inc()
+        self._answered = False
         now = self._now()
         self._down_until = now + self.settings.shared_retry_s
         with self._lock:
@@ -316,6 +323,7 @@ class SharedTier:
             self._failed("push", exc)
             drops.labels(reason="error").inc(len(items))
             return
+        self._answered = True
         self.metrics.remote_latency.labels(op="push").observe(time.perf_counter() - t0)
         self.metrics.remote_blocks.labels(op="push", result="ok").inc(len(items))
         self.metrics.remote_bytes.labels(op="push").inc(sum(len(v) for _, v in items))
@@ -334,9 +342,12 @@ class SharedTier:
         except FutureTimeout:
             self._failed("lookup", RemoteTierError("timeout", "no answer within the timeout"))
             return 0
+        except RemoteTierConnectingError:
+            return 0  # a miss: the background connect is not done yet
         except RemoteTierError as exc:
             self._failed("lookup", exc)
             return 0
+        self._answered = True
         self.metrics.remote_latency.labels(op="lookup").observe(time.perf_counter() - t0)
         found = 0
         for there in present:
@@ -392,14 +403,18 @@ class SharedTier:
         self, pending: Future[list[bytes | None]], deadline: float
     ) -> list[bytes | None] | None:
         try:
-            return pending.result(timeout=max(0.0, deadline - self._now()))
+            values = pending.result(timeout=max(0.0, deadline - self._now()))
         except FutureTimeout:
             # A long prefix on a slow link, not a failed tier: counted, not skipped.
             self.metrics.remote_errors.labels(op="fetch", kind="budget").inc()
             return None
+        except RemoteTierConnectingError:
+            return None  # a miss: the background connect is not done yet
         except RemoteTierError as exc:
             self._failed("fetch", exc)
             return None
+        self._answered = True
+        return values
 
     def _store_batch(
         self, tenant: str, tid: bytes, batch: list[bytes], values: list[bytes | None]

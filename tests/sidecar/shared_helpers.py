@@ -10,6 +10,7 @@ from typing import Any
 from dscache_sidecar.blockstore import tenant_bytes
 from dscache_sidecar.index import BlockRecord
 from dscache_sidecar.sharedvalue import ValueFormat
+from dscache_tools.polling import wait_until
 from dscache_tools.rediscluster import LocalRedisCluster, TlsFiles
 from sidecar_helpers import Sidecar
 
@@ -17,16 +18,31 @@ from sidecar_helpers import Sidecar
 UNSIGNED = ValueFormat()
 
 
-def pod(make_sidecar: Callable[..., Sidecar], c: LocalRedisCluster, **kw: Any) -> Sidecar:
+def pod(
+    make_sidecar: Callable[..., Sidecar],
+    c: LocalRedisCluster,
+    *,
+    connected: bool = True,
+    **kw: Any,
+) -> Sidecar:
     """A daemon on its own (empty) data directory with ``c`` as its shared tier.
 
     Timeouts are generous unless a test is about them: on a loaded machine a first
     call (connection, slot map) can outlast the 0.25 s default, and these tests
-    check what is found, not how fast.
+    check what is found, not how fast. With ``connected`` it is returned once its
+    background connect is done (``dscache_sidecar_remote_up`` 1), as a pod is
+    before it takes traffic: a read made earlier is a miss by design.
     """
     kw.setdefault("shared_timeout_s", 3.0)
     kw.setdefault("shared_fetch_budget_s", 10.0)
-    return make_sidecar(shared_nodes=c.nodes, **kw)
+    p = make_sidecar(shared_nodes=c.nodes, **kw)
+    if connected:
+        wait_until(
+            "the sidecar's shared tier to connect",
+            lambda: p.metric("dscache_sidecar_remote_up") == 1,
+            30,
+        )
+    return p
 
 
 def settle(*pods: Sidecar) -> None:

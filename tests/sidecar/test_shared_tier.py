@@ -212,6 +212,34 @@ def test_a_frozen_cluster_is_a_miss_within_the_timeout(
 
 
 @pytest.mark.slow
+def test_a_read_before_the_first_connect_is_a_miss_and_skips_nothing(
+    make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
+) -> None:
+    """A pod's first request comes while its background connect still waits on a
+    frozen cluster: that read is a miss at once, not a failure (no error counted,
+    the tier not skipped for 5 s), and ``remote_up`` says 0 until the tier answers.
+    Once the cluster is back, the pod finds the blocks."""
+    a = pod(make_sidecar, shared, shared_write_policy="all")
+    ch = chain()
+    keys = ch.keys(prompt(4, seed=31))
+    a.c.store(ch.tenant, blocks_for(keys))
+    settle(a)
+    shared.pause()
+    try:
+        b = pod(make_sidecar, shared, connected=False)  # its connect now hangs (3 s bound)
+        t0 = time.monotonic()
+        assert b.c.find(ch.tenant, keys).found == 0
+        assert time.monotonic() - t0 < 2.0  # it did not wait for the connect
+        assert b.metric("dscache_sidecar_remote_up") == 0
+        for kind in ("timeout", "connection", "other"):
+            assert b.metric("dscache_sidecar_remote_errors_total", op="lookup", kind=kind) == 0
+    finally:
+        shared.resume()
+    wait_until("pod b's tier to answer", lambda: b.metric("dscache_sidecar_remote_up") == 1, 30)
+    assert b.c.find(ch.tenant, keys).found == 4
+
+
+@pytest.mark.slow
 def test_writes_never_wait_for_the_tier_and_overflow_is_counted(
     make_sidecar: Callable[..., Sidecar], shared: LocalRedisCluster
 ) -> None:
@@ -284,7 +312,9 @@ def test_a_password_protected_cluster_needs_the_right_password(
     with LocalRedisCluster(tmp_path / "redis-auth", password="s3cret") as locked:
         a = pod(make_sidecar, locked, shared_write_policy="all", shared_password="s3cret")
         right = pod(make_sidecar, locked, shared_password="s3cret")
-        wrong = pod(make_sidecar, locked, shared_password="guess", shared_timeout_s=0.5)
+        wrong = pod(
+            make_sidecar, locked, connected=False, shared_password="guess", shared_timeout_s=0.5
+        )
         ch = chain()
         keys = ch.keys(prompt(3, seed=11))
         a.c.store(ch.tenant, blocks_for(keys))
@@ -315,8 +345,8 @@ def test_a_tls_cluster_is_used_only_with_a_ca_that_signed_it(
         trusted = {"shared_tls_ca_file": tls.ca}
         a = pod(make_sidecar, secure, shared_write_policy="all", **trusted)
         b = pod(make_sidecar, secure, **trusted)
-        fooled = pod(make_sidecar, secure, shared_tls_ca_file=stranger.ca)
-        plain = pod(make_sidecar, secure)  # no CA, no TLS: plain TCP
+        fooled = pod(make_sidecar, secure, connected=False, shared_tls_ca_file=stranger.ca)
+        plain = pod(make_sidecar, secure, connected=False)  # no CA, no TLS: plain TCP
         ch = chain()
         keys = ch.keys(prompt(3, seed=12))
         a.c.store(ch.tenant, blocks_for(keys))
