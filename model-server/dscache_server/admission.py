@@ -212,12 +212,12 @@ class Admission:
         """One measured load or recompute of ``tokens`` tokens; may refit."""
         if tokens <= 0 or not math.isfinite(seconds) or seconds <= 0:
             return
+        c, now = self._class_of(tokens), self._clock()
         with self._lock:
-            c, now = self._class_of(tokens), self._clock()
             self._samples[path][c].append((now, seconds / tokens))
             if path == "load":
                 self._last_load[c] = now
-        if self.refit_s is not None and self._clock() - self._last_refit >= self.refit_s:
+        if self.refit_s is not None and now - self._last_refit >= self.refit_s:
             self.refit()
 
     def refit(self) -> AdmissionRange:

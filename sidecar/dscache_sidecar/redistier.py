@@ -5,11 +5,12 @@ Contract:
       It connects when asked (``connect``: the slot map and a socket to every
       node) or else on the first call; a cluster that is down when the sidecar
       starts is an error of that call, not of the start. A read made while
-      another call is connecting fails at once (``connection``) instead of
-      waiting behind it; a write (the sidecar's writer thread) waits for that
-      connect. It pipelines every batch (redis-py
-      groups the commands by node: one round trip per node) and never retries:
-      the caller decides what a failure costs.
+      another call is connecting fails at once with
+      :class:`~dscache_sidecar.remote.RemoteTierConnectingError` (a miss to the
+      sidecar, not a failure) instead of waiting behind it; a write (the
+      sidecar's writer thread) waits for that connect. It pipelines every batch
+      (redis-py groups the commands by node: one round trip per node) and never
+      retries: the caller decides what a failure costs.
     * Every socket operation is bounded by ``timeout_s``; a failure of any kind is
       a :class:`~dscache_sidecar.remote.RemoteTierError`, after which the client is
       dropped and rebuilt on the next call (it re-reads the slot map).
