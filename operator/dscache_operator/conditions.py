@@ -67,14 +67,20 @@ def rollout_conditions(
         new_rollout: this decision started a rollout.
     """
     stable_ready = observed.track(st.stable_slot).ready
+    # Available: clients get answers from the stable revision, which needs its track
+    # and a router pod in front of it.
+    available = stable_ready and observed.router_ready
+    track = f"track {st.stable_slot} ({st.stable_revision})"
+    if not stable_ready:
+        available_reason, available_message = "StableNotReady", track
+    elif not observed.router_ready:
+        available_reason = "RouterNotReady"
+        available_message = f"{track} is ready; no router pod is available"
+    else:
+        available_reason, available_message = "StableReady", f"{track} and the router"
     degraded = st.phase == "Degraded"
     wanted: list[tuple[str, bool, str, str]] = [
-        (
-            "Available",
-            stable_ready,
-            "StableReady" if stable_ready else "StableNotReady",
-            f"track {st.stable_slot} ({st.stable_revision})",
-        ),
+        ("Available", available, available_reason, available_message),
         ("Progressing", *_progressing(st, observed, hold)),
         (
             "Degraded",
@@ -92,8 +98,8 @@ def rollout_conditions(
     wanted.append(
         (
             "Ready",
-            stable_ready,
-            "Available" if stable_ready else "NotAvailable",
+            available,
+            "Available" if available else "NotAvailable",
             f"phase {st.phase}",
         )
     )

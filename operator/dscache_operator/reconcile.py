@@ -119,6 +119,17 @@ def observe_track(deployment: Obj | None) -> TrackObservation:
     return TrackObservation(exists=True, ready=bool(ready), undone=undone)
 
 
+def observe_router(deployment: Obj | None) -> bool:
+    """Whether the router answers: its Deployment has at least one available pod.
+
+    One is enough (the Service sends clients to it); a router rolling out new pods
+    keeps old ones available, so this does not flicker during a config change.
+    """
+    if deployment is None:
+        return False
+    return int((deployment.get("status") or {}).get("availableReplicas") or 0) >= 1
+
+
 def owned_by(obj: Obj, uid: str) -> bool:
     """Whether ``obj`` carries an ownerReference to the resource with ``uid``."""
     refs = obj.get("metadata", {}).get("ownerReferences") or []
@@ -438,6 +449,9 @@ class Reconciler:
             tracks=tracks,
             prewarm=prewarm,
             annotations=Annotations.from_metadata(meta.get("annotations")),
+            router_ready=observe_router(
+                self._owned(reader, "Deployment", owner, f"{owner.name}-router")
+            ),
         )
 
     def _owned(self, reader: ChildReader, kind: str, owner: Owner, name: str) -> Obj | None:

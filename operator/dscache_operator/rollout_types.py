@@ -82,6 +82,10 @@ class Observed:
     rollback_window_s: float = 1800.0
     prewarm_enabled: bool = True
     tracks: Mapping[str, TrackObservation] = field(default_factory=dict)
+    #: The router Deployment has an available pod: the service's clients get answers.
+    #: It does not steer the rollout (its analysis reads the model pods), only the
+    #: ``Available`` and ``Ready`` conditions.
+    router_ready: bool = True
     #: The prewarm Job of the step about to be entered: step 0 while Prewarming,
     #: the next step during a step ("succeeded" when that step needs no Job).
     prewarm: PrewarmState = "absent"

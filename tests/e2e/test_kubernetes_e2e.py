@@ -101,7 +101,13 @@ def _wait_status(
 
 
 def _available(c: DevCluster, ns: str, name: str, timeout: float = 900) -> dict[str, Any]:
-    return _wait_status(c, ns, name, "Available", lambda s: s.get("phase") == "Available", timeout)
+    """At rest, and the ``Available`` condition True: the stable pods and a router pod."""
+
+    def ok(s: dict[str, Any]) -> bool:
+        cond = next((x for x in s.get("conditions", []) if x["type"] == "Available"), {})
+        return s.get("phase") == "Available" and cond.get("status") == "True"
+
+    return _wait_status(c, ns, name, "Available", ok, timeout)
 
 
 def _patch(c: DevCluster, ns: str, name: str, patch: dict[str, Any]) -> None:
@@ -249,6 +255,8 @@ def test_abort_and_rollout_undo_on_live_pods(
     # An hour per step: nothing advances unless a person says so.
     _apply(c, ns, _resource(name, rollout={"interval": "1h", "steps": [10, 50, 100]}))
     first = _available(c, ns, name)
+    # Available counts the router: once it is True a router pod answers, no wait.
+    assert _router_status(c, ns, name) is not None, "Available, but no router pod answers"
     stable_slot = first["stableSlot"]
     _patch(c, ns, name, {"spec": {"model": {"revision": "2"}}})
     st = _wait_status(c, ns, name, "weight 10", lambda s: s.get("weight") == 10)

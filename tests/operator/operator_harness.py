@@ -300,7 +300,13 @@ def set_revision(c: DevCluster, ns: str, name: str, revision: str) -> None:
 
 
 def available(c: DevCluster, ns: str, name: str, op: OperatorProcess) -> dict[str, Any]:
-    return wait_for(c, ns, name, "Available", lambda s: s.get("phase") == "Available", op)
+    """The rollout at rest and the ``Available`` condition True (router included), as
+    ``kubectl wait --for=condition=Available`` would see it."""
+
+    def ok(s: dict[str, Any]) -> bool:
+        return s.get("phase") == "Available" and condition(s, "Available").get("status") == "True"
+
+    return wait_for(c, ns, name, "Available", ok, op)
 
 
 def start_rollout(

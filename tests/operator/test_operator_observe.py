@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 from dscache_operator.desired import TEMPLATE_HASH
-from dscache_operator.reconcile import observe_job, observe_track, ready_pod_ips
+from dscache_operator.reconcile import observe_job, observe_router, observe_track, ready_pod_ips
 from dscache_operator.rollout_types import TrackObservation
 
 
@@ -49,6 +49,21 @@ def deployment(
 )
 def test_observe_track(dep: dict[str, Any] | None, expected: TrackObservation) -> None:
     assert observe_track(dep) == expected
+
+
+@pytest.mark.parametrize(
+    ("dep", "answers"),
+    [
+        (None, False),
+        (deployment(), True),
+        # One available router pod answers clients, even mid-rollout of its config.
+        (deployment(ready=1, updated=1, total=3), True),
+        (deployment(ready=0), False),
+        ({"metadata": {}, "spec": {}}, False),  # just created: no status yet
+    ],
+)
+def test_observe_router(dep: dict[str, Any] | None, answers: bool) -> None:
+    assert observe_router(dep) is answers
 
 
 @pytest.mark.parametrize(

@@ -138,6 +138,24 @@ def test_stable_losing_pods_is_degraded(available: DeepSeekCacheDeploymentStatus
     assert cond(d, "Available") == ("False", "StableNotReady")
 
 
+def test_available_needs_a_router_pod_as_well_as_the_stable_track(
+    available: DeepSeekCacheDeploymentStatus,
+) -> None:
+    # `kubectl wait --for=condition=Available` means clients get answers: with the
+    # model pods ready but no router pod, they would not.
+    d = run(available, obs(router_ready=False))
+    assert cond(d, "Available") == ("False", "RouterNotReady")
+    assert cond(d, "Ready") == ("False", "NotAvailable")
+    # The rollout itself is not the router's business: the phase and tracks hold.
+    assert d.status.phase == "Available" and d.status.stable_slot == available.stable_slot
+    back = run(d.status, obs())
+    assert cond(back, "Available") == ("True", "StableReady")
+    assert cond(back, "Ready") == ("True", "Available")
+    # An unready stable track is named first: it is what a router could not fix.
+    both = run(available, obs(tracks={"blue": NOT_READY}, router_ready=False))
+    assert cond(both, "Available") == ("False", "StableNotReady")
+
+
 def test_last_transition_time_moves_only_on_real_transitions(
     available: DeepSeekCacheDeploymentStatus,
 ) -> None:
