@@ -22,20 +22,34 @@ Contract (the router's Lua is the reference; a test runs both on real NGINX):
       order.
     * Between the router and a model pod: every answer of a pod carries its
       in-flight requests in :data:`INFLIGHT_HEADER`, and ``SESSIONS_PATH + id``
-      tells whether the pod served a session (``dscache_server.sessions``).
+      tells whether the pod served a session: 200 ``{"age_s", "inflight"}`` for a
+      session in its :class:`SessionLedger`, 404 ``{"inflight"}`` otherwise. Both
+      engines keep one (the model server, ``dscache_server.sessions``; vLLM,
+      ``dscache_vllm.ledger``); the picker asks them (``dscache_server.sessions.locate``).
+    * :class:`SessionLedger` ``seen(id)`` records a session as served now;
+      ``age(id)`` is the seconds since, or None. Bounded: ``max_sessions`` entries
+      (least recent dropped first), each forgotten ``ttl_s`` after its last request;
+      an id over :data:`MAX_SESSION_ID` characters is not recorded.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cachetools import TTLCache
 
 #: The header in which a model pod reports its in-flight requests to the router.
 INFLIGHT_HEADER = "X-Dscache-Inflight"
 #: Where a model pod answers whether it served a session (followed by the id).
 SESSIONS_PATH = "/dscache/sessions/"
+#: Longest session id a ledger records (the router's own limit is shorter).
+MAX_SESSION_ID = 256
 
 #: Points a pod gets on the ring (NGINX's ``hash ... consistent``).
 POINTS_PER_POD = 160
@@ -128,3 +142,34 @@ class Ring:
                 if len(order) == len(self.pods):
                     break
         return order
+
+
+class SessionLedger:
+    """The sessions a pod served (see the module contract)."""
+
+    def __init__(
+        self,
+        max_sessions: int = 200_000,
+        ttl_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        # Imported here: the core's other users (the operator's renderer) need no
+        # cachetools; both engines that keep a ledger have it (the server extra
+        # pins it, vLLM depends on it).
+        from cachetools import TTLCache
+
+        self._clock = clock
+        self._seen: TTLCache[str, float] = TTLCache(max_sessions, ttl_s, timer=clock)
+
+    def seen(self, session_id: str | None) -> None:
+        """Records ``session_id`` as served now (nothing for none or an overlong one)."""
+        if session_id and len(session_id) <= MAX_SESSION_ID:
+            self._seen[session_id] = self._clock()
+
+    def age(self, session_id: str) -> float | None:
+        """Seconds since the session's last request here, or None if unknown."""
+        at = self._seen.get(session_id)
+        return None if at is None else max(0.0, self._clock() - at)
+
+    def __len__(self) -> int:
+        return len(self._seen)

@@ -39,11 +39,11 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from dscache.routing import INFLIGHT_HEADER
 from dscache_server.auth import OTHER_LABEL, Principal
 from dscache_server.errors import APIError
 from dscache_server.parse import ParsedRequest, parse_request, read_json
 from dscache_server.schemas import Endpoint, completion_body
-from dscache_server.sessions import INFLIGHT_HEADER
 from dscache_server.slots import QueueFullError, tenant_session
 from dscache_server.state import AppState, Serving, authenticate
 from dscache_server.streaming import SlotStreamingResponse, stream_completion

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from dscache.routing import MAX_SESSION_ID
 from dscache_server.picker import (
     BLOCKS_HEADER,
     REASON_HEADER,
@@ -38,7 +39,7 @@ from dscache_server.picker import (
     PickQuery,
     Refresher,
 )
-from dscache_server.sessions import MAX_SESSION_ID, locate
+from dscache_server.sessions import locate
 from dscache_server.tokenizer import DeepSeekTokenizer
 
 log = logging.getLogger(__name__)

@@ -50,11 +50,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dscache.routing import SESSIONS_PATH
 from dscache_server.auth import DEFAULT_TENANT, GATEWAY_TOKEN_HEADER
 from dscache_server.completions import handle_completion
 from dscache_server.errors import APIError
 from dscache_server.runtime import Runtime
-from dscache_server.sessions import SESSIONS_PATH
 from dscache_server.state import AppState, StateDep, authenticate
 from dscache_server.templatelog import FILTER_PATH, MAX_TOP, TEMPLATES_PATH, TemplateLog
 

@@ -8,10 +8,9 @@ records each session id the router sent it, and a replica's picker, on a session
 its replica does not know, asks the track's pods which one served it last.
 
 Contract:
-    * ``SessionLedger.seen(session_id)`` records a session (the router's session
-      header: the client's own id) as served here now; ``age(session_id)`` is the
-      seconds since, or None. Bounded: ``max_sessions`` entries (least recent
-      dropped first), each forgotten ``ttl_s`` after its last request.
+    * The model server's ``dscache.routing.SessionLedger`` (``AppState.sessions``)
+      records each session id the router sent it (its session header: the client's
+      own id); vLLM pods keep the same ledger (``dscache_vllm.ledger``).
     * ``GET /dscache/sessions/<id>`` (the model server, internal token as for the
       key info) answers 200 ``{"age_s", "inflight"}`` for a session in the
       ledger, 404 ``{"inflight"}`` for one it is not; ``inflight`` is the pod's
@@ -30,47 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from urllib.parse import quote
 
 import httpx
-from cachetools import TTLCache
 
-from dscache.routing import INFLIGHT_HEADER, SESSIONS_PATH
+from dscache.routing import SESSIONS_PATH
 
-__all__ = ["INFLIGHT_HEADER", "SESSIONS_PATH", "SessionLedger", "locate"]
-
-#: Longest session id the ledger records (the router's own limit is shorter).
-MAX_SESSION_ID = 256
 #: Largest answer the picker reads from a pod's session route.
 MAX_ANSWER_BYTES = 4096
-
-
-class SessionLedger:
-    """The sessions a pod served (see the module contract)."""
-
-    def __init__(
-        self,
-        max_sessions: int = 200_000,
-        ttl_s: float = 3600.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._clock = clock
-        self._seen: TTLCache[str, float] = TTLCache(max_sessions, ttl_s, timer=clock)
-
-    def seen(self, session_id: str | None) -> None:
-        """Records ``session_id`` as served now (nothing for none or an overlong one)."""
-        if session_id and len(session_id) <= MAX_SESSION_ID:
-            self._seen[session_id] = self._clock()
-
-    def age(self, session_id: str) -> float | None:
-        """Seconds since the session's last request here, or None if unknown."""
-        at = self._seen.get(session_id)
-        return None if at is None else max(0.0, self._clock() - at)
-
-    def __len__(self) -> int:
-        return len(self._seen)
 
 
 async def locate(

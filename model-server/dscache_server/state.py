@@ -26,10 +26,10 @@ from typing import Annotated, NamedTuple
 import anyio
 from fastapi import Depends, FastAPI, Request
 
+from dscache.routing import SessionLedger
 from dscache_server.auth import AuthError, Principal
 from dscache_server.errors import APIError, refused
 from dscache_server.runtime import Runtime
-from dscache_server.sessions import SessionLedger
 from dscache_server.slots import GenerationSlots
 
 log = logging.getLogger(__name__)

@@ -51,6 +51,14 @@ def test_a_generated_salt_hands_the_internal_token_to_server_sidecar_and_picker(
     assert token == want and ("s" * 64) not in token
 
 
+def test_a_vllm_pod_gets_the_token_for_its_session_ledger() -> None:
+    # dscache_vllm.ledger answers the router's picker only with this token.
+    spec = parse_spec({**BASE, "engine": "vllm", "model": {"path": "/models/ds"}})
+    pod = _containers(model_deployment(OWNER, spec, status_for(spec), "blue"))
+    assert _env(pod["server"])["DSCACHE_VLLM_INTERNAL_TOKEN"] == {"secretKeyRef": REF}
+    assert pod["server"]["args"][:2] == ["vllm", "serve"]
+
+
 def test_other_salt_sources_render_no_token() -> None:
     for salt in ({"source": "namespace"}, {"source": "none"}):
         spec = parse_spec({**BASE, "tenantSalt": salt})

@@ -9,9 +9,11 @@ import json
 import httpx
 from dscache_server.picker import Picker, PickerSettings
 from dscache_server.pickerserve import create_app
-from dscache_server.sessions import SessionLedger, locate
+from dscache_server.sessions import locate
 from dscache_server.tokenizer import DeepSeekTokenizer
 from fastapi.testclient import TestClient
+
+from dscache.routing import SessionLedger
 
 
 class Clock:

@@ -14,7 +14,12 @@ from dscache_tools.sidecarproc import SidecarProcess
 from dscache_tools.vllmprobe import VllmServer
 from vllm_helpers import STORE_FLAGS
 
+from dscache.routing import INFLIGHT_HEADER, SESSIONS_PATH
+
 pytestmark = pytest.mark.vllm
+
+#: The session ledger's token (the operator sets it from the resource's Secret).
+TOKEN = "picker-token"
 
 #: A long system prompt (reusable across restarts) and a question.
 MESSAGES = [
@@ -23,12 +28,20 @@ MESSAGES = [
 ]
 
 
-def chat(server: VllmServer) -> dict[str, Any]:
+def chat(server: VllmServer, session: str | None = None) -> dict[str, Any]:
     body = {"model": server.model, "messages": MESSAGES, "max_tokens": 8}
-    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    headers = {"X-Session-ID": session} if session else {}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     resp.raise_for_status()
+    # The routing protocol's in-flight count (dscache_vllm.ledger): this request.
+    assert resp.headers[INFLIGHT_HEADER] == "1"
     out: dict[str, Any] = resp.json()
     return out
+
+
+def session_age(server: VllmServer, session: str, token: str | None = TOKEN) -> httpx.Response:
+    headers = {"X-Dscache-Internal-Token": token} if token else {}
+    return httpx.get(f"{server.url}{SESSIONS_PATH}{session}", headers=headers, timeout=10)
 
 
 def start(model: Path, sidecar: SidecarProcess, log: Path) -> VllmServer:
@@ -51,17 +64,25 @@ def sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
 
 
 def test_a_restarted_vllm_server_answers_from_the_stored_prefix(
-    vllm_model: Path, sidecar: SidecarProcess, tmp_path: Path
+    vllm_model: Path, sidecar: SidecarProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("DSCACHE_VLLM_INTERNAL_TOKEN", TOKEN)
     first = start(vllm_model, sidecar, tmp_path / "serve.log")
     try:
-        cold = chat(first)
+        cold = chat(first, session="conv-1")
+        # Router pods find the pod that served a session by asking (the ledger).
+        known = session_age(first, "conv-1")
+        assert known.status_code == 200 and known.json()["inflight"] == 0
+        assert session_age(first, "conv-2").status_code == 404
+        assert session_age(first, "conv-1", token=None).status_code == 401
         with SidecarClient(sidecar.socket) as client:
             wait_until("the prefix stored", lambda: client.stats().blocks >= 2, timeout=60)
     finally:
         first.stop()
     second = start(vllm_model, sidecar, tmp_path / "serve.log")
     try:
+        # A restarted pod knows no session: the picker places it anew.
+        assert session_age(second, "conv-1").status_code == 404
         warm = chat(second)
         # The connector's counters reach vLLM's own /metrics (connector stats).
         loaded = wait_until(

@@ -1,8 +1,9 @@
 """``dscache vllm serve`` and ``dscache vllm config``: vLLM with dscache as its KV store.
 
 Light module: argument parsing only. ``serve`` replaces this process with
-``vllm serve MODEL --kv-transfer-config JSON [vLLM's own flags]``; ``config`` prints
-that JSON for a ``vllm serve`` command line of your own.
+``vllm serve MODEL --kv-transfer-config JSON --middleware LEDGER [vLLM's own flags]``
+(the ledger: :mod:`dscache_vllm.ledger`, so router pods find a vLLM session's pod);
+``config`` prints that JSON for a ``vllm serve`` command line of your own.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import sys
 from typing import Any
 
 from dscache.cli import Commands
+
+#: vLLM's ``--middleware`` for the routing protocol (imported by vLLM, not here).
+LEDGER_MIDDLEWARE = "dscache_vllm.ledger.SessionLedgerMiddleware"
 
 
 def kv_transfer_config(
@@ -125,6 +129,10 @@ def _serve(args: argparse.Namespace) -> int:
         args.model,
         "--kv-transfer-config",
         json.dumps(_from_args(args)),
+        # The routing protocol's pod side: the session ledger router pods ask, and
+        # the in-flight count on every answer (dscache_vllm.ledger).
+        "--middleware",
+        LEDGER_MIDDLEWARE,
         *args.vllm_args,
     ]
     os.execv(sys.executable, argv)  # noqa: S606 - become vLLM's server (signals, exit code)

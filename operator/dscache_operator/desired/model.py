@@ -275,6 +275,8 @@ def _vllm_container(owner: Owner, src: RevisionSource) -> Obj:
     env = [{**e, "name": "DSCACHE_VLLM_TENANT_SECRET"} for e in _tenant_env(owner, src)] + [
         {"name": "HF_HUB_OFFLINE", "value": "1"}
     ]
+    # The session ledger's token (dscache_vllm.ledger), as the model server's.
+    env += internal_token_env(owner, src.tenant_salt.source, "DSCACHE_VLLM_INTERNAL_TOKEN")
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
         **container("server", src.vllm.image, ["dscache"], args),

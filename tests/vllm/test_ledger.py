@@ -1,0 +1,147 @@
+"""vLLM pods in the routing protocol (``dscache_vllm.ledger``): the session ledger the
+router pods' pickers ask, and the in-flight count on every answer.
+
+The app inside is a small FastAPI app standing in for vLLM's OpenAI server (the
+middleware sees only ASGI); ``tests/vllm/test_serve.py`` runs the middleware in a
+real ``dscache vllm serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from dscache_server.sessions import locate
+from dscache_vllm.ledger import SessionLedgerMiddleware
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import StreamingResponse
+
+from dscache.routing import INFLIGHT_HEADER, SESSIONS_PATH, SessionLedger
+
+TOKEN = "internal-secret"
+
+
+def vllm_like(release: asyncio.Event | None = None) -> FastAPI:
+    """Answers chat completions (a stream when asked, held open until ``release``),
+    refuses a model it does not serve, and has /health and /metrics."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict[str, object]) -> object:
+        if body.get("model") != "m":
+            raise HTTPException(404, "no such model")
+        if body.get("stream"):
+
+            async def chunks() -> AsyncIterator[bytes]:
+                yield b"data: {}\n\n"
+                if release is not None:
+                    await release.wait()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(chunks(), media_type="text/event-stream")
+        return {"choices": [{"message": {"role": "assistant", "content": "ok"}}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app
+
+
+def client(app: object) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://pod")  # type: ignore[arg-type]
+
+
+def chat(session: str | None, model: str = "m") -> dict[str, object]:
+    headers = {"X-Session-ID": session} if session else {}
+    return {"json": {"model": model, "messages": []}, "headers": headers}
+
+
+async def test_a_served_session_is_known_and_a_refused_one_is_not() -> None:
+    clock = [100.0]
+    ledger = SessionLedger(clock=lambda: clock[0])
+    app = SessionLedgerMiddleware(vllm_like(), internal_token=TOKEN, ledger=ledger)
+    auth = {"X-Dscache-Internal-Token": TOKEN}
+    async with client(app) as c:
+        ok = await c.post("/v1/chat/completions", **chat("s-1"))  # type: ignore[arg-type]
+        assert ok.status_code == 200 and ok.headers[INFLIGHT_HEADER] == "1"
+        refused = await c.post("/v1/chat/completions", **chat("s-2", model="other"))  # type: ignore[arg-type]
+        assert refused.status_code == 404 and refused.headers[INFLIGHT_HEADER] == "1"
+        clock[0] += 7.5
+        known = await c.get(SESSIONS_PATH + "s-1", headers=auth)
+        assert known.status_code == 200 and known.json() == {"age_s": 7.5, "inflight": 0}
+        unknown = await c.get(SESSIONS_PATH + "s-2", headers=auth)
+        assert unknown.status_code == 404 and unknown.json() == {"inflight": 0}
+        # Other routes pass through untouched.
+        health = await c.get("/health")
+        assert health.json() == {"status": "ok"} and INFLIGHT_HEADER not in health.headers
+
+
+async def test_the_ledger_needs_the_internal_token_when_one_is_set() -> None:
+    app = SessionLedgerMiddleware(vllm_like(), internal_token=TOKEN)
+    async with client(app) as c:
+        await c.post("/v1/chat/completions", **chat("s-1"))  # type: ignore[arg-type]
+        for headers in ({}, {"X-Dscache-Internal-Token": "guess"}):
+            r = await c.get(SESSIONS_PATH + "s-1", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_internal_token"
+        assert (await c.get(SESSIONS_PATH + "s-1")).status_code == 401
+    open_app = SessionLedgerMiddleware(vllm_like(), internal_token="")
+    async with client(open_app) as c:
+        await c.post("/v1/chat/completions", **chat("s-1"))  # type: ignore[arg-type]
+        assert (await c.get(SESSIONS_PATH + "s-1")).status_code == 200
+
+
+async def test_a_stream_counts_as_in_flight_until_its_last_byte() -> None:
+    release = asyncio.Event()
+    app = SessionLedgerMiddleware(vllm_like(release), internal_token="")
+    async with client(app) as c:
+        body = {"model": "m", "messages": [], "stream": True}
+
+        async def stream() -> str:
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                first = r.headers[INFLIGHT_HEADER]
+                async for _ in r.aiter_bytes():
+                    pass
+                return first
+
+        streaming = asyncio.create_task(stream())
+        while app.inflight == 0:
+            await asyncio.sleep(0.01)
+        second = await c.post("/v1/chat/completions", **chat(None))  # type: ignore[arg-type]
+        assert second.headers[INFLIGHT_HEADER] == "2"  # the open stream and itself
+        answer = (await c.get(SESSIONS_PATH + "nobody")).json()
+        assert answer == {"inflight": 1}
+        release.set()
+        assert await streaming == "1"
+        assert app.inflight == 0
+
+
+async def test_the_picker_finds_the_vllm_pod_that_served_a_session() -> None:
+    pods = {
+        name: SessionLedgerMiddleware(vllm_like(), internal_token=TOKEN)
+        for name in ("a:8000", "b:8000")
+    }
+    async with client(pods["b:8000"]) as c:
+        await c.post("/v1/chat/completions", **chat("conv-7"))  # type: ignore[arg-type]
+
+    async def route(request: httpx.Request) -> httpx.Response:
+        app = pods[f"{request.url.host}:{request.url.port}"]
+        async with client(app) as c:
+            r = await c.get(request.url.path, headers=dict(request.headers))
+            return httpx.Response(r.status_code, content=r.content, headers=r.headers)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(route)) as picker:
+        auth = {"X-Dscache-Internal-Token": TOKEN}
+        where, inflight = await locate(picker, list(pods), "conv-7", auth)
+        assert where == "b:8000" and inflight == {"a:8000": 0, "b:8000": 0}
+        assert (await locate(picker, list(pods), "conv-8", auth))[0] is None
+
+
+@pytest.mark.parametrize("session", ["x" * 257, ""])
+async def test_an_overlong_or_empty_session_id_is_not_recorded(session: str) -> None:
+    app = SessionLedgerMiddleware(vllm_like(), internal_token="")
+    async with client(app) as c:
+        await c.post("/v1/chat/completions", **chat(session))  # type: ignore[arg-type]
+    assert len(app.ledger) == 0

@@ -1,0 +1,149 @@
+"""vLLM pods in the routing protocol: the session ledger and the in-flight count.
+
+Several router pods agree on where a session lives by asking the model pods
+(``dscache.routing``: ``SESSIONS_PATH``, ``INFLIGHT_HEADER``). The reference server
+answers both itself; this ASGI middleware makes vLLM's OpenAI server answer them,
+so a vLLM session stays on its track and pod whichever router pod it reaches.
+``dscache vllm serve`` adds it (vLLM's ``--middleware``).
+
+Contract:
+    * A completion request (``POST`` to :data:`COMPLETION_PATHS`) that carries the
+      session header (``DSCACHE_VLLM_SESSION_HEADER``, default ``X-Session-ID``: the
+      header the router sends a real session id in) is recorded in the pod's
+      :class:`~dscache.routing.SessionLedger` when vLLM's answer starts with a
+      status below 400: a refused or failed request places no session.
+    * Every answer to a completion request carries ``INFLIGHT_HEADER``: the
+      completion requests this server has started and not finished (a stream counts
+      until its last byte), itself included, as the router's load bound reads it.
+    * ``GET SESSIONS_PATH + id`` answers 200 ``{"age_s", "inflight"}`` or 404
+      ``{"inflight"}``, as the model server does. With ``DSCACHE_VLLM_INTERNAL_TOKEN``
+      set it needs that token in ``X-Dscache-Internal-Token`` (401 otherwise,
+      compared through SHA-256 digests in constant time); without, it is open and
+      says so once at start.
+    * Anything else passes through untouched; the middleware never fails a request
+      of vLLM's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER
+
+from dscache.routing import INFLIGHT_HEADER, SESSIONS_PATH, SessionLedger
+
+log = logging.getLogger("dscache_vllm.ledger")
+
+#: vLLM's completion routes whose sessions the ledger records.
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+#: The header carrying the session id, as the router sends it (``routing`` upstream header).
+SESSION_HEADER_ENV = "DSCACHE_VLLM_SESSION_HEADER"
+DEFAULT_SESSION_HEADER = "X-Session-ID"
+#: The token the router's picker sends for the session route.
+INTERNAL_TOKEN_ENV = "DSCACHE_VLLM_INTERNAL_TOKEN"  # noqa: S105 - a variable's name
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class SessionLedgerMiddleware:
+    """The routing protocol's two pod-side parts, for vLLM (see the module contract)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        session_header: str | None = None,
+        internal_token: str | None = None,
+        ledger: SessionLedger | None = None,
+    ) -> None:
+        self.app = app
+        self.ledger = ledger if ledger is not None else SessionLedger()
+        header = session_header or os.environ.get(SESSION_HEADER_ENV) or DEFAULT_SESSION_HEADER
+        self._session_header = header.lower().encode("latin-1")
+        self._token_header = INTERNAL_TOKEN_HEADER.lower().encode("latin-1")
+        token = internal_token if internal_token is not None else os.environ.get(INTERNAL_TOKEN_ENV)
+        self._token = _digest(token) if token else None
+        self.inflight = 0
+        if self._token is None:
+            log.warning(
+                "%s is not set: %s answers anyone who asks which sessions this pod served",
+                INTERNAL_TOKEN_ENV,
+                SESSIONS_PATH,
+            )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, method = scope.get("path", ""), scope.get("method", "")
+        if method == "GET" and path.startswith(SESSIONS_PATH):
+            await self._answer(scope, send, path[len(SESSIONS_PATH) :])
+        elif method == "POST" and path in COMPLETION_PATHS:
+            await self._completion(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _completion(self, scope: Scope, receive: Receive, send: Send) -> None:
+        session = self._header(scope, self._session_header)
+        self.inflight += 1
+
+        async def started(message: Message) -> None:
+            if message.get("type") == "http.response.start":
+                if session and int(message.get("status", 500)) < 400:
+                    self.ledger.seen(session)
+                headers = [*message.get("headers", ())]
+                headers.append((INFLIGHT_HEADER.lower().encode(), str(self.inflight).encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, started)
+        finally:
+            self.inflight -= 1
+
+    async def _answer(self, scope: Scope, send: Send, session_id: str) -> None:
+        if self._token is not None:
+            given = self._header(scope, self._token_header)
+            if given is None or not hmac.compare_digest(_digest(given), self._token):
+                body = {
+                    "error": {
+                        "message": "the session ledger is for the router's picker: send the "
+                        f"internal token as {INTERNAL_TOKEN_HEADER}",
+                        "code": "invalid_internal_token",
+                    }
+                }
+                await _json(send, 401, body)
+                return
+        age = self.ledger.age(session_id)
+        if age is None:
+            await _json(send, 404, {"inflight": self.inflight})
+        else:
+            await _json(send, 200, {"age_s": round(age, 3), "inflight": self.inflight})
+
+    @staticmethod
+    def _header(scope: Scope, name: bytes) -> str | None:
+        for key, value in scope.get("headers", ()):
+            if key.lower() == name:
+                return str(value.decode("latin-1"))
+        return None
+
+
+async def _json(send: Send, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
