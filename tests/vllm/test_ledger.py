@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
 from dscache_server.sessions import locate
-from dscache_vllm.ledger import SessionLedgerMiddleware
+from dscache_vllm.ledger import KEYINFO_PATH, SessionLedgerMiddleware, write_keyinfo
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 
@@ -145,3 +146,24 @@ async def test_an_overlong_or_empty_session_id_is_not_recorded(session: str) -> 
     async with client(app) as c:
         await c.post("/v1/chat/completions", **chat(session))  # type: ignore[arg-type]
     assert len(app.ledger) == 0
+
+
+async def test_the_key_info_is_served_once_the_connector_wrote_it(tmp_path: Path) -> None:
+    path = tmp_path / "server.keyinfo"
+    app = SessionLedgerMiddleware(vllm_like(), internal_token=TOKEN, keyinfo_file=str(path))
+    auth = {"X-Dscache-Internal-Token": TOKEN}
+    async with client(app) as c:
+        loading = await c.get(KEYINFO_PATH, headers=auth)
+        assert loading.status_code == 503 and loading.json() == {"status": "loading"}
+        write_keyinfo(str(path), model="m", block_tokens=256, fingerprint="ab" * 32, root="cd" * 32)
+        assert (await c.get(KEYINFO_PATH)).status_code == 401
+        info = (await c.get(KEYINFO_PATH, headers=auth)).json()
+        assert info == {
+            "model": "m",
+            "block_tokens": 256,
+            "fingerprint": "ab" * 32,
+            "root": "cd" * 32,
+        }
+        path.unlink()  # read once: the facts of a running engine do not change
+        assert (await c.get(KEYINFO_PATH, headers=auth)).json() == info
+    assert [p.name for p in tmp_path.iterdir()] == []  # no temporary file left behind

@@ -8,12 +8,14 @@ from typing import Any
 
 import httpx
 import pytest
+from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer
 from dscache_sidecar.client import SidecarClient
 from dscache_tools.polling import wait_until
 from dscache_tools.sidecarproc import SidecarProcess
 from dscache_tools.vllmprobe import VllmServer
 from vllm_helpers import STORE_FLAGS
 
+from dscache.keys import block_keys, tenant_label, tenant_salt
 from dscache.routing import INFLIGHT_HEADER, SESSIONS_PATH
 
 pytestmark = pytest.mark.vllm
@@ -77,6 +79,7 @@ def test_a_restarted_vllm_server_answers_from_the_stored_prefix(
         assert session_age(first, "conv-1", token=None).status_code == 401
         with SidecarClient(sidecar.socket) as client:
             wait_until("the prefix stored", lambda: client.stats().blocks >= 2, timeout=60)
+            held = picker_view(first, client)
     finally:
         first.stop()
     second = start(vllm_model, sidecar, tmp_path / "serve.log")
@@ -94,11 +97,32 @@ def test_a_restarted_vllm_server_answers_from_the_stored_prefix(
     finally:
         second.stop()
     assert loaded == cached(warm) and hits >= 1
+    # The picker, keyed by the pod's key info, sees the prefix the pod stored: the
+    # prompt's whole blocks (never its last token), the ones a restart loads.
+    assert held >= 2 and held * 256 == cached(warm)
     # vLLM's own prefix cache is off and the process is new: cached tokens came
     # from dscache (the system prompt's whole blocks).
     assert cached(cold) == 0
     assert cached(warm) >= 512
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+
+
+def picker_view(server: VllmServer, client: SidecarClient) -> int:
+    """The router's picker's view of this pod: the blocks of MESSAGES it would find
+    held here, keyed from the pod's /dscache/keyinfo and tokenized as the picker does
+    (its DeepSeek chat template), checked against vLLM's own tokenization."""
+    auth = {"X-Dscache-Internal-Token": TOKEN}
+    info = httpx.get(f"{server.url}/dscache/keyinfo", headers=auth, timeout=10).json()
+    assert info["block_tokens"] == 256 and info["model"] == server.model
+    body = {"model": server.model, "messages": MESSAGES}
+    vllm_ids = httpx.post(f"{server.url}/tokenize", json=body, timeout=30).json()["tokens"]
+    picker_ids = DeepSeekTokenizer().apply_chat_template(
+        [ChatMessage(m["role"], m["content"]) for m in MESSAGES]
+    )
+    assert picker_ids == vllm_ids
+    keys = block_keys(bytes.fromhex(info["root"]), picker_ids, info["block_tokens"])
+    # Requests without a cache_salt are the default tenant's (no secret here).
+    return int(client.find(tenant_label(tenant_salt("default")), keys).found)
 
 
 def cached(answer: dict[str, Any]) -> int:

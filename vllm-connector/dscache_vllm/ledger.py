@@ -1,4 +1,5 @@
-"""vLLM pods in the routing protocol: the session ledger and the in-flight count.
+"""vLLM pods in the routing protocol: the session ledger, the in-flight count and the
+key facts the picker routes by.
 
 Several router pods agree on where a session lives by asking the model pods
 (``dscache.routing``: ``SESSIONS_PATH``, ``INFLIGHT_HEADER``). The reference server
@@ -20,6 +21,12 @@ Contract:
       set it needs that token in ``X-Dscache-Internal-Token`` (401 otherwise,
       compared through SHA-256 digests in constant time); without, it is open and
       says so once at start.
+    * ``GET KEYINFO_PATH`` (same token) answers the key facts the picker needs to
+      route by the prefix a pod holds, as the model server does: ``{"model",
+      "block_tokens", "fingerprint", "root"}`` of requests without a
+      ``cache_salt``. vLLM's scheduler-side connector writes them to the file named
+      by :data:`KEYINFO_FILE_ENV` when it starts (:func:`write_keyinfo`); until
+      then, 503 ``{"status": "loading"}``.
     * Anything else passes through untouched; the middleware never fails a request
       of vLLM's.
 """
@@ -32,6 +39,7 @@ import json
 import logging
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 
 from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER
@@ -47,6 +55,10 @@ SESSION_HEADER_ENV = "DSCACHE_VLLM_SESSION_HEADER"
 DEFAULT_SESSION_HEADER = "X-Session-ID"
 #: The token the router's picker sends for the session route.
 INTERNAL_TOKEN_ENV = "DSCACHE_VLLM_INTERNAL_TOKEN"  # noqa: S105 - a variable's name
+#: Where the scheduler-side connector leaves the key facts for this server's route.
+KEYINFO_FILE_ENV = "DSCACHE_VLLM_KEYINFO_FILE"
+#: The picker's route for them (``dscache_server.picker.KEYINFO_PATH``).
+KEYINFO_PATH = "/dscache/keyinfo"
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -69,6 +81,7 @@ class SessionLedgerMiddleware:
         session_header: str | None = None,
         internal_token: str | None = None,
         ledger: SessionLedger | None = None,
+        keyinfo_file: str | None = None,
     ) -> None:
         self.app = app
         self.ledger = ledger if ledger is not None else SessionLedger()
@@ -77,12 +90,16 @@ class SessionLedgerMiddleware:
         self._token_header = INTERNAL_TOKEN_HEADER.lower().encode("latin-1")
         token = internal_token if internal_token is not None else os.environ.get(INTERNAL_TOKEN_ENV)
         self._token = _digest(token) if token else None
+        self._keyinfo_file = keyinfo_file or os.environ.get(KEYINFO_FILE_ENV)
+        self._keyinfo: dict[str, Any] | None = None
         self.inflight = 0
         if self._token is None:
             log.warning(
-                "%s is not set: %s answers anyone who asks which sessions this pod served",
+                "%s is not set: %s and %s answer anyone who asks which sessions this pod "
+                "served and how its keys are made",
                 INTERNAL_TOKEN_ENV,
                 SESSIONS_PATH,
+                KEYINFO_PATH,
             )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -91,7 +108,11 @@ class SessionLedgerMiddleware:
             return
         path, method = scope.get("path", ""), scope.get("method", "")
         if method == "GET" and path.startswith(SESSIONS_PATH):
-            await self._answer(scope, send, path[len(SESSIONS_PATH) :])
+            if await self._allowed(scope, send, "the session ledger"):
+                await self._answer(send, path[len(SESSIONS_PATH) :])
+        elif method == "GET" and path == KEYINFO_PATH:
+            if await self._allowed(scope, send, "the key info"):
+                await self._answer_keyinfo(send)
         elif method == "POST" and path in COMPLETION_PATHS:
             await self._completion(scope, receive, send)
         else:
@@ -115,24 +136,37 @@ class SessionLedgerMiddleware:
         finally:
             self.inflight -= 1
 
-    async def _answer(self, scope: Scope, send: Send, session_id: str) -> None:
-        if self._token is not None:
-            given = self._header(scope, self._token_header)
-            if given is None or not hmac.compare_digest(_digest(given), self._token):
-                body = {
-                    "error": {
-                        "message": "the session ledger is for the router's picker: send the "
-                        f"internal token as {INTERNAL_TOKEN_HEADER}",
-                        "code": "invalid_internal_token",
-                    }
-                }
-                await _json(send, 401, body)
-                return
+    async def _allowed(self, scope: Scope, send: Send, what: str) -> bool:
+        """Whether the caller may read ``what`` (else it got its 401)."""
+        if self._token is None:
+            return True
+        given = self._header(scope, self._token_header)
+        if given is not None and hmac.compare_digest(_digest(given), self._token):
+            return True
+        message = f"{what} is for the router's picker: send the internal token as "
+        body = {
+            "error": {"message": message + INTERNAL_TOKEN_HEADER, "code": "invalid_internal_token"}
+        }
+        await _json(send, 401, body)
+        return False
+
+    async def _answer(self, send: Send, session_id: str) -> None:
         age = self.ledger.age(session_id)
         if age is None:
             await _json(send, 404, {"inflight": self.inflight})
         else:
             await _json(send, 200, {"age_s": round(age, 3), "inflight": self.inflight})
+
+    async def _answer_keyinfo(self, send: Send) -> None:
+        if self._keyinfo is None and self._keyinfo_file:
+            try:  # written once by the connector; read until it is there
+                self._keyinfo = json.loads(Path(self._keyinfo_file).read_text())
+            except (OSError, ValueError):
+                self._keyinfo = None
+        if self._keyinfo is None:
+            await _json(send, 503, {"status": "loading"})
+        else:
+            await _json(send, 200, self._keyinfo)
 
     @staticmethod
     def _header(scope: Scope, name: bytes) -> str | None:
@@ -140,6 +174,16 @@ class SessionLedgerMiddleware:
             if key.lower() == name:
                 return str(value.decode("latin-1"))
         return None
+
+
+def write_keyinfo(path: str, *, model: str, block_tokens: int, fingerprint: str, root: str) -> None:
+    """Leaves the key facts for :data:`KEYINFO_PATH` in ``path`` (atomically: the
+    route never reads half a file)."""
+    target = Path(path)
+    body = {"model": model, "block_tokens": block_tokens, "fingerprint": fingerprint, "root": root}
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(body))
+    os.replace(tmp, target)
 
 
 async def _json(send: Send, status: int, body: dict[str, Any]) -> None:
