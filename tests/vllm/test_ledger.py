@@ -44,6 +44,10 @@ def vllm_like(release: asyncio.Event | None = None) -> FastAPI:
             return StreamingResponse(chunks(), media_type="text/event-stream")
         return {"choices": [{"message": {"role": "assistant", "content": "ok"}}]}
 
+    @app.post("/v1/completions")
+    async def completions(body: dict[str, object]) -> dict[str, object]:
+        return {"kv_transfer_params": body.get("kv_transfer_params")}  # what vLLM got
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -167,3 +171,29 @@ async def test_the_key_info_is_served_once_the_connector_wrote_it(tmp_path: Path
         path.unlink()  # read once: the facts of a running engine do not change
         assert (await c.get(KEYINFO_PATH, headers=auth)).json() == info
     assert [p.name for p in tmp_path.iterdir()] == []  # no temporary file left behind
+
+
+async def test_the_next_turn_header_reaches_the_connector_in_kv_transfer_params() -> None:
+    app = SessionLedgerMiddleware(vllm_like(), internal_token="")
+    async with client(app) as c:
+        for value, kind in (("ended", "ended"), (" Expected ", "expected")):
+            r = await c.post(
+                "/v1/completions",
+                json={"prompt": "hi", "kv_transfer_params": {"other": 1}},
+                headers={"X-Dscache-Next-Turn": value},
+            )
+            assert r.json() == {"kv_transfer_params": {"other": 1, "dscache_next_turn": kind}}
+        plain = await c.post("/v1/completions", json={"prompt": "hi"})
+        assert plain.json() == {"kv_transfer_params": None}  # no header: untouched
+        bad = await c.post(
+            "/v1/completions", json={"prompt": "hi"}, headers={"X-Dscache-Next-Turn": "soon"}
+        )
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_next_turn"
+        assert app.inflight == 0
+        # Not a JSON object: vLLM gets it as it was sent, and answers it.
+        raw = await c.post(
+            "/v1/completions",
+            content=b"[1, 2]",
+            headers={"X-Dscache-Next-Turn": "ended", "content-type": "application/json"},
+        )
+        assert raw.status_code == 422

@@ -13,6 +13,7 @@ from dscache_sidecar.client import SidecarClient
 from dscache_tools.polling import wait_until
 from dscache_tools.sidecarproc import SidecarProcess
 from dscache_tools.vllmprobe import VllmServer
+from prometheus_client.parser import text_string_to_metric_families
 from vllm_helpers import STORE_FLAGS
 
 from dscache.keys import block_keys, tenant_label, tenant_salt
@@ -30,9 +31,13 @@ MESSAGES = [
 ]
 
 
-def chat(server: VllmServer, session: str | None = None) -> dict[str, Any]:
+def chat(
+    server: VllmServer, session: str | None = None, next_turn: str | None = None
+) -> dict[str, Any]:
     body = {"model": server.model, "messages": MESSAGES, "max_tokens": 8}
     headers = {"X-Session-ID": session} if session else {}
+    if next_turn:
+        headers["X-Dscache-Next-Turn"] = next_turn
     resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=120)
     resp.raise_for_status()
     # The routing protocol's in-flight count (dscache_vllm.ledger): this request.
@@ -86,7 +91,18 @@ def test_a_restarted_vllm_server_answers_from_the_stored_prefix(
     try:
         # A restarted pod knows no session: the picker places it anew.
         assert session_age(second, "conv-1").status_code == 404
-        warm = chat(second)
+        # The client says the conversation is over: the connector tells the sidecar's
+        # eviction policy, whose default (chain) marks the stored blocks to go first.
+        warm = chat(second, next_turn="ended")
+        signalled = wait_until(
+            "the sidecar marked the ended conversation's blocks",
+            lambda: sidecar_signals(sidecar, "ended", "marked"),
+            timeout=30,
+        )
+        # The scheduler's counters reach /metrics with the engine's next step: a
+        # short prompt (no whole block, nothing to load) makes one.
+        body = {"model": second.model, "prompt": "hi", "max_tokens": 1}
+        httpx.post(f"{second.url}/v1/completions", json=body, timeout=60).raise_for_status()
         # The connector's counters reach vLLM's own /metrics (connector stats).
         loaded = wait_until(
             "dscache_vllm_loaded_tokens_total on /metrics",
@@ -94,9 +110,15 @@ def test_a_restarted_vllm_server_answers_from_the_stored_prefix(
             timeout=30,
         )
         hits = second.metric("dscache_vllm_lookups_total")
+        sent = wait_until(
+            "dscache_vllm_signals_total on /metrics",
+            lambda: second.metric("dscache_vllm_signals_total"),
+            timeout=30,
+        )
     finally:
         second.stop()
     assert loaded == cached(warm) and hits >= 1
+    assert signalled == 1 and sent == 1
     # The picker, keyed by the pod's key info, sees the prefix the pod stored: the
     # prompt's whole blocks (never its last token), the ones a restart loads.
     assert held >= 2 and held * 256 == cached(warm)
@@ -123,6 +145,19 @@ def picker_view(server: VllmServer, client: SidecarClient) -> int:
     keys = block_keys(bytes.fromhex(info["root"]), picker_ids, info["block_tokens"])
     # Requests without a cache_salt are the default tenant's (no secret here).
     return int(client.find(tenant_label(tenant_salt("default")), keys).found)
+
+
+def sidecar_signals(sidecar: SidecarProcess, kind: str, result: str) -> float:
+    """``dscache_sidecar_signals_total{kind, result}`` on the sidecar's /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{sidecar.http_port}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "dscache_sidecar_signals_total" and sample.labels == {
+                "kind": kind,
+                "result": result,
+            }:
+                return float(sample.value)
+    return 0.0
 
 
 def cached(answer: dict[str, Any]) -> int:

@@ -72,6 +72,7 @@ from dscache_vllm.metrics import ConnectorMetrics, export, merge
 from dscache_vllm.paged import DTYPES, LayoutError, PagedKV
 from dscache_vllm.plan import DEFAULT_TENANT, Planner, Scheduled, StepPlan
 from dscache_vllm.settings import ConnectorSettings, fingerprint
+from dscache_vllm.signals import NEXT_TURN_PARAM, NEXT_TURNS, DelayedSignals
 from dscache_vllm.worker import KVWorker
 
 if TYPE_CHECKING:
@@ -240,6 +241,7 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: KVWorker | None = None
         self._layer_index: dict[str, int] = {}
         self._uncached: set[str] = set()
+        self._signals = DelayedSignals(self._client, self.metrics)
         if role == KVConnectorRole.SCHEDULER:
             self._publish_keyinfo(vllm_config)
         log.info(
@@ -414,6 +416,12 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        params = getattr(request, "kv_transfer_params", None)
+        kind = params.get(NEXT_TURN_PARAM) if isinstance(params, dict) else None
+        if kind in NEXT_TURNS:  # the client said whether its conversation goes on
+            stored = self.planner.stored_keys(request.request_id)
+            if stored is not None:
+                self._signals.send(*stored, kind)
         self.planner.finished(request.request_id)
         self._requests.pop(request.request_id, None)
         self._pages.pop(request.request_id, None)
@@ -520,6 +528,7 @@ class DscacheConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return DscachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        self._signals.close()
         if self._worker is not None:
             self._worker.close()
             self._worker = None

@@ -13,6 +13,13 @@ Contract:
       header the router sends a real session id in) is recorded in the pod's
       :class:`~dscache.routing.SessionLedger` when vLLM's answer starts with a
       status below 400: a refused or failed request places no session.
+    * A completion request with ``X-Dscache-Next-Turn: ended`` or ``expected``
+      (``DSCACHE_VLLM_NEXT_TURN_HEADER`` names another header) reaches vLLM with
+      ``kv_transfer_params[NEXT_TURN_PARAM]`` set to it (other keys of the
+      client's ``kv_transfer_params`` kept), so the connector signals the
+      sidecar's eviction policy when the request ends (:mod:`dscache_vllm.signals`);
+      another value is a 400 (``invalid_next_turn``), as on the reference server. A
+      body that is not a JSON object goes to vLLM unchanged (vLLM answers it).
     * Every answer to a completion request carries ``INFLIGHT_HEADER``: the
       completion requests this server has started and not finished (a stream counts
       until its last byte), itself included, as the router's load bound reads it.
@@ -45,6 +52,7 @@ from typing import Any
 from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER
 
 from dscache.routing import INFLIGHT_HEADER, SESSIONS_PATH, SessionLedger
+from dscache_vllm.signals import NEXT_TURN_PARAM, NEXT_TURNS
 
 log = logging.getLogger("dscache_vllm.ledger")
 
@@ -55,6 +63,9 @@ SESSION_HEADER_ENV = "DSCACHE_VLLM_SESSION_HEADER"
 DEFAULT_SESSION_HEADER = "X-Session-ID"
 #: The token the router's picker sends for the session route.
 INTERNAL_TOKEN_ENV = "DSCACHE_VLLM_INTERNAL_TOKEN"  # noqa: S105 - a variable's name
+#: The client's word on its conversation's next turn (the reference server's header).
+NEXT_TURN_HEADER_ENV = "DSCACHE_VLLM_NEXT_TURN_HEADER"
+DEFAULT_NEXT_TURN_HEADER = "X-Dscache-Next-Turn"
 #: Where the scheduler-side connector leaves the key facts for this server's route.
 KEYINFO_FILE_ENV = "DSCACHE_VLLM_KEYINFO_FILE"
 #: The picker's route for them (``dscache_server.picker.KEYINFO_PATH``).
@@ -88,6 +99,8 @@ class SessionLedgerMiddleware:
         header = session_header or os.environ.get(SESSION_HEADER_ENV) or DEFAULT_SESSION_HEADER
         self._session_header = header.lower().encode("latin-1")
         self._token_header = INTERNAL_TOKEN_HEADER.lower().encode("latin-1")
+        turn = os.environ.get(NEXT_TURN_HEADER_ENV) or DEFAULT_NEXT_TURN_HEADER
+        self._next_turn_header = turn.lower().encode("latin-1")
         token = internal_token if internal_token is not None else os.environ.get(INTERNAL_TOKEN_ENV)
         self._token = _digest(token) if token else None
         self._keyinfo_file = keyinfo_file or os.environ.get(KEYINFO_FILE_ENV)
@@ -120,6 +133,17 @@ class SessionLedgerMiddleware:
 
     async def _completion(self, scope: Scope, receive: Receive, send: Send) -> None:
         session = self._header(scope, self._session_header)
+        turn = self._header(scope, self._next_turn_header)
+        if turn is not None:
+            kind = turn.strip().lower()
+            if kind not in NEXT_TURNS:
+                message = (
+                    f"next-turn header must be one of {', '.join(NEXT_TURNS)}, got {turn[:64]!r}"
+                )
+                body = {"error": {"message": message, "code": "invalid_next_turn"}}
+                await _json(send, 400, body)
+                return
+            scope, receive = await _with_next_turn(scope, receive, kind)
         self.inflight += 1
 
         async def started(message: Message) -> None:
@@ -174,6 +198,44 @@ class SessionLedgerMiddleware:
             if key.lower() == name:
                 return str(value.decode("latin-1"))
         return None
+
+
+async def _with_next_turn(scope: Scope, receive: Receive, kind: str) -> tuple[Scope, Receive]:
+    """The request with ``kv_transfer_params[NEXT_TURN_PARAM] = kind`` in its JSON body
+    (unchanged when the body is not a JSON object)."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message.get("type") != "http.request":  # the client left: let vLLM see it
+            return scope, _replay([message], receive)
+        chunks.append(bytes(message.get("body", b"")))
+        if not message.get("more_body", False):
+            break
+    body = b"".join(chunks)
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+    if isinstance(data, dict) and (params is None or isinstance(params, dict)):
+        data["kv_transfer_params"] = {**(params or {}), NEXT_TURN_PARAM: kind}
+        body = json.dumps(data).encode()
+        headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        scope = {**scope, "headers": headers}
+    return scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """``receive`` that first gives ``messages``, then what the client sends next."""
+    pending = list(messages)
+
+    async def again() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return again
 
 
 def write_keyinfo(path: str, *, model: str, block_tokens: int, fingerprint: str, root: str) -> None:

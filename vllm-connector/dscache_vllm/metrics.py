@@ -16,7 +16,8 @@ Series (all counters): ``lookups_total{result=hit|miss|error}``,
 (pages), ``stored_blocks_total``, ``store_dropped_blocks_total``,
 ``store_failures_total`` (blocks), ``uncached_requests_total{reason=prompt_embeds|
 mm_unhashed|lora_unreadable|unknown_input}`` (requests whose inputs cannot be keyed,
-neither loaded nor saved; see ``dscache_vllm.extras``).
+neither loaded nor saved; see ``dscache_vllm.extras``), ``signals_total{kind=ended|
+expected}`` and ``signal_failures_total`` (eviction signals; ``dscache_vllm.signals``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ FAMILIES: dict[str, tuple[str, str | None]] = {
         "Requests not cached because an input cannot be keyed (prompt embeddings, ...)",
         "reason",
     ),
+    "signals": ("Eviction signals sent to the sidecar for finished requests, by kind", "kind"),
+    "signal_failures": ("Eviction signals that failed or were dropped (queue full)", None),
 }
 
 _PROCESS_REGISTRY = CollectorRegistry()
@@ -114,6 +117,12 @@ class ConnectorMetrics:
 
     def uncached(self, reason: str) -> None:
         self._inc("uncached_requests", 1, reason)
+
+    def signalled(self, kind: str) -> None:
+        self._inc("signals", 1, kind)
+
+    def signal_failed(self) -> None:
+        self._inc("signal_failures", 1)
 
     def take(self) -> dict[str, float]:
         """The increments since the last call (``family|label`` -> amount)."""

@@ -323,6 +323,14 @@ class Planner:
             shard_parents=tuple(parents[1:]),
         )
 
+    def stored_keys(self, req_id: str) -> tuple[str, list[bytes]] | None:
+        """The tenant of a request and the keys of its blocks known stored (found by
+        its lookup or handed to the worker to save), every shard's; None if unknown."""
+        state = self._reqs.get(req_id)
+        if state is None or not state.keys:
+            return None
+        return state.tenant, [k for keys in state.keys for k in keys[: state.stored]]
+
     def finished(self, req_id: str) -> None:
         """Forgets a request (vLLM is about to free its pages)."""
         self._reqs.pop(req_id, None)
