@@ -41,6 +41,11 @@ Contract:
     * Engines the connector cannot serve exactly are refused at start-up with the
       reason: encoder-decoder models (cross-attention KV), models with more than one
       KV cache group (sliding-window or hybrid layers), KV dtypes it cannot store.
+    * The routing protocol: the scheduler side writes the key facts of requests
+      without a ``cache_salt`` where ``DSCACHE_VLLM_KEYINFO_FILE`` says, for the API
+      server's ``/dscache/keyinfo`` (``dscache_vllm.ledger``); a finished request
+      whose ``kv_transfer_params`` carry a next-turn signal has it sent for the
+      blocks stored for it (``dscache_vllm.signals``).
 """
 
 from __future__ import annotations
