@@ -88,6 +88,13 @@ def register(sub: Commands, bench: Commands) -> None:
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request (300)")
+    p.add_argument(
+        "--connect-wait",
+        type=float,
+        default=30.0,
+        help="seconds a request that could not connect is tried again (30): a new pod's "
+        "network policy can refuse it for its first seconds",
+    )
     p.add_argument("--model", default=None, help="model name to send (default: the server's)")
     p.set_defaults(handler=_run_prewarm)
 

@@ -21,7 +21,11 @@ one track. Where each prompt goes is the placement:
   router tries for that prompt, in order. A canary rollout warms one copy
   before its first step and more as its share of sessions grows.
 
-Per target, ``--concurrency`` requests are in flight, all targets at once.
+Per target, ``--concurrency`` requests are in flight, all targets at once. A
+request that could not connect (nothing reached the server) is tried again with
+backoff for ``--connect-wait`` seconds (30): a new pod's address can refuse
+connections for its first seconds, until the cluster's NetworkPolicy controller
+has admitted the Job's pod, and a pod just marked ready may still be binding.
 Failures are counted and reported per target; the command exits non-zero when
 any target had prompts to take and took none (a pod that cannot be warmed is
 worth a failed Job), and with 2 when the prompts cannot be read. Mined
@@ -42,6 +46,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 from tqdm import tqdm
 
 from dscache.routing import Ring, prompt_key
@@ -108,12 +113,14 @@ class PrewarmOptions:
         concurrency: requests in flight per target.
         timeout_s: seconds per request.
         model: model name to send (default: the server's).
+        connect_wait_s: how long a request that could not connect is tried again.
     """
 
     headers: dict[str, str] = field(default_factory=dict)
     concurrency: int = 1
     timeout_s: float = 300.0
     model: str | None = None
+    connect_wait_s: float = 30.0
 
     def body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         """The request body of one chat: a one-token greedy completion."""
@@ -271,7 +278,7 @@ def send(
         httpx.Client(timeout=options.timeout_s, headers=headers) as client,
         ThreadPoolExecutor(max_workers=max(options.concurrency, 1)) as pool,
     ):
-        for usage in pool.map(lambda p: _send(client, base, p), prompts):
+        for usage in pool.map(lambda p: _send(client, base, p, options.connect_wait_s), prompts):
             tick()
             result.add(usage)
     if bar is not None:
@@ -279,11 +286,21 @@ def send(
     return result
 
 
-def _send(client: httpx.Client, base: str, prompt: Prompt) -> dict[str, Any] | None:
-    """The answer's ``usage`` (``{}`` if it has none), or None when the request failed."""
+def _send(
+    client: httpx.Client, base: str, prompt: Prompt, connect_wait_s: float = 0.0
+) -> dict[str, Any] | None:
+    """The answer's ``usage`` (``{}`` if it has none), or None when the request failed.
+
+    Connection failures (nothing sent) are tried again for ``connect_wait_s``."""
     url = base + prompt.path
+    post = Retrying(
+        retry=retry_if_exception_type((httpx.ConnectError, httpx.ConnectTimeout)),
+        wait=wait_exponential(multiplier=0.25, max=4.0),
+        stop=stop_after_delay(connect_wait_s),
+        reraise=True,
+    )
     try:
-        resp = client.post(url, content=prompt.body, headers=dict(prompt.headers))
+        resp = post(client.post, url, content=prompt.body, headers=dict(prompt.headers))
     except httpx.HTTPError as exc:
         log.warning("prewarm request to %s failed: %s", url, exc)
         return None
@@ -333,7 +350,11 @@ def _options(args: argparse.Namespace) -> PrewarmOptions:
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     return PrewarmOptions(
-        headers=headers, concurrency=args.concurrency, timeout_s=args.timeout, model=args.model
+        headers=headers,
+        concurrency=args.concurrency,
+        timeout_s=args.timeout,
+        model=args.model,
+        connect_wait_s=args.connect_wait,
     )
 
 

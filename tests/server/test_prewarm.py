@@ -8,6 +8,10 @@ as two pods of one track would be, and check per-pod results.
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -96,13 +100,61 @@ def test_a_target_that_takes_nothing_fails_the_run(
     prompts = prompts_file(seed=500, n=2)
     rc = main(
         ["prewarm", "--target", f"{a.url},{dead}", "--prompts", str(prompts), "--quiet"]
-        + ["--timeout", "5"]
+        + ["--timeout", "5", "--connect-wait", "1"]
     )
     out = capsys.readouterr().out
     assert rc == 1, out  # a Job retries, then the rollout aborts with PrewarmFailed
     assert f"prewarm {a.url}: 2 sent, 0 failed" in out  # the live pod was still warmed
     assert f"prewarm {dead}: 0 sent, 2 failed" in out
     assert f"no prompt reached {dead}" in out
+
+
+def _listen_late(delay_s: float, port: int, target: int) -> threading.Thread:
+    """Refuses connections on ``port`` for ``delay_s`` (nothing listens: a new pod's
+    address before the cluster's network policy admits the Job's pod), then relays
+    one connection to ``target`` byte for byte."""
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    def run() -> None:
+        time.sleep(delay_s)
+        with socket.create_server(("127.0.0.1", port)) as listener:
+            listener.settimeout(30)
+            conn, _ = listener.accept()
+            with conn, socket.create_connection(("127.0.0.1", target)) as upstream:
+                back = threading.Thread(target=pipe, args=(upstream, conn), daemon=True)
+                back.start()
+                pipe(conn, upstream)
+                back.join(30)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+def test_a_pod_that_refuses_connections_at_first_is_still_warmed(
+    pods: list[LiveServer], prompts_file: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, _ = pods
+    port = free_port()
+    relay = _listen_late(1.5, port, a.port)
+    late = f"http://127.0.0.1:{port}"
+    prompts = prompts_file(seed=550, n=1)
+    rc = main(["prewarm", "--target", late, "--prompts", str(prompts), "--quiet"])
+    out = capsys.readouterr().out
+    # Before the retry on refused connections, this was "0 sent, 1 failed" and the
+    # rollout was rolled back (PrewarmFailed) while the pod was fine.
+    assert rc == 0 and f"prewarm {late}: 1 sent, 0 failed" in out, out
+    relay.join(30)
 
 
 def _cached_once(srv: LiveServer, chat: list[dict[str, object]]) -> int:

@@ -8,6 +8,7 @@ reported as not promoted or not rolled back, and the run goes on.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -217,6 +218,13 @@ class _Scenarios:
         except TimeoutError as exc:
             promoted = False
             self.say(f"warning: {exc}")
+        except BaseException:
+            # Rolled back (or interrupted): the demo fails; its threads stop first, or
+            # they poll a cluster that is being stopped.
+            watcher.stop()
+            with contextlib.suppress(Exception):
+                load.stop()
+            raise
         self._settle(canary, watcher, "rollout")
         self.latencies += watcher.latencies
         canary.results = [x for x in load.since(canary.started) if x[0] < time.perf_counter()]
