@@ -40,8 +40,7 @@ Contract:
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import contextlib
 import json
 import logging
 import os
@@ -49,7 +48,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER
+from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER, token_matches
 
 from dscache.routing import INFLIGHT_HEADER, SESSIONS_PATH, SessionLedger
 from dscache_vllm.signals import NEXT_TURN_PARAM, NEXT_TURNS
@@ -78,10 +77,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
-
-
 class SessionLedgerMiddleware:
     """The routing protocol's two pod-side parts, for vLLM (see the module contract)."""
 
@@ -102,7 +97,7 @@ class SessionLedgerMiddleware:
         turn = os.environ.get(NEXT_TURN_HEADER_ENV) or DEFAULT_NEXT_TURN_HEADER
         self._next_turn_header = turn.lower().encode("latin-1")
         token = internal_token if internal_token is not None else os.environ.get(INTERNAL_TOKEN_ENV)
-        self._token = _digest(token) if token else None
+        self._token = token or None
         self._keyinfo_file = keyinfo_file or os.environ.get(KEYINFO_FILE_ENV)
         self._keyinfo: dict[str, Any] | None = None
         self.inflight = 0
@@ -164,8 +159,7 @@ class SessionLedgerMiddleware:
         """Whether the caller may read ``what`` (else it got its 401)."""
         if self._token is None:
             return True
-        given = self._header(scope, self._token_header)
-        if given is not None and hmac.compare_digest(_digest(given), self._token):
+        if token_matches(self._header(scope, self._token_header), self._token):
             return True
         message = f"{what} is for the router's picker: send the internal token as "
         body = {
@@ -183,10 +177,9 @@ class SessionLedgerMiddleware:
 
     async def _answer_keyinfo(self, send: Send) -> None:
         if self._keyinfo is None and self._keyinfo_file:
-            try:  # written once by the connector; read until it is there
+            # Written once by the connector; read until it is there.
+            with contextlib.suppress(OSError, ValueError):
                 self._keyinfo = json.loads(Path(self._keyinfo_file).read_text())
-            except (OSError, ValueError):
-                self._keyinfo = None
         if self._keyinfo is None:
             await _json(send, 503, {"status": "loading"})
         else:
