@@ -22,7 +22,8 @@ Contract (the router's Lua is the reference; a test runs both on real NGINX):
       order.
     * Between the router and a model pod: every answer of a pod carries its
       in-flight requests in :data:`INFLIGHT_HEADER`, and ``SESSIONS_PATH + id``
-      tells whether the pod served a session: 200 ``{"age_s", "inflight"}`` for a
+      tells whether the pod served a session (and ``KEYINFO_PATH`` how it keys
+      blocks): 200 ``{"age_s", "inflight"}`` for a
       session in its :class:`SessionLedger`, 404 ``{"inflight"}`` otherwise. Both
       engines keep one (the model server, ``dscache_server.sessions``; vLLM,
       ``dscache_vllm.ledger``); the picker asks them (``dscache_server.sessions.locate``).
@@ -48,6 +49,9 @@ if TYPE_CHECKING:
 INFLIGHT_HEADER = "X-Dscache-Inflight"
 #: Where a model pod answers whether it served a session (followed by the id).
 SESSIONS_PATH = "/dscache/sessions/"
+#: Where a model pod answers the key facts the picker keys a request with (its
+#: block size and chain root), to route it to the pod holding its longest prefix.
+KEYINFO_PATH = "/dscache/keyinfo"
 #: Longest session id a ledger records (the router's own limit is shorter).
 MAX_SESSION_ID = 256
 

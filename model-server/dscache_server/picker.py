@@ -70,11 +70,11 @@ from dscache_sidecar.holdings import (
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dscache.keys import block_keys
+from dscache.routing import KEYINFO_PATH
 from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer, PieceCache, TemplateError
 
 log = logging.getLogger(__name__)
 
-KEYINFO_PATH = "/dscache/keyinfo"
 REASON_HEADER = "X-Dscache-Pick-Reason"
 BLOCKS_HEADER = "X-Dscache-Pick-Blocks"
 REASONS = ("pinned", "prefix", "similar", "hash", "overloaded")

@@ -50,7 +50,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dscache.routing import SESSIONS_PATH
+from dscache.routing import KEYINFO_PATH, SESSIONS_PATH
 from dscache_server.auth import DEFAULT_TENANT, GATEWAY_TOKEN_HEADER
 from dscache_server.completions import handle_completion
 from dscache_server.errors import APIError
@@ -92,7 +92,7 @@ async def metrics(state: StateDep) -> Response:
     return Response(data, media_type=CONTENT_TYPE_LATEST)
 
 
-@probes.get("/dscache/keyinfo")
+@probes.get(KEYINFO_PATH)
 async def keyinfo(request: Request, state: StateDep) -> JSONResponse:
     """The key chain's facts for the router's picker (see the module contract)."""
     rt = state.runtime

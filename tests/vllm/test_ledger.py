@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 from dscache_server.sessions import locate
-from dscache_vllm.ledger import KEYINFO_PATH, SessionLedgerMiddleware, write_keyinfo
+from dscache_vllm.ledger import SessionLedgerMiddleware, write_keyinfo
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 
-from dscache.routing import INFLIGHT_HEADER, SESSIONS_PATH, SessionLedger
+from dscache.routing import INFLIGHT_HEADER, KEYINFO_PATH, SESSIONS_PATH, SessionLedger
 
 TOKEN = "internal-secret"
 

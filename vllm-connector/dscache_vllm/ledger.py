@@ -50,7 +50,7 @@ from typing import Any
 
 from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER, token_matches
 
-from dscache.routing import INFLIGHT_HEADER, SESSIONS_PATH, SessionLedger
+from dscache.routing import INFLIGHT_HEADER, KEYINFO_PATH, SESSIONS_PATH, SessionLedger
 from dscache_vllm.signals import NEXT_TURN_PARAM, NEXT_TURNS
 
 log = logging.getLogger("dscache_vllm.ledger")
@@ -67,8 +67,6 @@ NEXT_TURN_HEADER_ENV = "DSCACHE_VLLM_NEXT_TURN_HEADER"
 DEFAULT_NEXT_TURN_HEADER = "X-Dscache-Next-Turn"
 #: Where the scheduler-side connector leaves the key facts for this server's route.
 KEYINFO_FILE_ENV = "DSCACHE_VLLM_KEYINFO_FILE"
-#: The picker's route for them (``dscache_server.picker.KEYINFO_PATH``).
-KEYINFO_PATH = "/dscache/keyinfo"
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
