@@ -377,6 +377,7 @@ class NewBlock(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     PARENT_FIELD_NUMBER: _builtins.int
     INFO_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
     key: _builtins.bytes
     parent: _builtins.bytes
     """the previous block's key; empty for block 0"""
@@ -384,16 +385,24 @@ class NewBlock(_message.Message):
     def info(self) -> Global___BlockInfo:
         """checksum is given at commit"""
 
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The block's own tokens (optional). Not part of the block: the daemon keeps
+        them beside its index only to announce the block in KV events, which name
+        blocks by their tokens for routers that key prefixes themselves.
+        """
+
     def __init__(
         self,
         *,
         key: _builtins.bytes = ...,
         parent: _builtins.bytes = ...,
         info: Global___BlockInfo | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["info", b"info"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "key", b"key", "parent", b"parent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["info", b"info", "key", b"key", "parent", b"parent", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

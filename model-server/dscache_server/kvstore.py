@@ -50,12 +50,14 @@ class CacheError(Exception):
 class NewBlock:
     """A block to store: key, parent key (b"" for block 0), its array, and the
     contract dtype name where the array's own type does not say it (``bfloat16``
-    travels as ``uint16``); "" = the array's."""
+    travels as ``uint16``); "" = the array's. ``token_ids``: the block's own tokens
+    (the sidecar names the block by them in its KV events)."""
 
     key: bytes
     parent: bytes
     array: np.ndarray
     dtype: str = ""
+    token_ids: Sequence[int] = ()
 
 
 class Loaded(Protocol):
@@ -225,7 +227,10 @@ class SidecarBlockStore:
     def store(self, tenant: str, blocks: Sequence[NewBlock], encoding: Encoding = RAW) -> int:
         """Stores blocks through Allocate/Commit (or Put without the volume)."""
         client = self._get_client()
-        data = [sidecar.BlockData(b.key, b.parent, b.array, b.dtype or None) for b in blocks]
+        data = [
+            sidecar.BlockData(b.key, b.parent, b.array, b.dtype or None, b.token_ids)
+            for b in blocks
+        ]
         try:
             return client.store(tenant, data, encoding)
         except Exception as exc:

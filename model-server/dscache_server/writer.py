@@ -88,8 +88,15 @@ class BlockWriter:
         try:
             keys = chain.keys(ids)
             dtype = self._adapter.layout.dtype
+            bt = chain.block_tokens
             blocks = [
-                NewBlock(keys[i], keys[i - 1] if i else b"", self._adapter.export(seq, i), dtype)
+                NewBlock(
+                    keys[i],
+                    keys[i - 1] if i else b"",
+                    self._adapter.export(seq, i),
+                    dtype,
+                    ids[i * bt : (i + 1) * bt],
+                )
                 for i in range(first, last)
             ]
             encoding = self._policy.choose(ids) if self._policy is not None else RAW

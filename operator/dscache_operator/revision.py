@@ -340,6 +340,47 @@ class SharedTierSpec(SpecModel):
         return parse_duration(self.ttl)
 
 
+class KVEventsPeer(SpecModel):
+    """Pods allowed to subscribe to the sidecars' KV events (a NetworkPolicy peer)."""
+
+    pod_labels: dict[LabelKey, Annotated[str, Field(max_length=63)]] = Field(
+        default_factory=dict,
+        description="Labels of the subscriber pods (e.g. llm-d's KV-cache indexer); empty: "
+        "every pod of the namespaces namespaceLabels selects.",
+    )
+    namespace_labels: dict[LabelKey, Annotated[str, Field(max_length=63)]] | None = Field(
+        default=None,
+        description="Labels of the subscribers' namespaces; unset: this resource's namespace.",
+    )
+
+
+class KVEventsSpec(SpecModel):
+    """The sidecars' holdings as vLLM KV events, for routers that learn from them."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Each sidecar publishes what its disk holds as vLLM KV events (ZeroMQ "
+        "PUB, msgpack: BlockStored / BlockRemoved / AllBlocksCleared, medium STORAGE) on "
+        "port, and serves vLLM's replay protocol on replayPort.",
+    )
+    port: int = Field(default=5557, ge=1024, le=65535, description="The PUB socket's port.")
+    replay_port: int = Field(
+        default=5558, ge=1024, le=65535, description="The replay (ROUTER) socket's port."
+    )
+    open: bool = Field(
+        default=False,
+        description="Serve the events without ZeroMQ PLAIN login (user dscache, the "
+        "resource's internal token as password), for routers that cannot log in; then "
+        "the NetworkPolicy (subscribers) is all that keeps others out.",
+    )
+    subscribers: Annotated[list[KVEventsPeer], Field(max_length=16)] = Field(
+        default_factory=list,
+        description="Who may connect to the event ports besides this resource's router "
+        "pods (the NetworkPolicy's peers).",
+        json_schema_extra={"default": []},
+    )
+
+
 class CacheSpec(SpecModel):
     """The KV store of each model pod."""
 
@@ -390,6 +431,10 @@ class CacheSpec(SpecModel):
         default_factory=SharedTierSpec,
         description="A Redis Cluster shared by the sidecars of every pod: blocks one pod "
         "stored are fetched by another instead of recomputed.",
+    )
+    kv_events: KVEventsSpec = Field(
+        default_factory=KVEventsSpec,
+        description="Publish each sidecar's holdings as vLLM KV events (llm-d, Dynamo).",
     )
 
 

@@ -106,6 +106,11 @@ class CommitResult(IntEnum):
     DUPLICATE = 3
 
 
+#: Most token ids one block may be announced with (a block of the key contract
+#: holds far fewer).
+MAX_BLOCK_TOKENS = 65536
+
+
 @dataclass(frozen=True, slots=True)
 class BlockSpec:
     """A block a writer wants to store (everything but its bytes)."""
@@ -117,9 +122,14 @@ class BlockSpec:
     shape: tuple[int, ...]
     raw_bytes: int
     stored_bytes: int
+    tokens: bytes = b""
+    """The block's own token ids as little-endian u32 (empty: not given): kept
+    beside the index only to name the block in KV events."""
 
     def validate(self, max_stored: int) -> None:
         """ValueError with a message a client author can act on."""
+        if len(self.tokens) > MAX_BLOCK_TOKENS * 4:
+            raise ValueError(f"more than {MAX_BLOCK_TOKENS} token ids for one block")
         if len(self.key) != KEY_BYTES:
             raise ValueError("key must be 32 bytes")
         if self.parent and len(self.parent) != KEY_BYTES:
@@ -224,6 +234,23 @@ class BlockEvents(Protocol):
 
     def hit(self, recs: Sequence[BlockRecord]) -> None:
         """Blocks were leased (reused), in chain order. Called outside the lock."""
+        ...
+
+
+class HoldingsEvents(Protocol):
+    """Who is told of every block the store gains or loses (the KV-event publisher).
+
+    Both are called with the store's lock held: they must not block and must not
+    call the store.
+    """
+
+    def stored(self, recs: Sequence[BlockRecord], tokens: Sequence[bytes]) -> None:
+        """Blocks were published, in chain order; ``tokens[i]`` are ``recs[i]``'s
+        token ids (little-endian u32, empty when the writer gave none)."""
+        ...
+
+    def removed(self, recs: Sequence[BlockRecord]) -> None:
+        """Blocks left the store (evicted, deleted, cleared, found corrupt)."""
         ...
 
 

@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 
 import lmdb
 
-from dscache_sidecar.blockstore import Clock
+from dscache_sidecar.blockstore import Clock, HoldingsEvents
 from dscache_sidecar.config import SidecarSettings
 from dscache_sidecar.eviction import EvictionPolicy, Resizable, Signalled, make_policy
 from dscache_sidecar.index import BlockIndex, BlockRecord
@@ -78,6 +78,8 @@ class Catalog:
         self.usage = TenantUsage()
         #: Told of every published block (the store's events; None = nobody).
         self.on_publish: Callable[[BlockRecord], None] | None = None
+        #: Told of every block gained and lost (the KV-event publisher; None = nobody).
+        self.holdings_events: HoldingsEvents | None = None
 
     def free(self, seg: int, offset: int, length: int) -> None:
         """Gives an extent back to the allocator."""
@@ -120,12 +122,15 @@ class Catalog:
         self.metrics.stored_blocks.inc()
         self.metrics.stored_bytes.inc(rec.stored_bytes)
 
-    def announce(self, published: Sequence[BlockRecord]) -> None:
-        """Tells ``on_publish`` of published blocks, in the order given (chain order:
-        a parent before its children)."""
+    def announce(self, published: Sequence[BlockRecord], tokens: Sequence[bytes] = ()) -> None:
+        """Tells ``on_publish`` and ``holdings_events`` of published blocks, in the
+        order given (chain order: a parent before its children); ``tokens`` are
+        their token ids, where known."""
         if self.on_publish is not None:
             for rec in published:
                 self.on_publish(rec)
+        if self.holdings_events is not None and published:
+            self.holdings_events.stored(published, tokens or [b""] * len(published))
 
     def hit(self, recs: Sequence[BlockRecord], now_ms: int) -> None:
         """Counts a hit on each block, in the order given (deepest first)."""
@@ -193,6 +198,8 @@ class Catalog:
             self.stored_payload -= rec.stored_bytes
             self.leases.free_or_defer((rec.segment, rec.offset), rec.extent_bytes)
         if removed:
+            if self.holdings_events is not None:
+                self.holdings_events.removed(removed)
             first = {r.key for r in roots}
             n_cascade = sum(1 for r in removed if r.key not in first)
             self.metrics.evictions.labels(reason=reason).inc(len(removed) - n_cascade)

@@ -108,6 +108,25 @@ class SidecarSettings(BaseSettings):
     """The token the router's picker sends (``X-Dscache-Internal-Token``) to read
     ``/dscache/holdings``; empty: the filter is served to whoever reaches the HTTP
     port (warned at start). /metrics and the probes never ask for it."""
+    kv_events_endpoint: str = ""
+    """Publish what the store holds as vLLM KV events (ZeroMQ PUB, msgpack) bound to
+    this address, e.g. ``tcp://*:5557``, for routers that learn holdings from them
+    (llm-d, Dynamo, the picker; :mod:`dscache_sidecar.kvevents`); empty = off."""
+    kv_events_replay_endpoint: str = ""
+    """Where subscribers ask for missed batches (ZeroMQ ROUTER, vLLM's replay
+    protocol), e.g. ``tcp://*:5558``; empty = no replay."""
+    kv_events_topic: str = ""
+    """The topic frame of every KV event message."""
+    kv_events_medium: str = "STORAGE"
+    """The medium the events name (vLLM's name for a storage tier)."""
+    kv_events_buffer_batches: int = Field(default=10_000, ge=1)
+    """Batches kept for replay; an older request gets the whole holdings again."""
+    kv_events_batch_s: float = Field(default=0.05, gt=0, le=10)
+    """How long store changes gather into one batch, seconds."""
+    kv_events_open: bool = False
+    """Serve KV events without authentication even with an internal token (for
+    routers that cannot speak ZeroMQ PLAIN; keep others out with a NetworkPolicy).
+    With a token and this off, subscribers log in with PLAIN as ``dscache``."""
     fault_injection: bool = False
     """Serve ``/debug/fault`` on the HTTP port to slow calls down or fail writes as a
     full disk does (:mod:`dscache_sidecar.faults`). A testing aid: never in production."""
@@ -171,6 +190,12 @@ class SidecarSettings(BaseSettings):
                 host, _, port = node.rpartition(":")
                 if not host or not port.isdigit() or not 0 < int(port) < 65536:
                     raise ValueError(f"shared_nodes: {node!r} is not host:port")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value and not value.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name} must be a tcp:// or ipc:// address, not {value!r}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.tcp is not None:
             host = self.tcp.rsplit(":", 1)[0].strip("[]")
             if host not in ("127.0.0.1", "localhost", "::1"):
@@ -245,6 +270,15 @@ def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
         "(0 = off; default 2)",
     )
     p.add_argument(
+        "--kv-events-endpoint",
+        help="publish the store's holdings as vLLM KV events on this ZeroMQ address, "
+        "e.g. tcp://*:5557 (default: off)",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        help="serve replays of missed KV event batches on this address, e.g. tcp://*:5558",
+    )
+    p.add_argument(
         "--fault-injection",
         action="store_true",
         default=None,
@@ -271,6 +305,8 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
         "tenant_quota": "tenant_quota",
         "fault_injection": "fault_injection",
         "holdings_refresh": "holdings_refresh_s",
+        "kv_events_endpoint": "kv_events_endpoint",
+        "kv_events_replay_endpoint": "kv_events_replay_endpoint",
         "shared_nodes": "shared_nodes",
         "shared_write_policy": "shared_write_policy",
         "shared_timeout": "shared_timeout_s",

@@ -52,6 +52,7 @@ from dscache_sidecar.config import SidecarSettings, settings_from_args
 from dscache_sidecar.errors import DataDirLockedError
 from dscache_sidecar.faults import FaultInjector
 from dscache_sidecar.holdings_publisher import HoldingsPublisher
+from dscache_sidecar.kvevents import KVEventPublisher
 from dscache_sidecar.metrics import SidecarMetrics
 from dscache_sidecar.probes import ProbeServer, SocketHealthCheck, make_app, servicer_status
 from dscache_sidecar.redistier import RedisClusterTier
@@ -200,6 +201,7 @@ class RunningSidecar:
     faults: FaultInjector | None = None
     shared: SharedTier | None = None
     holdings: HoldingsPublisher | None = None
+    kv_events: KVEventPublisher | None = None
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stops serving (in-flight calls get ``grace_s``), then closes the store."""
@@ -207,6 +209,8 @@ class RunningSidecar:
         self.server.stop(grace_s).wait()
         if self.holdings is not None:
             self.holdings.stop()  # it reads the index: before the store closes
+        if self.kv_events is not None:
+            self.kv_events.stop()
         if self.shared is not None:
             self.shared.close()
         self.store.close()
@@ -286,6 +290,7 @@ def create_server(
         metrics_port = http.port
         if holdings is not None:
             holdings.start()
+    kv_events = _kv_events(settings, store, metrics)
     log.info(
         "sidecar serving on unix:%s%s, metrics on %s",
         sock,
@@ -305,7 +310,38 @@ def create_server(
         faults,
         shared,
         holdings,
+        kv_events,
     )
+
+
+def _kv_events(
+    settings: SidecarSettings, store: KVStore, metrics: SidecarMetrics
+) -> KVEventPublisher | None:
+    """The KV event publisher, started, where an endpoint is set."""
+    if not settings.kv_events_endpoint:
+        return None
+    token = settings.internal_token.get_secret_value()
+    publisher = KVEventPublisher(
+        store,
+        settings.kv_events_endpoint,
+        settings.kv_events_replay_endpoint,
+        metrics,
+        topic=settings.kv_events_topic,
+        medium=settings.kv_events_medium,
+        token=token,
+        open_to_all=settings.kv_events_open,
+        buffer_batches=settings.kv_events_buffer_batches,
+        batch_s=settings.kv_events_batch_s,
+    )
+    publisher.start()
+    if not token or settings.kv_events_open:
+        log.warning(
+            "KV events on %s are served without authentication: whoever reaches it "
+            "learns which block keys this node holds",
+            publisher.endpoint,
+        )
+    log.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint or "off")
+    return publisher
 
 
 def _shared_tier(

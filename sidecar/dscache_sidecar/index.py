@@ -6,6 +6,9 @@ Databases in one LMDB environment (``<data_dir>/index``):
       never waits for a write transaction.
     * ``meta``: format version and segment geometry; a store reopened with another
       geometry refuses to start instead of misreading offsets.
+    * ``tokens``: key -> the block's token ids (little-endian u32), for blocks whose
+      writer gave them: read only to announce blocks in KV events
+      (:mod:`dscache_sidecar.kvevents`), never on the read or write path's checks.
 
 Invariant: a record exists only for a block whose bytes and header are on disk
 (the store commits the index last). LMDB's own copy-on-write commits make the index
@@ -133,6 +136,7 @@ class BlockIndex:
         _drop_tenants_table(self._env)
         self._stats = self._env.open_db(b"stats")
         self._meta = self._env.open_db(b"meta")
+        self._tokens = self._env.open_db(b"tokens")
 
     def check_geometry(self, segment_bytes: int) -> None:
         """Records the geometry on first use; refuses a different one later."""
@@ -158,18 +162,28 @@ class BlockIndex:
                     rec.last_access_ms, rec.hits = _STATS.unpack(raw)
                 yield rec
 
-    def put_many(self, records: Iterable[BlockRecord]) -> None:
-        """Publishes records in one transaction."""
+    def put_many(self, records: Iterable[BlockRecord], tokens: Sequence[bytes] = ()) -> None:
+        """Publishes records in one transaction, with ``tokens[i]`` (when not empty)
+        as the token ids of the ``i``-th record."""
         with self._env.begin(write=True) as txn:
-            for rec in records:
+            for i, rec in enumerate(records):
                 txn.put(rec.key, rec.pack(), db=self._blocks)
+                if i < len(tokens) and tokens[i]:
+                    txn.put(rec.key, tokens[i], db=self._tokens)
 
     def delete_many(self, records: Iterable[BlockRecord]) -> None:
-        """Removes records (and their stats) in one transaction."""
+        """Removes records (and their stats and tokens) in one transaction."""
         with self._env.begin(write=True) as txn:
             for rec in records:
                 txn.delete(rec.key, db=self._blocks)
                 txn.delete(rec.key, db=self._stats)
+                txn.delete(rec.key, db=self._tokens)
+
+    def tokens_of(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The token ids stored for each of ``keys`` (empty where none), one read
+        transaction."""
+        with self._env.begin(db=self._tokens) as txn:
+            return [txn.get(k) or b"" for k in keys]
 
     def write_stats(self, stats: Iterable[tuple[bytes, int, int]]) -> None:
         """Stores (key, last access ms, hits) for blocks that still exist."""

@@ -184,6 +184,38 @@ class SidecarMetrics:
             registry=r,
         )
 
+        # KV events (dscache_sidecar.kvevents); zero while off.
+        self.kv_events = counter(
+            "dscache_sidecar_kv_events_total",
+            "KV events published, by type (BlockStored, BlockRemoved, AllBlocksCleared)",
+            "type",
+        )
+        self.kv_event_blocks = counter(
+            "dscache_sidecar_kv_event_blocks_total",
+            "Blocks named in published KV events, by type",
+            "type",
+        )
+        self.kv_event_batches = counter(
+            "dscache_sidecar_kv_event_batches_total",
+            "KV event batches sent, by how (publish: to every subscriber; replay: to one)",
+            "how",
+        )
+        self.kv_event_bytes = counter(
+            "dscache_sidecar_kv_event_bytes_total",
+            "Payload bytes of the KV event batches published (what each subscriber receives)",
+        )
+        self.kv_event_drops = counter(
+            "dscache_sidecar_kv_event_drops_total",
+            "Store changes not published as KV events because the queue was full (a "
+            "resync of the whole holdings follows)",
+        )
+        self.kv_event_resyncs = counter(
+            "dscache_sidecar_kv_event_resyncs_total",
+            "Whole-holdings announcements (AllBlocksCleared, then every block), by reason "
+            "(start, dropped, replay_gap)",
+            "reason",
+        )
+
     def count_lookup(self, op: str, hits: int, asked: int, block_tokens: int) -> None:
         """Counts one Lookup/Lease/Get of ``asked`` leading blocks, ``hits`` found."""
         if asked == 0:

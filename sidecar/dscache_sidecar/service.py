@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 
 from dscache.v1 import kvcache_pb2 as pb
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
@@ -123,6 +124,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             shape=tuple(info.shape),
             raw_bytes=info.raw_bytes,
             stored_bytes=info.stored_bytes,
+            tokens=np.asarray(block.token_ids, dtype="<u4").tobytes(),
         )
         try:
             spec.validate(self.store.max_stored_bytes)

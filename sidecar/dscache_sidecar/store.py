@@ -45,6 +45,7 @@ from dscache_sidecar.blockstore import (
     BlockSpec,
     Clock,
     CommitResult,
+    HoldingsEvents,
     LeaseGrant,
     SlotGrant,
     StoreFullError,
@@ -66,6 +67,25 @@ from dscache_sidecar.writes import WriteContext, Writes
 log = logging.getLogger(__name__)
 
 __all__ = ["KVStore", "StoreFullError"]
+
+
+def _chain_order(blocks: dict[bytes, BlockRecord]) -> list[BlockRecord]:
+    """``blocks``, each after its stored parent, depth first: a chain's blocks
+    come one after another, so they make few events."""
+    children: dict[bytes, list[BlockRecord]] = {}
+    stack: list[BlockRecord] = []
+    for rec in blocks.values():
+        if rec.parent and rec.parent in blocks:
+            children.setdefault(rec.parent, []).append(rec)
+        else:
+            stack.append(rec)
+    out: list[BlockRecord] = []
+    stack.reverse()
+    while stack:
+        rec = stack.pop()
+        out.append(rec)
+        stack.extend(reversed(children.get(rec.key, ())))
+    return out
 
 
 def _index_reserve(settings: SidecarSettings) -> int:
@@ -129,6 +149,21 @@ class KVStore:
         with self._lock:
             self._events = events
             self._catalog.on_publish = events.stored if events is not None else None
+
+    def watch_holdings(self, events: HoldingsEvents | None) -> list[tuple[BlockRecord, bytes]]:
+        """Tells ``events`` of every block gained and lost from now on, and returns
+        what the store holds at that moment: every block with its token ids (empty
+        where its writer gave none), parents before their children. The two are
+        taken under one lock, so nothing is missed or told twice."""
+        with self._lock:
+            self._catalog.holdings_events = events
+            if events is None:
+                return []
+            held = _chain_order(self._catalog.blocks)
+            # One read transaction of the tokens table; under the lock, so the
+            # snapshot and the first event cannot cross (start-up and resyncs only).
+            tokens = self._idx().tokens_of([r.key for r in held])
+        return list(zip(held, tokens, strict=True))
 
     def set_hook(self, point: str, fn: Callable[[], None] | None) -> None:
         """Test seam: runs ``fn`` at a named point, outside the store lock.

@@ -179,6 +179,7 @@ class Writes:
         catalog = self._catalog
         results: list[CommitResult] = []
         publish: list[BlockRecord] = []
+        tokens: list[bytes] = []
         for v in verified:
             if v is None:
                 results.append(CommitResult.EXPIRED)
@@ -197,10 +198,11 @@ class Writes:
                 results.append(result)
                 continue
             publish.append(self._record_for(res, v.checksum))
+            tokens.append(res.spec.tokens)
             results.append(CommitResult.OK)
         if publish:
             try:
-                self._ctx.index().put_many(publish)
+                self._ctx.index().put_many(publish, tokens)
             except lmdb.Error as exc:
                 # Disk (or map) full: nothing was published; give the space back.
                 for rec in publish:
@@ -212,7 +214,7 @@ class Writes:
             for rec in reversed(publish):
                 catalog.publish(rec)
             catalog.touch_ancestors(publish)
-            catalog.announce(publish)
+            catalog.announce(publish, tokens)
         return results
 
     def abort(self, write_ids: Iterable[str]) -> int:

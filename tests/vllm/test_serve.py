@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,11 @@ import httpx
 import pytest
 from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer
 from dscache_sidecar.client import SidecarClient
+from dscache_tools.net import free_port
 from dscache_tools.polling import wait_until
 from dscache_tools.sidecarproc import SidecarProcess
-from dscache_tools.vllmprobe import VllmServer
+from dscache_tools.vllmprobe import VllmServer, vllm_python
+from kvevents import Subscriber
 from prometheus_client.parser import text_string_to_metric_families
 from vllm_helpers import STORE_FLAGS
 
@@ -64,10 +67,18 @@ def start(model: Path, sidecar: SidecarProcess, log: Path) -> VllmServer:
 
 @pytest.fixture
 def sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(tmp_path / "store", *STORE_FLAGS)
+    events = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+    flags = ("--kv-events-endpoint", events[0], "--kv-events-replay-endpoint", events[1])
+    proc = SidecarProcess(tmp_path / "store", *STORE_FLAGS, *flags)
     proc.start()
     yield proc
     proc.stop()
+
+
+def kv_events(sidecar: SidecarProcess) -> Subscriber:
+    """A subscriber to the sidecar's KV events (the endpoints its fixture gave it)."""
+    flags = dict(zip(sidecar.extra[::2], sidecar.extra[1::2], strict=True))
+    return Subscriber(flags["--kv-events-endpoint"], flags["--kv-events-replay-endpoint"])
 
 
 def test_a_restarted_vllm_server_answers_from_the_stored_prefix(
@@ -84,9 +95,10 @@ def test_a_restarted_vllm_server_answers_from_the_stored_prefix(
         assert session_age(first, "conv-1", token=None).status_code == 401
         with SidecarClient(sidecar.socket) as client:
             wait_until("the prefix stored", lambda: client.stats().blocks >= 2, timeout=60)
-            held = picker_view(first, client)
+            held, keys, ids = picker_view(first, client)
     finally:
         first.stop()
+    announced = events_view(sidecar, keys, ids)
     second = start(vllm_model, sidecar, tmp_path / "serve.log")
     try:
         # A restarted pod knows no session: the picker places it anew.
@@ -122,6 +134,9 @@ def test_a_restarted_vllm_server_answers_from_the_stored_prefix(
     # The picker, keyed by the pod's key info, sees the prefix the pod stored: the
     # prompt's whole blocks (never its last token), the ones a restart loads.
     assert held >= 2 and held * 256 == cached(warm)
+    # A router that learns holdings from KV events sees the same blocks, named by
+    # the pod's keys and by the tokens vLLM computed them from.
+    assert announced == held
     # vLLM's own prefix cache is off and the process is new: cached tokens came
     # from dscache (the system prompt's whole blocks).
     assert cached(cold) == 0
@@ -129,10 +144,11 @@ def test_a_restarted_vllm_server_answers_from_the_stored_prefix(
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
 
 
-def picker_view(server: VllmServer, client: SidecarClient) -> int:
-    """The router's picker's view of this pod: the blocks of MESSAGES it would find
-    held here, keyed from the pod's /dscache/keyinfo and tokenized as the picker does
-    (its DeepSeek chat template), checked against vLLM's own tokenization."""
+def picker_view(server: VllmServer, client: SidecarClient) -> tuple[int, list[bytes], list[int]]:
+    """The router's picker's view of this pod: how many blocks of MESSAGES it would
+    find held here, keyed from the pod's /dscache/keyinfo and tokenized as the picker
+    does (its DeepSeek chat template), checked against vLLM's own tokenization; and
+    those keys and tokens."""
     auth = {"X-Dscache-Internal-Token": TOKEN}
     info = httpx.get(f"{server.url}/dscache/keyinfo", headers=auth, timeout=10).json()
     assert info["block_tokens"] == 256 and info["model"] == server.model
@@ -144,7 +160,57 @@ def picker_view(server: VllmServer, client: SidecarClient) -> int:
     assert picker_ids == vllm_ids
     keys = block_keys(bytes.fromhex(info["root"]), picker_ids, info["block_tokens"])
     # Requests without a cache_salt are the default tenant's (no secret here).
-    return int(client.find(tenant_label(tenant_salt("default")), keys).found)
+    return int(client.find(tenant_label(tenant_salt("default")), keys).found), keys, vllm_ids
+
+
+def events_view(sidecar: SidecarProcess, keys: list[bytes], ids: list[int]) -> int:
+    """How many leading ``keys`` the sidecar's KV events announce, each with its own
+    256 tokens of ``ids``; every batch also read by vLLM's own event decoder."""
+    sub = kv_events(sidecar)
+    try:
+        assert sub.replay(0) is not None
+        assert sub.poll(lambda: keys[0] in sub.holdings.blocks, timeout_s=30)
+        payloads = list(sub.payloads)
+    finally:
+        sub.close()
+    found = 0
+    for i, key in enumerate(keys):
+        if key not in sub.holdings.blocks:
+            break
+        assert sub.holdings.blocks[key] == (
+            keys[i - 1] if i else None,
+            ids[i * 256 : (i + 1) * 256],
+        )
+        found += 1
+    decoded = vllm_decodes(payloads)
+    assert decoded[0] == "AllBlocksCleared" and "BlockStored:STORAGE" in decoded
+    return found
+
+
+_DECODE = """
+import sys, msgspec
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
+decoder = msgspec.msgpack.Decoder(KVEventBatch)
+for line in sys.stdin:
+    batch = decoder.decode(bytes.fromhex(line.strip()))
+    for e in batch.events:
+        medium = f":{e.medium}" if isinstance(e, BlockStored) else ""
+        print(type(e).__name__ + medium)
+"""
+
+
+def vllm_decodes(payloads: list[bytes]) -> list[str]:
+    """Each event of ``payloads`` as vLLM's own decoder types it (``KVEventBatch``, in
+    the vLLM environment): its class name, with the medium of a ``BlockStored``."""
+    out = subprocess.run(
+        [str(vllm_python()), "-c", _DECODE],
+        input="\n".join(p.hex() for p in payloads),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return out.stdout.split()
 
 
 def sidecar_signals(sidecar: SidecarProcess, kind: str, result: str) -> float:

@@ -41,6 +41,8 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dscache.keys import KeyChain, block_keys
 from dscache_vllm.extras import PLAIN, RequestInputs
 
@@ -95,6 +97,9 @@ class SaveSpec:
             (``len(keys) * pages_per_block`` of them).
         shard_keys: the keys for shards 1, 2, ... (empty: one chain).
         shard_parents: their predecessors, likewise.
+        token_ids: the blocks' tokens end to end, little-endian u32 (every shard's
+            blocks hold the same tokens): the sidecar names blocks by them in its
+            KV events.
     """
 
     req_id: str
@@ -104,6 +109,15 @@ class SaveSpec:
     page_ids: tuple[int, ...]
     shard_keys: tuple[tuple[bytes, ...], ...] = ()
     shard_parents: tuple[tuple[bytes, ...], ...] = ()
+    token_ids: bytes = b""
+
+    def block_token_ids(self, i: int) -> list[int]:
+        """The tokens of the ``i``-th saved block (empty when not carried)."""
+        if not self.token_ids or not self.keys:
+            return []
+        step = len(self.token_ids) // len(self.keys)
+        ids: list[int] = np.frombuffer(self.token_ids[i * step : (i + 1) * step], "<u4").tolist()
+        return ids
 
     def keys_for(self, shard: int) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
         """``shard``'s keys and parents (shard 0's, or everyone's with one chain)."""
@@ -321,6 +335,9 @@ class Planner:
             page_ids=tuple(s.page_ids[first * r : full * r]),
             shard_keys=tuple(keys[1:]),
             shard_parents=tuple(parents[1:]),
+            token_ids=np.asarray(
+                s.token_ids[first * self.block_tokens : full * self.block_tokens], dtype="<u4"
+            ).tobytes(),
         )
 
     def stored_keys(self, req_id: str) -> tuple[str, list[bytes]] | None:

@@ -537,8 +537,8 @@ class KVWorker:
             return
         dtype = self.paged.contract_dtype
         blocks = [
-            BlockData(key=k, parent=p, array=a, dtype=dtype)
-            for k, p, a in zip(s.keys, s.parents, s.out, strict=True)
+            BlockData(key=k, parent=p, array=a, dtype=dtype, token_ids=s.spec.block_token_ids(i))
+            for i, (k, p, a) in enumerate(zip(s.keys, s.parents, s.out, strict=True))
         ]
         self._writes.put(_Write(s.spec.tenant, blocks))
 

@@ -338,12 +338,24 @@ def _sidecar_container(owner: Owner, src: RevisionSource, capacity: int) -> Obj:
     env = _shared_tier_env(src) + internal_token_env(
         owner, src.tenant_salt.source, "DSCACHE_SIDECAR_INTERNAL_TOKEN"
     )
+    ports = [{"name": "metrics", "containerPort": port, "protocol": "TCP"}]
+    events = src.cache.kv_events
+    if events.enabled:
+        # Only when on: pod templates of resources without events stay as they were.
+        args += ["--kv-events-endpoint", f"tcp://*:{events.port}"]
+        args += ["--kv-events-replay-endpoint", f"tcp://*:{events.replay_port}"]
+        if events.open:
+            env.append({"name": "DSCACHE_SIDECAR_KV_EVENTS_OPEN", "value": "true"})
+        ports += [
+            {"name": "kv-events", "containerPort": events.port, "protocol": "TCP"},
+            {"name": "kv-replay", "containerPort": events.replay_port, "protocol": "TCP"},
+        ]
     # The sidecar's gRPC health, as HTTP on its metrics port: no process per probe.
     return {
         **container("sidecar", src.sidecar.image, ["dscache"], args),
         # Only when set: pod templates without a shared tier stay as they were.
         **({"env": env} if env else {}),
-        "ports": [{"name": "metrics", "containerPort": port, "protocol": "TCP"}],
+        "ports": ports,
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": "metrics"},
             "periodSeconds": 15,

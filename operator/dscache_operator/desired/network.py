@@ -8,6 +8,8 @@ With the admin's ``network_policies`` on (the default), each resource gets:
     stable pods' mined templates),
   - on the sidecar's metrics port from the router pods (the picker's holdings
     filters),
+  - with ``cache.kvEvents`` on, on the KV-event ports from the router pods and
+    the subscribers the spec names (llm-d's indexer, Dynamo's router),
   - on both ports from the metrics peers the admin names (Prometheus);
 * ``<name>-router``: the router pods take connections on the router port
   only, from anywhere (it is the service's entry point);
@@ -29,13 +31,29 @@ from __future__ import annotations
 from dscache_operator.desired.common import Obj, Owner, labels, meta, selector_labels
 from dscache_operator.desired.router import ROUTER_PORT
 from dscache_operator.policy import AdminPolicy
-from dscache_operator.revision import RevisionSource
+from dscache_operator.revision import KVEventsPeer, RevisionSource
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
 
 
 def _tcp(ports: list[int]) -> list[Obj]:
     return [{"protocol": "TCP", "port": p} for p in ports]
+
+
+def _peer(peer: KVEventsPeer) -> Obj:
+    """A NetworkPolicy peer of KV-event subscribers."""
+    out: Obj = {"podSelector": {"matchLabels": dict(peer.pod_labels)}}
+    if peer.namespace_labels is not None:
+        out["namespaceSelector"] = {"matchLabels": dict(peer.namespace_labels)}
+    return out
+
+
+def _unique(peers: list[Obj]) -> list[Obj]:
+    out: list[Obj] = []
+    for p in peers:
+        if p not in out:
+            out.append(p)
+    return out
 
 
 def _policy(owner: Owner, name: str, component: str, ingress: list[Obj]) -> Obj:
@@ -73,6 +91,11 @@ def network_policies(
     if policy.metrics_peers:
         peers = [dict(p) for p in policy.metrics_peers]
         model_ingress.append({"from": peers, "ports": _tcp(sorted({*server, *sidecar}))})
+    events = [s.cache.kv_events for s in sources if s.cache.kv_events.enabled]
+    if events:
+        ports = sorted({p for e in events for p in (e.port, e.replay_port)})
+        subscribers = [router] + [_peer(p) for e in events for p in e.subscribers]
+        model_ingress.append({"from": _unique(subscribers), "ports": _tcp(ports)})
     return [
         _policy(owner, f"{owner.name}-model", "model", model_ingress),
         _policy(owner, f"{owner.name}-router", "router", [{"ports": _tcp([ROUTER_PORT])}]),

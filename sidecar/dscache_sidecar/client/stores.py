@@ -34,13 +34,15 @@ class BlockData:
     """One block to store: its key, its parent's key (b"" for block 0), its array.
 
     ``dtype`` overrides the contract dtype name (needed for bfloat16, which numpy
-    carries as uint16).
+    carries as uint16). ``token_ids`` are the block's own tokens: optional, the
+    daemon only names the block by them in its KV events.
     """
 
     key: bytes
     parent: bytes
     array: np.ndarray
     dtype: str | None = None
+    token_ids: Sequence[int] = ()
 
 
 def _new_block(b: BlockData, codec: Codec, stored: bytes | memoryview) -> pb.NewBlock:
@@ -48,6 +50,7 @@ def _new_block(b: BlockData, codec: Codec, stored: bytes | memoryview) -> pb.New
     return pb.NewBlock(
         key=b.key,
         parent=b.parent,
+        token_ids=b.token_ids,
         info=pb.BlockInfo(
             dtype=b.dtype or dtype_name(arr),
             shape=list(arr.shape),

@@ -1,0 +1,105 @@
+"""``spec.cache.kvEvents``: the sidecars publish their holdings as vLLM KV events.
+
+Off by default, and then no pod template changes. On: each sidecar binds the PUB and
+replay sockets on the spec's ports (named container ports), logs subscribers in with
+the resource's internal token unless ``open``, and the model pods' NetworkPolicy lets
+the router pods and the named subscribers (llm-d's indexer, say) reach those ports,
+and no one else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from dscache_operator.desired import model_deployment, network_policies, router_deployment
+from dscache_operator.policy import DEFAULT_POLICY
+from dscache_operator.schema import InvalidSpecError
+from dscache_operator.spec import parse_spec
+from spec_helpers import OWNER, status_for
+from test_operator_network import Peer, allowed
+
+BASE: dict[str, Any] = {
+    "model": {"preset": "tiny-gqa", "revision": "1"},
+    "prewarm": {"prompts": {"name": "chat-prompts"}},
+}
+INDEXER = {"app": "llm-d-kv-indexer"}
+
+
+def _sidecar(cache: dict[str, Any]) -> dict[str, Any]:
+    parsed = parse_spec({**BASE, "cache": cache})
+    dep = model_deployment(OWNER, parsed, status_for(parsed), "blue")
+    (side,) = [c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "sidecar"]
+    kubernetes_validate.validate(dep, "1.35.0", strict=True)
+    return dict(side)
+
+
+def test_off_by_default_and_then_no_template_changes() -> None:
+    side = _sidecar({})
+    assert not any(a.startswith("--kv-events") for a in side["args"])
+    assert [p["name"] for p in side["ports"]] == ["metrics"]
+    assert _sidecar({"kvEvents": {"enabled": False, "port": 6000}}) == side
+
+
+def test_on_the_sidecar_binds_both_sockets_and_logs_subscribers_in() -> None:
+    side = _sidecar({"kvEvents": {"enabled": True, "port": 6001, "replayPort": 6002}})
+    args = side["args"]
+    assert args[args.index("--kv-events-endpoint") + 1] == "tcp://*:6001"
+    assert args[args.index("--kv-events-replay-endpoint") + 1] == "tcp://*:6002"
+    ports = {p["name"]: p["containerPort"] for p in side["ports"]}
+    assert ports == {"metrics": 9102, "kv-events": 6001, "kv-replay": 6002}
+    env = {e["name"]: e for e in side["env"]}
+    # The internal token the sidecar already has is the subscribers' password.
+    assert "DSCACHE_SIDECAR_INTERNAL_TOKEN" in env
+    assert "DSCACHE_SIDECAR_KV_EVENTS_OPEN" not in env
+    opened = _sidecar({"kvEvents": {"enabled": True, "open": True}})
+    assert {e["name"]: e.get("value") for e in opened["env"]}[
+        "DSCACHE_SIDECAR_KV_EVENTS_OPEN"
+    ] == "true"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"port": 80},
+        {"replayPort": 70000},
+        {"subscribers": [{"podLabels": {"bad key!": "x"}}]},
+        {"unknown": True},
+    ],
+)
+def test_a_bad_setting_is_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises((InvalidSpecError, ValueError)):
+        parse_spec({**BASE, "cache": {"kvEvents": {"enabled": True, **bad}}})
+
+
+def test_only_the_router_and_the_named_subscribers_reach_the_event_ports() -> None:
+    spec = parse_spec(
+        {
+            **BASE,
+            "cache": {
+                "kvEvents": {
+                    "enabled": True,
+                    "subscribers": [{"podLabels": INDEXER, "namespaceLabels": {"team": "routing"}}],
+                }
+            },
+        }
+    )
+    status = status_for(spec)
+    pols = network_policies(OWNER, spec, status, DEFAULT_POLICY)
+    dep = model_deployment(OWNER, spec, status, "blue")
+    model = Peer(OWNER.namespace, dep["spec"]["template"]["metadata"]["labels"], "10.0.0.1")
+    router_pod = router_deployment(OWNER, spec)["spec"]["template"]["metadata"]["labels"]
+    router = Peer(OWNER.namespace, router_pod, "10.0.0.2")
+    indexer = Peer("llm-d", INDEXER, "10.0.3.3", {"team": "routing"})
+    elsewhere = Peer("llm-d", INDEXER, "10.0.3.4", {"team": "other"})
+    stranger = Peer(OWNER.namespace, {"app": "web"}, "10.0.0.4")
+    for port in (5557, 5558):
+        assert allowed(pols, router, model, port)
+        assert allowed(pols, indexer, model, port)
+        assert not allowed(pols, elsewhere, model, port)
+        assert not allowed(pols, stranger, model, port)
+    # The ports stay closed to a resource without events.
+    plain = parse_spec(BASE)
+    closed = network_policies(OWNER, plain, status_for(plain), DEFAULT_POLICY)
+    assert not allowed(closed, indexer, model, 5557)
