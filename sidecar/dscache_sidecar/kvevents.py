@@ -38,8 +38,16 @@ Contract:
       "", start]`` (u64 big-endian) is answered with every buffered batch from
       ``start`` on, each ``[identity, "", topic, seq, payload]``, then an end marker
       ``[identity, "", "", -1 (i64 big-endian), ""]``. The buffer keeps the last
-      ``buffer_batches``; a request that starts before them gets a resync (published
-      to every subscriber, and sent to the requester) instead.
+      ``buffer_batches``; a request that starts before them is answered, to the
+      requester alone, with the whole holdings now (``AllBlocksCleared`` first), every
+      batch numbered with the last sequence number published: the stream goes on
+      from the next. The changes published after that number were queued before the
+      holdings were read or after; applied in order on top of them (every event
+      sets a block's state), they leave the right picture either way.
+    * A subscriber's rules, then: a batch that starts with ``AllBlocksCleared`` is a
+      new baseline, whatever its number; otherwise apply the next number expected,
+      ask for a replay at a gap, and take a lower number from a batch newer than the
+      last applied for a restarted publisher (ask for a replay from 0).
     * One thread owns both sockets (ZeroMQ sockets are not thread safe): it sends
       what was queued every ``batch_s`` and serves replays in between.
     * Who may subscribe: the stream names every key the node holds, as the holdings
@@ -214,6 +222,7 @@ class KVEventPublisher:
         self._seq = itertools.count()
         self._epoch = 0
         self._resync_due: str | None = "start"
+        self._sink: _Sink | None = None
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
@@ -322,9 +331,22 @@ class KVEventPublisher:
         """Publishes ``AllBlocksCleared`` and the whole holdings; later changes follow."""
         self._resync_due = None
         self._epoch += 1
-        held = self._store.watch_holdings(_Sink(self, self._epoch))
+        self._sink = _Sink(self, self._epoch)
+        held = self._store.watch_holdings(self._sink)
         self._metrics.kv_event_resyncs.labels(reason=reason).inc()
         self._publish([{"type": "AllBlocksCleared"}, *stored_events(held, self.medium)])
+
+    def _send_holdings(self, identity: bytes, last: int) -> None:
+        """Answers one replay request with the whole holdings, numbered ``last``."""
+        assert self._replay is not None and self._sink is not None
+        held = self._store.watch_holdings(self._sink)  # the same sink: nothing dropped
+        self._metrics.kv_event_resyncs.labels(reason="replay_gap").inc()
+        number = last.to_bytes(8, "big")
+        for batch in _batches([{"type": "AllBlocksCleared"}, *stored_events(held, self.medium)]):
+            payload = encode_batch(batch, time.time())
+            self._replay.send_multipart([identity, b"", self._topic, number, payload])
+            self._metrics.kv_event_batches.labels(how="replay").inc()
+        self._replay.send_multipart([identity, b"", b"", END_SEQ, b""])
 
     def _publish(self, events: Sequence[Event]) -> None:
         for batch in _batches(events):
@@ -350,9 +372,8 @@ class KVEventPublisher:
         identity, start = frames[0], int.from_bytes(frames[2], "big")
         if self._buffer and start < self._buffer[0][0]:
             # Batches before the buffer are gone: what they said is the holdings.
-            first = self._buffer[-1][0] + 1
-            self._resync("replay_gap")
-            start = first
+            self._send_holdings(identity, self._buffer[-1][0])
+            return
         for seq, payload in self._buffer:
             if seq >= start:
                 self._replay.send_multipart(

@@ -212,7 +212,8 @@ class SidecarMetrics:
         self.kv_event_resyncs = counter(
             "dscache_sidecar_kv_event_resyncs_total",
             "Whole-holdings announcements (AllBlocksCleared, then every block), by reason "
-            "(start, dropped, replay_gap)",
+            "(start, dropped: to every subscriber; replay_gap: to one that asked for batches "
+            "older than the buffer)",
             "reason",
         )
 

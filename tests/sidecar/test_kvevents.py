@@ -108,7 +108,9 @@ def test_a_subscriber_learns_the_holdings_and_every_change(
 
         assert sc.c.clear_tenant(chain().tenant) == len(early) + 1
         assert sub.poll(lambda: not sub.holdings.blocks)
-        assert sc.metric("dscache_sidecar_kv_events_total", type="BlockRemoved") >= 2
+        assert _eventually(
+            lambda: sc.metric("dscache_sidecar_kv_events_total", type="BlockRemoved") >= 2
+        )
     finally:
         sub.close()
 
@@ -167,19 +169,31 @@ def test_a_gap_older_than_the_buffer_brings_the_whole_holdings(
         )
     pub = sc.running.kv_events if sc.running is not None else None
     assert pub is not None
-    sub = _subscribe(sc)
+    sub, bystander = _subscribe(sc), _subscribe(sc)
     try:
-        # Batch 0 (the start) left the buffer long ago: a resync answers instead.
+        # The last batch (numbers count the batches published from 0), still buffered.
+        last = int(sc.metric("dscache_sidecar_kv_event_batches_total", how="publish")) - 1
+        assert bystander.replay(last) == [last]
+        # Batch 0 (the start) left the buffer long ago: the whole holdings answer,
+        # numbered with the last batch published, to this subscriber alone.
         got = sub.replay(0)
-        assert got is not None and len(got) >= 1
+        assert got is not None and len(set(got)) == 1
         assert sub.events()[0] == {"type": "AllBlocksCleared"}
         assert set(sub.holdings.blocks) == set(held)
+        assert sub.next_seq == bystander.next_seq
         assert sc.metric("dscache_sidecar_kv_event_resyncs_total", reason="replay_gap") == 1
+        assert not bystander.poll(lambda: False, timeout_s=0.3)
+        assert all(e["type"] != "AllBlocksCleared" for e in bystander.events())
         # A replay within the buffer is served from it, no resync.
         assert sub.replay(sub.next_seq - 1) == [sub.next_seq - 1]
         assert sc.metric("dscache_sidecar_kv_event_resyncs_total", reason="replay_gap") == 1
+        # The stream goes on where the holdings left off.
+        more = _store(sc, seed=29)
+        assert sub.poll(lambda: set(more) <= set(sub.holdings.blocks))
+        assert sub.poll(_agrees(sub, sc))
     finally:
         sub.close()
+        bystander.close()
 
 
 @pytest.mark.slow  # waits out the strangers' silence
