@@ -588,8 +588,12 @@ def revision_of(source: RevisionSource) -> str:
         field = type(section).model_fields[name]
         if getattr(section, name) == field.get_default(call_default_factory=True):
             node.pop(field.alias or name, None)
+    cache = dumped[RevisionSource.model_fields["cache"].alias or "cache"]
     if not source.cache.shared.enabled:
         # A disabled shared tier shapes no pod: tuning it while off starts no rollout.
-        dumped[RevisionSource.model_fields["cache"].alias or "cache"].pop("shared", None)
+        cache.pop("shared", None)
+    if not source.cache.kv_events.enabled:
+        # Nor do KV events while off (and sources from before them keep their revision).
+        cache.pop(CacheSpec.model_fields["kv_events"].alias or "kv_events", None)
     data = json.dumps(dumped, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()[:10]

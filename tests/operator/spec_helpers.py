@@ -36,6 +36,7 @@ ADDED_SINCE_RELEASE: tuple[tuple[str, ...], ...] = (
     ("cache", "shared"),
     ("cache", "volume", "claimTemplate"),
     ("cache", "eviction"),
+    ("cache", "kvEvents"),
     ("server", "dtype"),
 )
 

@@ -15,6 +15,7 @@ import kubernetes_validate
 import pytest
 from dscache_operator.desired import model_deployment, network_policies, router_deployment
 from dscache_operator.policy import DEFAULT_POLICY
+from dscache_operator.revision import revision_of
 from dscache_operator.schema import InvalidSpecError
 from dscache_operator.spec import parse_spec
 from spec_helpers import OWNER, status_for
@@ -103,3 +104,11 @@ def test_only_the_router_and_the_named_subscribers_reach_the_event_ports() -> No
     plain = parse_spec(BASE)
     closed = network_policies(OWNER, plain, status_for(plain), DEFAULT_POLICY)
     assert not allowed(closed, indexer, model, 5557)
+
+
+def test_off_the_revision_is_unchanged_and_on_it_rolls_out() -> None:
+    plain = revision_of(parse_spec(BASE).revision_source())
+    off = parse_spec({**BASE, "cache": {"kvEvents": {"enabled": False, "port": 6000}}})
+    assert revision_of(off.revision_source()) == plain
+    on = parse_spec({**BASE, "cache": {"kvEvents": {"enabled": True}}})
+    assert revision_of(on.revision_source()) != plain
