@@ -66,6 +66,7 @@ def test_the_quick_router_bench_measures_a_picker_that_really_decides(tmp_path: 
     per_pass = 20
     doc, _ = run_quick_bench("router", out, 380, "--requests", str(per_pass), "--png", str(png))
     assert set(doc) == {
+        "feeds",
         "rows",
         "picker_decision_mean_ms",
         "picks",
@@ -93,3 +94,9 @@ def test_the_quick_router_bench_measures_a_picker_that_really_decides(tmp_path: 
     assert picks["prefix"] > 0  # the filters' keys are the ones the picker computes
     assert doc["picker_decision_mean_ms"] > 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Both feeds saw every chain the sidecar stored; the events' picture is the
+    # fresher one (a filter waits for a rebuild and a fetch: seconds, bounded loosely).
+    feeds = doc["feeds"]
+    assert feeds["chains"] > 0 and feeds["events"]["missed"] == feeds["filters"]["missed"] == 0
+    assert feeds["events"]["staleness_p50_ms"] < feeds["filters"]["staleness_p50_ms"]
+    assert feeds["events"]["bytes_per_s"] > 0 and feeds["filters"]["bytes_per_s"] > 0

@@ -30,7 +30,9 @@ over the measured requests: tokenizing and matching, not the HTTP round trip),
 ``picks`` (the kv router's ``dscache_router_picks_total`` by reason over the
 measured requests; ``failed``: the picker did not answer in time),
 ``requests`` (measured requests, both routers), ``failed`` (requests without a
-200 answer), ``workload_requests`` (requests per pass), ``rounds``.
+200 answer), ``workload_requests`` (requests per pass), ``rounds``, and
+``feeds``: how fast and at what cost a router learns a pod's new blocks from its
+sidecar's KV events against its holdings filter (:mod:`dscache_tools.bench.feeds`).
 The command exits 1 when a request failed; a pick the picker left unanswered
 (the hash placed that request) is counted in ``picks.failed`` and logged.
 
@@ -71,6 +73,7 @@ from starlette.routing import Route
 from dscache import metricnames as names
 from dscache.keys import block_keys
 from dscache_tools.bench import Doc, ratio
+from dscache_tools.bench.feeds import feeds_table, run_feeds
 from dscache_tools.demo.output import pyplot
 from dscache_tools.demo.parts import child_env, find_nginx
 from dscache_tools.loadgen.report import percentile
@@ -516,7 +519,10 @@ def run_bench(quick: bool, seed: int = 0, limit: int | None = None) -> Doc:
                 "\n".join(lines[-20:]),
             )
     decisions = count_after - count_before
+    print("holdings feeds: KV events and filters of one sidecar, side by side ...", flush=True)
+    feeds = run_feeds(quick)
     return {
+        "feeds": feeds,
         "rows": rows(passes),
         "picker_decision_mean_ms": (
             1000 * (seconds_after - seconds_before) / decisions if decisions else None
@@ -559,6 +565,8 @@ def table(doc: Doc) -> str:
         f"{doc['requests']} requests ({doc['workload_requests']} per pass, {doc['rounds']} "
         f"rounds), {doc['failed']} failed"
     )
+    if "feeds" in doc:
+        lines.append(feeds_table(doc["feeds"]))
     return "\n".join(lines)
 
 
