@@ -129,6 +129,16 @@ def add_picker_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="for pods without --holdings: http://<pod IP>:PORT/dscache/holdings",
     )
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        help="also follow each pod's sidecar KV events on tcp://<pod IP>:PORT (exact, "
+        "fresher holdings; the filter answers while a feed is not in sync)",
+    )
+    p.add_argument(
+        "--kv-events-replay-port", type=int, default=None, help="the sidecars' KV event replay port"
+    )
     p.add_argument("--refresh", type=float, default=1.0, help="seconds between filter fetches (1)")
     p.add_argument(
         "--memory",

@@ -13,7 +13,10 @@ fails or is slow. The picker decides, in this order:
    (:mod:`dscache_sidecar.holdings`, fetched every ``refresh_s``; a filter
    unchanged since the last fetch is a 304 without a body) joined with
    the blocks the picker itself sent there in the last ``memory_s`` seconds
-   (a turn's follow-up often arrives before the next filter does).
+   (a turn's follow-up often arrives before the next filter does). With
+   ``events_port`` the exact keys the sidecar's KV events announced answer
+   instead of the filter while that feed is in sync
+   (:mod:`dscache_server.eventfeed`).
 3. ``similar``: no pod holds a block of it (a prompt shorter than a block, a
    filter not yet fetched), but a request seen recently is similar to it
    (MinHash LSH over word shingles of its messages, datasketch; estimated
@@ -110,6 +113,10 @@ class PickerSettings:
             holdings fetch (servers and sidecars that have one ask for it).
         locate_timeout_s: how long a session lookup waits for the pods
             (:mod:`dscache_server.sessions`); under the router's picker timeout.
+        events_port: subscribe to each pod's sidecar KV events on this port
+            (:mod:`dscache_server.eventfeed`; None: filters only).
+        events_replay_port: the sidecars' replay port (needed with events_port).
+        max_event_keys: keys kept per pod from its events; past it, its filter.
     """
 
     holdings: Mapping[str, str] = field(default_factory=dict)
@@ -127,6 +134,9 @@ class PickerSettings:
     forget_s: float = 600.0
     internal_token: str = field(default="", repr=False)
     locate_timeout_s: float = 0.15
+    events_port: int | None = None
+    events_replay_port: int | None = None
+    max_event_keys: int = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -198,6 +208,9 @@ class _Pod:
     holdings: HoldingsFilter | None = None
     holdings_at: float = 0.0
     holdings_etag: str | None = None
+    #: The keys its sidecar's KV events announced, while the feed is in sync
+    #: (:mod:`dscache_server.eventfeed`); None: the filter answers.
+    events: set[bytes] | None = None
     recent: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
     seen_at: float = 0.0  # when a pick last named it
 
@@ -246,6 +259,11 @@ class PickerMetrics:
         self.filters = Gauge(
             "dscache_picker_filters",
             "Pods whose sidecar filter the picker holds.",
+            registry=self.registry,
+        )
+        self.event_pods = Gauge(
+            "dscache_picker_event_pods",
+            "Pods whose holdings the picker takes from their sidecar's KV events (in sync).",
             registry=self.registry,
         )
         self.filter_age = Gauge(
@@ -352,6 +370,41 @@ class Picker:
             pod.holdings, pod.holdings_at = holdings, self.clock()
             pod.holdings_etag = etag
 
+    def events_applied(self, address: str, events: list[dict[str, Any]], baseline: bool) -> bool:
+        """Applies a pod's KV events (a baseline starts a new set); False when the
+        set would pass ``max_event_keys`` (the pod then leaves the feed)."""
+        with self._lock:
+            pod = self._pods.get(address)
+            if pod is None:
+                return True
+            if baseline:
+                pod.events = set()
+            held = pod.events
+            if held is None:
+                return True
+            for event in events:
+                kind = event.get("type")
+                hashes = event.get("block_hashes") or ()
+                if kind == "AllBlocksCleared":
+                    held.clear()
+                elif kind == "BlockStored":
+                    held.update(h for h in hashes if isinstance(h, bytes))
+                elif kind == "BlockRemoved":
+                    held.difference_update(h for h in hashes if isinstance(h, bytes))
+            if len(held) > self.settings.max_event_keys:
+                pod.events = None
+                return False
+            self.metrics.event_pods.set(sum(p.events is not None for p in self._pods.values()))
+            return True
+
+    def events_lost(self, address: str) -> None:
+        """The pod's feed is out of sync: its filter answers until a new baseline."""
+        with self._lock:
+            pod = self._pods.get(address)
+            if pod is not None:
+                pod.events = None
+            self.metrics.event_pods.set(sum(p.events is not None for p in self._pods.values()))
+
     def holdings_url(self, address: str) -> str | None:
         explicit = self.settings.holdings.get(address)
         if explicit:
@@ -427,10 +480,12 @@ class Picker:
         n = 0
         for key in keys:
             expiry = pod.recent.get(key)
-            if (expiry is None or expiry < now) and (
-                pod.holdings is None or key not in pod.holdings
-            ):
-                break
+            if expiry is None or expiry < now:
+                if pod.events is not None:
+                    if key not in pod.events:
+                        break
+                elif pod.holdings is None or key not in pod.holdings:
+                    break
             n += 1
         return n
 

@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from dscache.routing import MAX_SESSION_ID
+from dscache_server.eventfeed import EventFeed
 from dscache_server.picker import (
     BLOCKS_HEADER,
     REASON_HEADER,
@@ -50,8 +51,10 @@ MAX_BODY = 16 << 20
 INTERNAL_TOKEN_ENV = "DSCACHE_PICKER_INTERNAL_TOKEN"  # noqa: S105 - a variable's name
 
 
-def create_app(picker: Picker, refresher: Refresher | None = None) -> FastAPI:
-    """The picker's ASGI app (``refresher`` runs while the app is up)."""
+def create_app(
+    picker: Picker, refresher: Refresher | None = None, feed: EventFeed | None = None
+) -> FastAPI:
+    """The picker's ASGI app (``refresher`` and ``feed`` run while the app is up)."""
 
     settings = picker.settings
     token = {INTERNAL_TOKEN_HEADER: settings.internal_token} if settings.internal_token else {}
@@ -61,6 +64,8 @@ def create_app(picker: Picker, refresher: Refresher | None = None) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if refresher is not None:
             refresher.start()
+        if feed is not None:
+            feed.start()
         clients.append(httpx.AsyncClient(timeout=settings.locate_timeout_s))
         try:
             yield
@@ -68,6 +73,8 @@ def create_app(picker: Picker, refresher: Refresher | None = None) -> FastAPI:
             await clients.pop().aclose()
             if refresher is not None:
                 refresher.stop()
+            if feed is not None:
+                feed.stop()
 
     app = FastAPI(title="dscache picker", lifespan=lifespan, docs_url=None, redoc_url=None)
 
@@ -157,6 +164,8 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         raise ValueError("--similarity-threshold must be in [0, 1]")
     if args.refresh <= 0:
         raise ValueError("--refresh must be positive")
+    if (args.kv_events_port is None) != (args.kv_events_replay_port is None):
+        raise ValueError("--kv-events-port and --kv-events-replay-port go together")
     if not 0.001 <= args.locate_timeout <= 10.0:
         raise ValueError("--locate-timeout must be between 0.001 and 10 seconds")
     return PickerSettings(
@@ -168,6 +177,8 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         domain_terms=terms,
         internal_token=os.environ.get(INTERNAL_TOKEN_ENV, ""),
         locate_timeout_s=args.locate_timeout,
+        events_port=args.kv_events_port,
+        events_replay_port=args.kv_events_replay_port,
     )
 
 
@@ -182,6 +193,11 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     picker = Picker(settings, DeepSeekTokenizer())
     picker.know(settings.holdings)
-    app = create_app(picker, Refresher(picker))
+    feed = None
+    if settings.events_port is not None and settings.events_replay_port is not None:
+        feed = EventFeed(
+            picker, settings.events_port, settings.events_replay_port, settings.internal_token
+        )
+    app = create_app(picker, Refresher(picker), feed)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

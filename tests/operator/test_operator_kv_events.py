@@ -112,3 +112,17 @@ def test_off_the_revision_is_unchanged_and_on_it_rolls_out() -> None:
     assert revision_of(off.revision_source()) == plain
     on = parse_spec({**BASE, "cache": {"kvEvents": {"enabled": True}}})
     assert revision_of(on.revision_source()) != plain
+
+
+def test_the_routers_picker_follows_the_events_when_they_are_on() -> None:
+    def picker_args(cache: dict[str, Any]) -> list[str]:
+        dep = router_deployment(OWNER, parse_spec({**BASE, "cache": cache}))
+        (picker,) = [
+            c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "picker"
+        ]
+        return list(picker["args"])
+
+    assert "--kv-events-port" not in picker_args({})
+    args = picker_args({"kvEvents": {"enabled": True, "port": 6001, "replayPort": 6002}})
+    assert args[args.index("--kv-events-port") + 1] == "6001"
+    assert args[args.index("--kv-events-replay-port") + 1] == "6002"

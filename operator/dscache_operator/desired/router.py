@@ -93,6 +93,11 @@ def _picker_container(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
     p = spec.routing.picker
     args = ["picker", "--host", "127.0.0.1", "--port", str(p.port)]
     args += ["--holdings-port", str(spec.sidecar.metrics_port)]
+    events = spec.cache.kv_events
+    if events.enabled:
+        # The sidecars' KV events: exact holdings, fresher than the filters.
+        args += ["--kv-events-port", str(events.port)]
+        args += ["--kv-events-replay-port", str(events.replay_port)]
     args += ["--similarity-threshold", f"{p.similarity_threshold:g}"]
     for term, weight in sorted(p.domain_terms.items()):
         args += ["--domain-term", f"{term}={weight}"]

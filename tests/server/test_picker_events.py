@@ -1,0 +1,106 @@
+"""The picker follows a real sidecar's KV events: exact holdings within a batch window.
+
+No filter is ever fetched here (no refresher runs): what the picker knows of the
+pod comes from the events alone. A stored prompt becomes a prefix choice, a
+deleted block stops counting, a restarted sidecar's announcement is taken as the
+new baseline, and a feed that is not in sync leaves the answer to the filter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from dscache_server.eventfeed import EventFeed
+from dscache_server.picker import Picker, PickerSettings
+from dscache_server.tokenizer import DeepSeekTokenizer
+from dscache_sidecar.client import BlockData, SidecarClient
+from dscache_sidecar.holdings import HoldingsFilter
+from dscache_tools.net import free_port
+from dscache_tools.polling import wait_until
+from dscache_tools.sidecarproc import SidecarProcess
+from test_picker import BT, DOC, ROOT, chat, keys_of, query
+
+pytestmark = pytest.mark.slow  # a sidecar child process
+
+POD = "127.0.0.1:8000"
+
+
+@pytest.fixture(params=["", "internal-token"], ids=["open", "token"])
+def sidecar(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[SidecarProcess, int, int, str]]:
+    """A sidecar with KV events; with a token, subscribers must log in with it."""
+    token: str = request.param
+    monkeypatch.setenv("DSCACHE_SIDECAR_INTERNAL_TOKEN", token)
+    pub, replay = free_port(), free_port()
+    proc = SidecarProcess(
+        tmp_path / "store",
+        "--capacity", "64MiB", "--segment-size", "16MiB", "--segment-init", "sparse",
+        "--holdings-refresh", "0",
+        "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
+        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
+    )  # fmt: skip
+    proc.start()
+    yield proc, pub, replay, token
+    proc.stop()
+
+
+def _store(proc: SidecarProcess, keys: list[bytes]) -> None:
+    arr = np.zeros((2, 8), dtype=np.float32)
+    blocks = [BlockData(k, keys[i - 1] if i else b"", arr) for i, k in enumerate(keys)]
+    with SidecarClient(proc.socket) as client:
+        client.store("t", blocks)
+
+
+def picker_gauge(picker: Picker) -> float:
+    """``dscache_picker_event_pods``: pods whose feed is in sync."""
+    value = picker.metrics.registry.get_sample_value("dscache_picker_event_pods")
+    return 0.0 if value is None else value
+
+
+def test_the_picker_knows_what_the_events_announce(
+    sidecar: tuple[SidecarProcess, int, int, str],
+) -> None:
+    proc, pub, replay, token = sidecar
+    tokenizer = DeepSeekTokenizer()
+    settings = PickerSettings(memory_s=0.0, events_port=pub, events_replay_port=replay)
+    picker = Picker(settings, tokenizer)
+    picker.know([POD])
+    picker.set_keyinfo(POD, ROOT, BT)
+    feed = EventFeed(picker, pub, replay, token, check_s=0.1)
+    feed.start()
+    try:
+        wait_until("the feed in sync", lambda: picker_gauge(picker) == 1, timeout=20)
+        keys = keys_of(tokenizer, chat(DOC))
+        assert len(keys) >= 4
+
+        def held() -> int:
+            choice = picker.pick(query(chat(DOC), pods=f"{POD}/0"))
+            return choice.blocks if choice.reason == "prefix" else 0
+
+        assert held() == 0
+        _store(proc, keys)
+        wait_until("the stored prompt a prefix choice", lambda: held() == len(keys), timeout=20)
+        with SidecarClient(proc.socket) as client:
+            assert client.delete("t", [keys[2]]) == len(keys) - 2
+        wait_until("the deleted blocks no longer held", lambda: held() == 2, timeout=20)
+
+        # A filter that claims everything is not believed while the feed is in sync.
+        picker.set_holdings(POD, HoldingsFilter.of(keys, capacity=1024))
+        assert held() == 2
+
+        # A restarted sidecar announces what survived: a new baseline, then changes.
+        proc.stop()
+        proc.start()
+        _store(proc, keys)
+        wait_until("the restarted sidecar's blocks held", lambda: held() == len(keys), timeout=30)
+        assert picker_gauge(picker) == 1
+
+        # Out of sync (here: the feed says so), the filter answers again.
+        picker.events_lost(POD)
+        assert held() == len(keys)  # the filter holds them all
+    finally:
+        feed.stop()
