@@ -57,6 +57,7 @@ class Subscriber:
         self.payloads: list[bytes] = []
         self.holdings = Holdings()
         self.next_seq = 0
+        self._snapshot_seq = -1  # a replayed baseline's batches share one number
 
     def _socket(self, kind: int, password: str | None) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.ctx.socket(kind)
@@ -70,7 +71,9 @@ class Subscriber:
         ts, events, rank = msgspec.msgpack.decode(payload)
         assert isinstance(ts, float) and rank is None
         baseline = bool(events) and events[0]["type"] == "AllBlocksCleared"
-        if seq < self.next_seq and not baseline:
+        if baseline:
+            self._snapshot_seq = seq
+        elif seq < self.next_seq and seq != self._snapshot_seq:
             return  # already had it (a replay overlapping the live stream)
         self.seen.append((seq, events))
         self.payloads.append(payload)

@@ -16,9 +16,13 @@ Contract:
       per pod a SUB socket on ``tcp://<pod host>:<port>`` and a DEALER on the
       replay port, created for the pods the picker knows and closed for the pods
       it forgot, checked every ``check_s``.
+    * Every (re)connection of the live socket starts over from a baseline (a replay
+      from 0): a ZeroMQ SUB loses what was published while it was away, and a
+      sidecar that restarted is a new publisher whose first batches may be gone.
     * In sync means: the feed applied a baseline (a batch that starts with
-      ``AllBlocksCleared``: the sidecar's start, or its answer to a replay from 0)
-      and every batch numbered after it, in order. On connecting, and at any gap,
+      ``AllBlocksCleared``: the sidecar's start, or its answer to a replay from 0,
+      whose batches all carry one number) and every batch numbered after it, in
+      order. On connecting, and at any gap,
       the feed asks for a replay from the first number it lacks (from 0 on
       connecting); until the answer ends, live batches wait. A lower number in a
       batch newer than the last applied is a restarted sidecar: replay from 0.
@@ -43,6 +47,9 @@ from dscache_sidecar.kvevents import END_SEQ, PLAIN_USER
 log = logging.getLogger(__name__)
 
 Event = dict[str, Any]
+#: What a socket of a feed is: the live stream, the replay answers, the live
+#: socket's connection events.
+_LIVE, _REPLAY, _MONITOR = 0, 1, 2
 #: Seconds a replay may go unanswered before it is asked again on a new socket.
 REPLAY_TIMEOUT_S = 5.0
 #: Live batches kept while a replay is under way (more are dropped: the replay
@@ -65,11 +72,13 @@ class _Feed:
     address: str
     sub: zmq.Socket[bytes]
     dealer: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes]  # the SUB's connection events
     next_seq: int = -1  # -1: no baseline yet
     last_ts: float = 0.0
     replaying: bool = False
     waiting: list[tuple[int, bytes]] = field(default_factory=list)
     asked_at: float = 0.0
+    snapshot_seq: int = -1  # the number of a replayed baseline's batches (all share it)
     dropped: bool = False  # over max_keys: the filter answers for this pod
 
 
@@ -91,7 +100,7 @@ class EventFeed:
         self._check_s = check_s
         self._ctx = zmq.Context()
         self._feeds: dict[str, _Feed] = {}
-        self._by_socket: dict[zmq.Socket[bytes], tuple[_Feed, bool]] = {}
+        self._by_socket: dict[zmq.Socket[bytes], tuple[_Feed, int]] = {}
         self._poller = zmq.Poller()
         self._decoder = msgspec.msgpack.Decoder()
         self._stop = threading.Event()
@@ -117,17 +126,24 @@ class EventFeed:
 
     def _open(self, address: str) -> None:
         host = address.rsplit(":", 1)[0]
-        sub = self._socket(zmq.SUB, f"tcp://{host}:{self._port}")
+        sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        sub.setsockopt(zmq.LINGER, 0)
+        if self._token:
+            sub.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER.encode())
+            sub.setsockopt(zmq.PLAIN_PASSWORD, self._token.encode())
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        feed = _Feed(address, sub, self._socket(zmq.DEALER, f"tcp://{host}:{self._replay_port}"))
+        sub.connect(f"tcp://{host}:{self._port}")
+        dealer = self._socket(zmq.DEALER, f"tcp://{host}:{self._replay_port}")
+        feed = _Feed(address, sub, dealer, monitor)
         self._feeds[address] = feed
-        for sock, is_replay in ((feed.sub, False), (feed.dealer, True)):
-            self._by_socket[sock] = (feed, is_replay)
+        for sock, role in ((sub, _LIVE), (dealer, _REPLAY), (monitor, _MONITOR)):
+            self._by_socket[sock] = (feed, role)
             self._poller.register(sock, zmq.POLLIN)
-        self._ask(feed, 0)
 
     def _close(self, feed: _Feed) -> None:
-        for sock in (feed.sub, feed.dealer):
+        feed.sub.disable_monitor()
+        for sock in (feed.monitor, feed.sub, feed.dealer):
             self._poller.unregister(sock)
             self._by_socket.pop(sock, None)
             sock.close(linger=0)
@@ -163,10 +179,18 @@ class EventFeed:
                 feed.dealer.close(linger=0)
                 host = feed.address.rsplit(":", 1)[0]
                 feed.dealer = self._socket(zmq.DEALER, f"tcp://{host}:{self._replay_port}")
-                self._by_socket[feed.dealer] = (feed, True)
+                self._by_socket[feed.dealer] = (feed, _REPLAY)
                 self._poller.register(feed.dealer, zmq.POLLIN)
                 feed.replaying, feed.waiting = False, []
                 self._ask(feed, max(feed.next_seq, 0))
+
+    def _on_connected(self, feed: _Feed) -> None:
+        """The SUB (re)connected: whatever was published meanwhile is lost to it,
+        and the publisher may be a new one. Start from a baseline again."""
+        if feed.next_seq >= 0:
+            self._target.events_lost(feed.address)
+            feed.next_seq = -1
+        self._ask(feed, 0)
 
     def _on_live(self, feed: _Feed, seq: int, payload: bytes) -> None:
         if feed.replaying:
@@ -181,6 +205,7 @@ class EventFeed:
         _topic, seq, payload = frames[1], frames[2], frames[3]
         if seq == END_SEQ:
             feed.replaying = False
+            feed.snapshot_seq = -1
             waiting, feed.waiting = feed.waiting, []
             for n, body in waiting:
                 if feed.replaying:  # a gap among them asked again
@@ -200,7 +225,9 @@ class EventFeed:
             log.warning("picker: an undecodable KV event batch from %s", feed.address)
             return
         baseline = bool(events) and events[0].get("type") == "AllBlocksCleared"
-        if not baseline:
+        if not live and seq == feed.snapshot_seq and not baseline:
+            pass  # the rest of a replayed baseline: its batches share one number
+        elif not baseline:
             if feed.next_seq < 0:
                 return  # nothing to build on yet: the replay from 0 brings the baseline
             if seq < feed.next_seq:
@@ -219,6 +246,8 @@ class EventFeed:
             feed.dropped = True
             log.warning("picker: %s announced too many keys; its filter answers", feed.address)
             return
+        if baseline and not live:
+            feed.snapshot_seq = seq
         feed.next_seq = seq + 1
         feed.last_ts = ts if isinstance(ts, float) else feed.last_ts
 
@@ -237,10 +266,12 @@ class EventFeed:
                     entry = self._by_socket.get(sock)
                     if entry is None:
                         continue
-                    feed, is_replay = entry
+                    feed, role = entry
                     frames = sock.recv_multipart()
-                    if is_replay:
+                    if role == _REPLAY:
                         self._on_replay(feed, frames)
+                    elif role == _MONITOR:
+                        self._on_connected(feed)
                     elif len(frames) == 3:
                         self._on_live(feed, int.from_bytes(frames[1], "big"), frames[2])
         except Exception:  # the picker goes on with its filters

@@ -45,7 +45,8 @@ Contract:
       holdings were read or after; applied in order on top of them (every event
       sets a block's state), they leave the right picture either way.
     * A subscriber's rules, then: a batch that starts with ``AllBlocksCleared`` is a
-      new baseline, whatever its number; otherwise apply the next number expected,
+      new baseline, whatever its number (in a replay answer, the batches after it
+      with the same number are the rest of it); otherwise apply the next number expected,
       ask for a replay at a gap, and take a lower number from a batch newer than the
       last applied for a restarted publisher (ask for a replay from 0).
     * One thread owns both sockets (ZeroMQ sockets are not thread safe): it sends

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from dscache_sidecar import kvevents
 from dscache_sidecar.client import BlockData
 from dscache_sidecar.index import BlockRecord
 from dscache_sidecar.kvevents import (
@@ -194,6 +195,24 @@ def test_a_gap_older_than_the_buffer_brings_the_whole_holdings(
     finally:
         sub.close()
         bystander.close()
+
+
+def test_holdings_in_many_batches_reach_a_late_subscriber_whole(
+    make_sidecar: Callable[..., Sidecar], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvevents, "MAX_BATCH_EVENTS", 2)  # a chain per event, two a batch
+    sc = make_sidecar(**EVENTS, kv_events_buffer_batches=2)
+    held = [k for seed in range(7) for k in _store(sc, seed=50 + seed, n_blocks=2)]
+    assert _eventually(
+        lambda: sc.metric("dscache_sidecar_kv_event_batches_total", how="publish") >= 4
+    )
+    sub = _subscribe(sc)
+    try:
+        got = sub.replay(0)  # older than the buffer: the holdings, in 4 batches of one number
+        assert got is not None and len(got) == 4 and len(set(got)) == 1
+        assert set(sub.holdings.blocks) == set(held)
+    finally:
+        sub.close()
 
 
 @pytest.mark.slow  # waits out the strangers' silence
