@@ -189,16 +189,26 @@ class Nginx:
         )
 
     def start(self, cfg: RouterConfig) -> None:
-        self.stop()
-        path = self.write(cfg)
-        log = self.workdir / "stderr.log"
-        with log.open("wb") as err:
-            self.proc = subprocess.Popen(
-                [self.binary, "-p", str(self.workdir), "-c", str(path), "-e", "stderr"]
-                + ["-g", "daemon off;"],
-                stderr=err,
-            )
-        wait_for("nginx serving", lambda: self.get("/dscache/router/health")[0] == 200, 10, log)
+        """Starts NGINX on ``cfg``. The port came from ``free_port``, so another
+        process (a router of a test running beside this one) may have taken it
+        since, and answered the health check while NGINX was still retrying its
+        bind: then it starts again on a new port."""
+        for _attempt in range(3):
+            self.stop()
+            path = self.write(cfg)
+            log = self.workdir / "stderr.log"
+            with log.open("wb") as err:
+                self.proc = subprocess.Popen(
+                    [self.binary, "-p", str(self.workdir), "-c", str(path), "-e", "stderr"]
+                    + ["-g", "daemon off;"],
+                    stderr=err,
+                )
+            wait_for("nginx serving", lambda: self.get("/dscache/router/health")[0] == 200, 10, log)
+            if b"Address already in use" not in log.read_bytes():
+                return
+            self.port = free_port()
+            cfg = cfg.model_copy(update={"listen": f"127.0.0.1:{self.port}"})
+        raise RuntimeError(f"nginx found no free port: {log.read_text(errors='replace')[-500:]}")
 
     def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
         return self.request("GET", path, None, headers)
