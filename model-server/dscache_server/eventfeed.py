@@ -115,23 +115,24 @@ class EventFeed:
 
     # -- sockets -----------------------------------------------------------------------
 
-    def _socket(self, kind: int, endpoint: str) -> zmq.Socket[bytes]:
+    def _new(self, kind: int) -> zmq.Socket[bytes]:
+        """A socket that logs in with the token (when there is one), not yet connected."""
         sock: zmq.Socket[bytes] = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if self._token:
             sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER.encode())
             sock.setsockopt(zmq.PLAIN_PASSWORD, self._token.encode())
+        return sock
+
+    def _socket(self, kind: int, endpoint: str) -> zmq.Socket[bytes]:
+        sock = self._new(kind)
         sock.connect(endpoint)
         return sock
 
     def _open(self, address: str) -> None:
         host = address.rsplit(":", 1)[0]
-        sub: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
-        sub.setsockopt(zmq.LINGER, 0)
-        if self._token:
-            sub.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER.encode())
-            sub.setsockopt(zmq.PLAIN_PASSWORD, self._token.encode())
+        sub = self._new(zmq.SUB)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)  # before connect: the first too
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(f"tcp://{host}:{self._port}")
         dealer = self._socket(zmq.DEALER, f"tcp://{host}:{self._replay_port}")

@@ -393,9 +393,14 @@ class Picker:
                     held.difference_update(h for h in hashes if isinstance(h, bytes))
             if len(held) > self.settings.max_event_keys:
                 pod.events = None
+                self._count_event_pods()
                 return False
-            self.metrics.event_pods.set(sum(p.events is not None for p in self._pods.values()))
+            if baseline:  # only a baseline or a loss changes who is in sync
+                self._count_event_pods()
             return True
+
+    def _count_event_pods(self) -> None:
+        self.metrics.event_pods.set(sum(p.events is not None for p in self._pods.values()))
 
     def events_lost(self, address: str) -> None:
         """The pod's feed is out of sync: its filter answers until a new baseline."""
@@ -403,7 +408,7 @@ class Picker:
             pod = self._pods.get(address)
             if pod is not None:
                 pod.events = None
-            self.metrics.event_pods.set(sum(p.events is not None for p in self._pods.values()))
+            self._count_event_pods()
 
     def holdings_url(self, address: str) -> str | None:
         explicit = self.settings.holdings.get(address)
