@@ -58,7 +58,9 @@ def reconcile(
 ) -> tuple[list[BlockRecord], list[BlockRecord]]:
     """Splits the index's records into (good, bad).
 
-    Good records come oldest access first, so recency order survives a restart;
+    Good records come least recently used first, so recency order survives a
+    restart: a block's last use is its last hit or, never hit, its creation (a
+    block read once long ago is older than one written since, never read);
     their extents are marked used in ``alloc``.
     """
     good: list[BlockRecord] = []
@@ -72,5 +74,5 @@ def reconcile(
         else:
             log.warning("dropping block %s at start: %s", rec.key.hex()[:16], reason)
             bad.append(rec)
-    good.sort(key=lambda r: (r.last_access_ms, r.created_ms))
+    good.sort(key=lambda r: (max(r.last_access_ms, r.created_ms), r.created_ms))
     return good, bad

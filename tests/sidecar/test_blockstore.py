@@ -92,3 +92,34 @@ def test_the_checksum_in_parts_equals_the_checksum_of_the_whole() -> None:
         hasher.update(part)
     assert hasher.intdigest() == checksum(payload.tobytes())
     assert checksum_hasher().intdigest() != checksum(payload.tobytes())
+
+
+def test_recency_order_survives_a_restart_with_writes_counting_as_use(tmp_path: Path) -> None:
+    """A block read once, then outlived by blocks written later and never read, is the
+    least recently used after a restart too (the index sorted never-read blocks, whose
+    last hit is 0, before every block ever read: old read chains outlived new ones)."""
+    clock = FakeClock()
+    cfg = settings(tmp_path, capacity_bytes=256 * 1024, high_watermark=1.0, low_watermark=1.0)
+    data = np.zeros(72 * 1024 // 4, dtype=np.float32).tobytes()  # three fit, four do not
+
+    def put(store: KVStore, key: bytes) -> None:
+        clock.unix += 1
+        n = len(data)
+        spec = BlockSpec(key, b"", Codec.RAW, "float32", (n // 4,), n, n)
+        assert store.put("t", spec, data, checksum(data))[0]
+
+    a, b, c, d = (bytes([n]) * 32 for n in range(1, 5))
+    with KVStore(cfg, SidecarMetrics(), clock=clock) as store:
+        store.open(start_reaper=False)
+        put(store, a)
+        clock.unix += 1
+        assert store.read("t", a) is not None
+        store.flush_stats()
+        put(store, b)
+        put(store, c)
+    with KVStore(cfg, SidecarMetrics(), clock=clock) as store:
+        store.open(start_reaper=False)
+        assert {store.record(k) is not None for k in (a, b, c)} == {True}
+        put(store, d)
+        held = [k for k in (a, b, c, d) if store.record(k) is not None]
+    assert held == [b, c, d], "the block used longest ago goes first"
