@@ -171,6 +171,40 @@ def add_picker_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help='JSON object {"term": weight} of words that count weight times in similarity',
     )
+    epp = p.add_argument_group(
+        "endpoint picker (Gateway API Inference Extension; dscache_server.epp)"
+    )
+    epp.add_argument(
+        "--epp",
+        action="store_true",
+        help="also serve Envoy ext_proc as an InferencePool's endpoint picker (gRPC, --epp-port)",
+    )
+    epp.add_argument("--epp-port", type=int, default=9002, help="ext_proc port (default 9002)")
+    epp.add_argument(
+        "--epp-endpoint",
+        action="append",
+        default=[],
+        metavar="IP:PORT=TRACK",
+        help="a pod of the pool and its track (repeatable), e.g. 10.0.0.5:8000=stable",
+    )
+    epp.add_argument(
+        "--epp-track-weight",
+        action="append",
+        default=[],
+        metavar="TRACK=PERCENT",
+        help="percent of new sessions a track takes (repeatable; the rest share what is left)",
+    )
+    epp.add_argument(
+        "--epp-max-inflight",
+        type=int,
+        default=0,
+        help="requests in flight per pod past which it is not picked; all past it: 429 (0: off)",
+    )
+    epp.add_argument(
+        "--session-header",
+        default="x-session-id",
+        help="the client's session id header (default x-session-id)",
+    )
 
 
 def _run_picker(args: argparse.Namespace) -> int:

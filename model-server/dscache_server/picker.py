@@ -195,6 +195,9 @@ class Pick:
     pod: str
     reason: str
     blocks: int = 0
+    #: The request's block keys as the chosen pod keys them (what the picker now
+    #: counts as held there; :meth:`Picker.moved` moves them).
+    keys: tuple[bytes, ...] = field(default=(), repr=False, compare=False)
 
 
 @dataclass
@@ -437,12 +440,29 @@ class Picker:
             chains: dict[tuple[bytes, int], list[bytes]] = {}  # pods of a track share one
             keys = {c.address: self._keys(c.address, ids, chains) for c in q.pods}
             choice = self._choose(q, keys, minhash, now)
-            self._record(choice.pod, keys.get(choice.pod, []), q.key, minhash, now)
+            chosen = keys.get(choice.pod, [])
+            self._record(choice.pod, chosen, q.key, minhash, now)
+            choice = Pick(choice.pod, choice.reason, choice.blocks, tuple(chosen))
         self.metrics.decisions.labels(choice.reason).inc()
         if choice.reason == "prefix":
             self.metrics.matched.observe(choice.blocks)
         self.metrics.seconds.observe(time.perf_counter() - started)
         return choice
+
+    def moved(self, key: str, picked: str, address: str, keys: Sequence[bytes]) -> None:
+        """Another pod than the one picked served the request (a gateway's fallback):
+        its blocks count as held at ``address``, no longer at ``picked``, and the
+        session's similarity entry points there."""
+        self.know([address])
+        with self._lock:
+            was = self._pods.get(picked)
+            if was is not None:
+                for k in keys:
+                    was.recent.pop(k, None)
+            self._record(address, keys, "", None, self.clock())
+            entry = self._sessions.get(key)
+            if entry is not None:
+                self._sessions[key] = (entry[0], address)
 
     def _token_ids(self, body: Any) -> list[int] | None:
         if not isinstance(body, dict):

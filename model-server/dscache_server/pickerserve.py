@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from dscache.routing import MAX_SESSION_ID
+from dscache_server.epp import EndpointPicker, EppSettings, serve
 from dscache_server.eventfeed import EventFeed
 from dscache_server.picker import (
     BLOCKS_HEADER,
@@ -52,9 +53,13 @@ INTERNAL_TOKEN_ENV = "DSCACHE_PICKER_INTERNAL_TOKEN"  # noqa: S105 - a variable'
 
 
 def create_app(
-    picker: Picker, refresher: Refresher | None = None, feed: EventFeed | None = None
+    picker: Picker,
+    refresher: Refresher | None = None,
+    feed: EventFeed | None = None,
+    epp: tuple[EndpointPicker, str, int] | None = None,
 ) -> FastAPI:
-    """The picker's ASGI app (``refresher`` and ``feed`` run while the app is up)."""
+    """The picker's ASGI app (``refresher``, ``feed`` and the endpoint picker ``epp``,
+    with its host and port, run while the app is up)."""
 
     settings = picker.settings
     token = {INTERNAL_TOKEN_HEADER: settings.internal_token} if settings.internal_token else {}
@@ -67,9 +72,12 @@ def create_app(
         if feed is not None:
             feed.start()
         clients.append(httpx.AsyncClient(timeout=settings.locate_timeout_s))
+        grpc_server = await serve(*epp) if epp is not None else None
         try:
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server[0].stop(grace=5)
             await clients.pop().aclose()
             if refresher is not None:
                 refresher.stop()
@@ -182,12 +190,37 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
     )
 
 
+def epp_settings_from_args(args: argparse.Namespace) -> EppSettings:
+    """The endpoint picker's settings of ``--epp-*``; ValueError for a bad one."""
+    endpoints: dict[str, str] = {}
+    for item in args.epp_endpoint:
+        address, sep, track = item.partition("=")
+        if not _ADDRESS.fullmatch(address) or (sep and not track):
+            raise ValueError(f"--epp-endpoint {item!r} is not IP:PORT=TRACK")
+        endpoints[address] = track or "stable"
+    weights: dict[str, int] = {}
+    for item in args.epp_track_weight:
+        track, sep, pct = item.partition("=")
+        if not sep or not track or not pct.isdigit():
+            raise ValueError(f"--epp-track-weight {item!r} is not TRACK=PERCENT")
+        weights[track] = int(pct)
+    if args.epp_max_inflight < 0:
+        raise ValueError("--epp-max-inflight must be 0 or more")
+    return EppSettings(
+        endpoints=endpoints,
+        track_weights=weights,
+        max_inflight=args.epp_max_inflight,
+        session_header=args.session_header,
+    )
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     """Runs ``dscache picker`` until SIGTERM; 2 for bad arguments."""
     import uvicorn
 
     try:
         settings = settings_from_args(args)
+        epp_settings = epp_settings_from_args(args) if args.epp else None
     except (ValueError, OSError) as exc:
         print(f"dscache picker: {exc}")
         return 2
@@ -198,6 +231,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         feed = EventFeed(
             picker, settings.events_port, settings.events_replay_port, settings.internal_token
         )
-    app = create_app(picker, Refresher(picker), feed)
+    epp = None
+    if epp_settings is not None:
+        epp = (EndpointPicker(picker, epp_settings), args.host, args.epp_port)
+    app = create_app(picker, Refresher(picker), feed, epp)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

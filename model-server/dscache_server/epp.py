@@ -1,0 +1,491 @@
+"""``dscache picker --epp``: the picker as a Gateway API Inference Extension endpoint picker.
+
+A gateway (Envoy Gateway, Istio, kgateway, GKE, NGINX Gateway Fabric) sends each
+request of an InferencePool to its endpoint picker over Envoy's external
+processing protocol (``envoy.service.ext_proc.v3.ExternalProcessor/Process``, one
+bidirectional gRPC stream a request) and routes it where the answer says. This
+module is that answer, made by the same :class:`~dscache_server.picker.Picker`
+that serves the NGINX router: the pod holding the request's longest prefix,
+else a similar request's pod, else the ring's choice, under a load bound.
+
+Contract (the endpoint picker protocol of the inference extension, proposal 004):
+    * Modes: the request body mode ``FULL_DUPLEX_STREAMED`` (what the extension's
+      gateways configure; told by ``protocol_config`` on the stream's first
+      message) and ``BUFFERED``. Duplex: the headers are answered only once the
+      whole body is in (the pick needs it), then the body is sent back unchanged
+      in ``streamed_response`` chunks of at most :data:`BODY_CHUNK` bytes.
+      Buffered (or no protocol_config): the headers are answered at once and the
+      pick rides on the body's answer. A request without a body is picked at its
+      headers. Response bodies are passed through unchanged (duplex: echoed).
+    * The pick: header ``x-gateway-destination-endpoint`` and dynamic metadata
+      ``envoy.lb`` / ``x-gateway-destination-endpoint``, the same value: the
+      chosen pod, then the rest of its track in the ring's order for the
+      request's key (the fallbacks a gateway retries in order), comma-separated
+      ``ip:port``. ``clear_route_cache`` is set so the route sees the header.
+    * Subset hint: a ``metadata_context`` entry ``envoy.lb.subset_hint`` /
+      ``x-gateway-destination-endpoint-subset`` (a list) restricts the pick to
+      those pods; none of them in the pool -> immediate 503.
+    * Refusals (``ImmediateResponse``): 503 when the pool has no pod to offer,
+      429 when every candidate is at ``max_inflight`` (the request should be
+      dropped, not queued on a pod), 413 for a body over ``max_body``.
+    * Served endpoint: the gateway reports the pod that answered in the response
+      headers' ``metadata_context`` (``envoy.lb`` /
+      ``x-gateway-destination-endpoint-served``). When it is not the pod picked
+      (a fallback took it), the session's placement and the blocks the picker
+      counts as held move there. The response gets ``X-Dscache-Pick-Reason`` and
+      ``X-Dscache-Track``.
+    * Sessions and tracks: the key is the client's ``session_header``, else the
+      router's prompt key (:func:`dscache.routing.prompt_key`). One pool holds
+      every track (``stable``, ``canary``, ...); a new session takes a track by
+      the configured weights (a hash of its key), and a known session keeps its
+      track and its pod (``pinned``) while they are in the pool, so a weight
+      change or a gateway's own split never moves a conversation off its KV.
+      Bounded: ``max_sessions`` entries, least recent dropped first.
+    * In flight: counted per pod from the pick to the stream's end (the picker's
+      load bound). Health: ``grpc.health.v1`` reports SERVING for ``""`` and the
+      ext_proc service while the server runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Counter, Gauge
+
+from dscache.routing import MAX_SESSION_ID, Ring, prompt_key
+from dscache_server.picker import REASON_HEADER, Candidate, Picker, PickQuery
+
+log = logging.getLogger(__name__)
+
+#: The header and metadata key naming the picked pods (the protocol's names).
+DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+TRACK_HEADER = "X-Dscache-Track"
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+#: Largest body chunk sent back in duplex mode (Envoy's limit is 64 KiB).
+BODY_CHUNK = 62_000
+_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+OUTCOMES = ("routed", "unavailable", "overloaded", "too_large")
+
+
+@dataclass(frozen=True)
+class EppSettings:
+    """Knobs of the endpoint picker face.
+
+    Attributes:
+        endpoints: pod address (``ip:port``) -> its track.
+        track_weights: percent of new sessions per track; tracks with pods and no
+            weight share what is left of 100 equally.
+        max_inflight: requests in flight per pod past which it is not picked; when
+            every candidate is past it the answer is 429 (0: no bound).
+        session_header: the client's session id header.
+        max_sessions: sessions whose track and pod are remembered.
+        max_body: largest request body read (413 past it).
+        prompt_max_bytes, prompt_max_messages: the prompt key's bounds (as the router's).
+    """
+
+    endpoints: Mapping[str, str] = field(default_factory=dict)
+    track_weights: Mapping[str, int] = field(default_factory=dict)
+    max_inflight: int = 0
+    session_header: str = "x-session-id"
+    max_sessions: int = 200_000
+    max_body: int = 16 << 20
+    prompt_max_bytes: int = 4096
+    prompt_max_messages: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("the pool needs at least one endpoint")
+        for address in self.endpoints:
+            Ring([address])  # raises for an address without a port
+        if any(not 0 <= w <= 100 for w in self.track_weights.values()):
+            raise ValueError("a track weight is a percent, 0..100")
+        if sum(self.track_weights.values()) > 100:
+            raise ValueError("track weights add up to more than 100")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A pick: the pods in the order to try, and what the picker said."""
+
+    endpoints: tuple[str, ...]
+    reason: str
+    track: str
+    key: str
+    keys: tuple[bytes, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """No pod: the HTTP status the gateway answers with, and why."""
+
+    status: int
+    outcome: str
+    message: str
+
+
+class EppMetrics:
+    """The face's metrics, on the picker's registry."""
+
+    def __init__(self, picker: Picker) -> None:
+        reg = picker.metrics.registry
+        self.requests = Counter(
+            "dscache_epp_requests",
+            "Requests the endpoint picker answered, by outcome (routed, unavailable: 503, "
+            "overloaded: 429, too_large: 413).",
+            ["outcome"],
+            registry=reg,
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.served_elsewhere = Counter(
+            "dscache_epp_served_elsewhere",
+            "Requests the gateway reported served by another pod than the one picked (a "
+            "fallback); the session and its blocks moved there.",
+            registry=reg,
+        )
+        self.streams = Gauge(
+            "dscache_epp_streams", "ext_proc streams open (requests in flight).", registry=reg
+        )
+
+
+class Pool:
+    """The pool's pods by track, sessions' tracks and pods, and in-flight counts."""
+
+    def __init__(self, settings: EppSettings) -> None:
+        self.settings = settings
+        self._lock = threading.Lock()
+        self._tracks: dict[str, list[str]] = {}
+        for address, track in settings.endpoints.items():
+            self._tracks.setdefault(track, []).append(address)
+        self._rings = {track: Ring(pods) for track, pods in self._tracks.items()}
+        self._inflight: dict[str, int] = dict.fromkeys(settings.endpoints, 0)
+        self._sessions: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._shares = self._weights()
+
+    def _weights(self) -> list[tuple[int, str]]:
+        """Cumulative percent bounds of the tracks with pods, in name order."""
+        explicit = {t: w for t, w in self.settings.track_weights.items() if t in self._tracks}
+        rest = [t for t in sorted(self._tracks) if t not in explicit]
+        left = 100 - sum(explicit.values())
+        shares = dict(explicit)
+        for i, track in enumerate(rest):
+            shares[track] = left // len(rest) + (1 if i < left % len(rest) else 0)
+        bounds, total = [], 0
+        for track in sorted(shares):
+            total += shares[track]
+            bounds.append((total, track))
+        return bounds
+
+    def track_of(self, key: str) -> str:
+        """The session's track: the one it started on, else one by the weights."""
+        with self._lock:
+            known = self._sessions.get(key)
+            if known is not None and known[0] in self._tracks:
+                return known[0]
+        point = zlib.crc32(key.encode()) % 100
+        for bound, track in self._shares:
+            if point < bound and self._tracks.get(track):
+                return track
+        return max(self._tracks, key=lambda t: len(self._tracks[t]))  # weights sum < 100
+
+    def candidates(self, track: str, key: str, subset: Sequence[str] | None) -> list[Candidate]:
+        """The track's pods in ring order for ``key`` with their in-flight counts;
+        with a subset hint, only pods in it (of any track when none of the track's is)."""
+        order = self._rings[track].walk(key)
+        if subset is not None:
+            allowed = set(subset)
+            order = [a for a in order if a in allowed]
+            if not order:
+                order = [a for a in self.settings.endpoints if a in allowed]
+        with self._lock:
+            return [Candidate(a, self._inflight[a]) for a in order]
+
+    def pinned(self, key: str) -> str | None:
+        with self._lock:
+            known = self._sessions.get(key)
+            return known[1] if known else None
+
+    def place(self, key: str, track: str, pod: str) -> None:
+        """Remembers the session's track and pod (bounded, least recent dropped)."""
+        if not key or len(key) > MAX_SESSION_ID:
+            return
+        with self._lock:
+            self._sessions[key] = (track, pod)
+            self._sessions.move_to_end(key)
+            while len(self._sessions) > self.settings.max_sessions:
+                self._sessions.popitem(last=False)
+
+    def started(self, pod: str) -> None:
+        with self._lock:
+            if pod in self._inflight:
+                self._inflight[pod] += 1
+
+    def ended(self, pod: str) -> None:
+        with self._lock:
+            if self._inflight.get(pod, 0) > 0:
+                self._inflight[pod] -= 1
+
+    def inflight(self, pod: str) -> int:
+        with self._lock:
+            return self._inflight.get(pod, 0)
+
+
+class EndpointPicker:
+    """The ext_proc service (see the module contract)."""
+
+    def __init__(self, picker: Picker, settings: EppSettings) -> None:
+        self.picker = picker
+        self.settings = settings
+        self.pool = Pool(settings)
+        self.metrics = EppMetrics(picker)
+        picker.know(settings.endpoints)
+
+    # -- the decision (a worker thread: tokenizing is CPU work) --------------------
+
+    def decide(
+        self, headers: Mapping[str, str], body: bytes, subset: Sequence[str] | None
+    ) -> Decision | Refusal:
+        """Picks the pods for one request, or says why not."""
+        s = self.settings
+        client_key = headers.get(s.session_header.lower(), "")
+        if client_key and len(client_key) <= MAX_SESSION_ID:
+            key, source = client_key, "header"
+        else:
+            key = prompt_key(body, max_bytes=s.prompt_max_bytes, max_messages=s.prompt_max_messages)
+            source = "prompt"
+        track = self.pool.track_of(key)
+        cands = self.pool.candidates(track, key, subset)
+        if not cands:
+            return Refusal(503, "unavailable", "no endpoint of the pool is in the subset hint")
+        addresses = [c.address for c in cands]
+        pinned = self.pool.pinned(key)
+        query = PickQuery(
+            pods=tuple(cands),
+            cap=s.max_inflight,
+            key=key,
+            source=source,
+            pinned=pinned if pinned in addresses else None,
+            body=body,
+            credentials="authorization" in headers,
+        )
+        choice = self.picker.pick(query)
+        if choice.reason == "overloaded":
+            return Refusal(429, "overloaded", "every endpoint is at its in-flight bound")
+        track = s.endpoints.get(choice.pod, track)
+        self.pool.place(key, track, choice.pod)
+        order = (choice.pod, *(a for a in addresses if a != choice.pod))
+        return Decision(order, choice.reason, track, key, choice.keys)
+
+    def served(self, decision: Decision, pod: str) -> None:
+        """The gateway says ``pod`` answered: a fallback moves the session there."""
+        if pod == decision.endpoints[0] or pod not in self.settings.endpoints:
+            return
+        self.metrics.served_elsewhere.inc()
+        self.pool.ended(decision.endpoints[0])
+        self.pool.started(pod)
+        self.pool.place(decision.key, self.settings.endpoints[pod], pod)
+        self.picker.moved(decision.key, decision.endpoints[0], pod, decision.keys)
+
+    # -- the stream ------------------------------------------------------------------
+
+    async def Process(  # noqa: N802 - the gRPC method's name
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext[pb.ProcessingRequest, pb.ProcessingResponse],
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = _Stream()
+        self.metrics.streams.inc()
+        try:
+            async for req in request_iterator:
+                for resp in await self._on(req, stream):
+                    yield resp
+        finally:
+            self.metrics.streams.dec()
+            if stream.decision is not None:
+                self.pool.ended(stream.pod)
+
+    async def _on(self, req: pb.ProcessingRequest, st: _Stream) -> list[pb.ProcessingResponse]:
+        if req.HasField("protocol_config"):
+            cfg = req.protocol_config
+            st.duplex = cfg.request_body_mode == _DUPLEX
+            st.duplex_response = cfg.response_body_mode == _DUPLEX
+        kind = req.WhichOneof("request")
+        if kind in ("request_headers", "request_body"):
+            return await self._on_request(req, st, kind == "request_headers")
+        if kind == "response_headers":
+            served = _served(req)
+            if served and st.decision is not None:
+                self.served(st.decision, served)
+                st.pod = served
+            common = pb.CommonResponse()
+            if st.decision is not None:
+                _set(common, REASON_HEADER, st.decision.reason)
+                _set(common, TRACK_HEADER, st.decision.track)
+            return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
+        if kind == "response_body":
+            body = req.response_body
+            if st.duplex_response:
+                return [_body_back(body.body, body.end_of_stream)]
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+        if kind == "request_trailers":
+            return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if kind == "response_trailers":
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    async def _on_request(
+        self, req: pb.ProcessingRequest, st: _Stream, headers: bool
+    ) -> list[pb.ProcessingResponse]:
+        if headers:
+            st.headers = _headers(req.request_headers.headers)
+            st.subset = _subset(req)
+            if req.request_headers.end_of_stream:
+                return await self._answer(st, at_headers=True)
+            if st.duplex:
+                return []  # answered with the body's end
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+        if st.refused:
+            return []
+        st.body += req.request_body.body
+        if len(st.body) > self.settings.max_body:
+            st.refused = True
+            self.metrics.requests.labels("too_large").inc()
+            return [_immediate(413, "request body too large")]
+        if not req.request_body.end_of_stream:
+            return [] if st.duplex else [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+        return await self._answer(st, at_headers=False)
+
+    async def _answer(self, st: _Stream, at_headers: bool) -> list[pb.ProcessingResponse]:
+        loop = asyncio.get_running_loop()
+        got = await loop.run_in_executor(None, self.decide, st.headers, bytes(st.body), st.subset)
+        if isinstance(got, Refusal):
+            st.refused = True
+            self.metrics.requests.labels(got.outcome).inc()
+            return [_immediate(got.status, got.message)]
+        self.metrics.requests.labels("routed").inc()
+        st.decision, st.pod = got, got.endpoints[0]
+        self.pool.started(st.pod)
+        value = ",".join(got.endpoints)
+        common = pb.CommonResponse(clear_route_cache=True)
+        _set(common, DESTINATION, value)
+        meta = struct_pb2.Struct()
+        meta.update({LB_NAMESPACE: {DESTINATION: value}})
+        if at_headers or st.duplex:
+            out = [
+                pb.ProcessingResponse(
+                    request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta
+                )
+            ]
+            if st.duplex and not at_headers:
+                body = bytes(st.body)
+                out += [
+                    _body_back(body[i : i + BODY_CHUNK], i + BODY_CHUNK >= len(body))
+                    for i in range(0, max(len(body), 1), BODY_CHUNK)
+                ]
+            return out
+        return [
+            pb.ProcessingResponse(
+                request_body=pb.BodyResponse(response=common), dynamic_metadata=meta
+            )
+        ]
+
+
+@dataclass
+class _Stream:
+    """One request's state on its ext_proc stream."""
+
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytearray = field(default_factory=bytearray)
+    subset: list[str] | None = None
+    duplex: bool = False
+    duplex_response: bool = False
+    refused: bool = False
+    decision: Decision | None = None
+    pod: str = ""
+
+
+def _headers(headers: base_pb2.HeaderMap) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for h in headers.headers:
+        out[h.key.lower()] = h.value or h.raw_value.decode("utf-8", "replace")
+    return out
+
+
+def _subset(req: pb.ProcessingRequest) -> list[str] | None:
+    ns = req.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if ns is None or SUBSET not in ns.fields:
+        return None
+    value = ns.fields[SUBSET]
+    if value.HasField("list_value"):
+        return [v.string_value for v in value.list_value.values if v.string_value]
+    if value.HasField("string_value"):
+        return [a for a in value.string_value.split(",") if a]
+    return []
+
+
+def _served(req: pb.ProcessingRequest) -> str:
+    ns = req.metadata_context.filter_metadata.get(LB_NAMESPACE)
+    if ns is None or SERVED not in ns.fields:
+        return ""
+    return str(ns.fields[SERVED].string_value)
+
+
+def _set(common: pb.CommonResponse, name: str, value: str) -> None:
+    header = base_pb2.HeaderValue(key=name.lower(), raw_value=value.encode())
+    common.header_mutation.set_headers.append(
+        base_pb2.HeaderValueOption(
+            header=header,
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+    )
+
+
+def _body_back(chunk: bytes, end: bool) -> pb.ProcessingResponse:
+    streamed = pb.StreamedBodyResponse(body=chunk, end_of_stream=end)
+    mutation = pb.BodyMutation(streamed_response=streamed)
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+    )
+
+
+def _immediate(status: int, message: str) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            body=(message + "\n").encode(),
+            details=message,
+        )
+    )
+
+
+async def serve(servicer: EndpointPicker, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Starts the ext_proc and health services on ``host:port`` (0: any free port)."""
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    # grpc_health's stubs lack its asyncio servicer (health.aio, in the package since 1.32).
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("endpoint picker (ext_proc) on %s:%d", host, bound)
+    return server, bound

@@ -1,0 +1,389 @@
+"""The picker as an InferencePool endpoint picker: Envoy ext_proc over real gRPC.
+
+Each test drives ``envoy.service.ext_proc.v3.ExternalProcessor/Process`` as a
+gateway does (the generated Envoy API of xds-protos on both ends): request headers
+and body in, the pick out as a header and ``envoy.lb`` metadata, the served pod
+reported back on the response headers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from dscache_server.cli import add_picker_arguments
+from dscache_server.epp import (
+    BODY_CHUNK,
+    DESTINATION,
+    LB_NAMESPACE,
+    SERVED,
+    SUBSET,
+    SUBSET_NAMESPACE,
+    EndpointPicker,
+    EppSettings,
+    serve,
+)
+from dscache_server.picker import Picker, PickerSettings
+from dscache_server.pickerserve import run_from_args
+from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer
+from dscache_sidecar.holdings import HoldingsFilter
+from dscache_tools.net import free_port
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import json_format, struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dscache.keys import block_keys
+from dscache.routing import Ring
+
+BT = 16
+ROOT = bytes(range(32))
+A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
+CANARY = "10.0.1.1:8000"
+DOC = " ".join(
+    f"Revenue of segment {i} grew {i % 7} percent in fiscal {2000 + i}." for i in range(40)
+)
+DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> DeepSeekTokenizer:
+    return DeepSeekTokenizer()
+
+
+class Served:
+    """An endpoint picker on a real gRPC port, its loop on a thread of its own."""
+
+    def __init__(self, picker: Picker, settings: EppSettings) -> None:
+        self.epp = EndpointPicker(picker, settings)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.server, self.port = asyncio.run_coroutine_threadsafe(
+            serve(self.epp, "127.0.0.1", 0), self.loop
+        ).result(10)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+
+    def process(self, requests: list[pb.ProcessingRequest]) -> list[pb.ProcessingResponse]:
+        return list(self.stub.Process(iter(requests), timeout=20))
+
+    def close(self) -> None:
+        self.channel.close()
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def make(tokenizer: DeepSeekTokenizer, **kw: Any) -> Served:
+    picker = Picker(PickerSettings(memory_s=60.0), tokenizer)
+    endpoints = kw.pop("endpoints", {A: "stable", B: "stable", C: "stable"})
+    for pod in endpoints:
+        picker.set_keyinfo(pod, ROOT, BT)
+    return Served(picker, EppSettings(endpoints=endpoints, **kw))
+
+
+@pytest.fixture
+def epp(tokenizer: DeepSeekTokenizer) -> Iterator[Served]:
+    s = make(tokenizer)
+    yield s
+    s.close()
+
+
+def chat(*turns: str) -> list[dict[str, str]]:
+    roles = ["system", "user", "assistant", "user", "assistant", "user"]
+    return [{"role": roles[i], "content": t} for i, t in enumerate(turns)]
+
+
+def keys_of(tokenizer: DeepSeekTokenizer, messages: list[dict[str, str]]) -> list[bytes]:
+    ids = tokenizer.apply_chat_template([ChatMessage(m["role"], m["content"]) for m in messages])
+    return block_keys(ROOT, ids, BT)
+
+
+def headers_msg(
+    session: str = "",
+    *,
+    end: bool = False,
+    subset: list[str] | None = None,
+    mode: int | None = DUPLEX,
+) -> pb.ProcessingRequest:
+    hs = [(":method", "POST"), (":path", "/v1/chat/completions")]
+    if session:
+        hs.append(("x-session-id", session))
+    req = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(
+            headers=base_pb2.HeaderMap(
+                headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs]
+            ),
+            end_of_stream=end,
+        )
+    )
+    if mode is not None:
+        req.protocol_config.request_body_mode = mode
+        req.protocol_config.response_body_mode = mode
+    if subset is not None:
+        hint = struct_pb2.Struct()
+        hint.update({SUBSET: subset})
+        req.metadata_context.filter_metadata[SUBSET_NAMESPACE].CopyFrom(hint)
+    return req
+
+
+def body_msgs(body: bytes, chunk: int = 20_000) -> list[pb.ProcessingRequest]:
+    parts = [body[i : i + chunk] for i in range(0, len(body), chunk)] or [b""]
+    return [
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=p, end_of_stream=i == len(parts) - 1))
+        for i, p in enumerate(parts)
+    ]
+
+
+def served_msg(pod: str) -> pb.ProcessingRequest:
+    req = pb.ProcessingRequest(response_headers=pb.HttpHeaders())
+    lb = struct_pb2.Struct()
+    lb.update({SERVED: pod})
+    req.metadata_context.filter_metadata[LB_NAMESPACE].CopyFrom(lb)
+    return req
+
+
+def request(
+    messages: list[dict[str, str]], session: str = "", **kw: Any
+) -> list[pb.ProcessingRequest]:
+    body = json.dumps({"model": "m", "messages": messages}).encode()
+    return [headers_msg(session, **kw), *body_msgs(body)]
+
+
+def header_of(common: pb.CommonResponse, name: str) -> str | None:
+    for opt in common.header_mutation.set_headers:
+        if opt.header.key == name.lower():
+            return bytes(opt.header.raw_value).decode()
+    return None
+
+
+def picked(resps: list[pb.ProcessingResponse]) -> list[str]:
+    """The pods the pick names, checking header and metadata agree."""
+    first = resps[0]
+    where = first.WhichOneof("response")
+    assert where in ("request_headers", "request_body"), first
+    common = getattr(first, where).response
+    value = header_of(common, DESTINATION)
+    meta = json_format.MessageToDict(first.dynamic_metadata)
+    assert value is not None and meta == {LB_NAMESPACE: {DESTINATION: value}}
+    assert common.clear_route_cache
+    return value.split(",")
+
+
+def reason(resps: list[pb.ProcessingResponse]) -> str | None:
+    for r in resps:
+        if r.WhichOneof("response") == "response_headers":
+            return header_of(r.response_headers.response, "x-dscache-pick-reason")
+    return None
+
+
+def test_the_pick_names_the_pod_then_its_tracks_ring_order_in_header_and_metadata(
+    epp: Served,
+) -> None:
+    resps = epp.process(request(chat("Hello there."), "s-1"))
+    pods = picked(resps)
+    assert pods == Ring([A, B, C]).walk("s-1"), "the ring's order: the gateway's retries"
+    assert resps[0].WhichOneof("response") == "request_headers"
+
+
+def test_the_body_goes_back_unchanged_in_chunks_after_the_headers(epp: Served) -> None:
+    messages = chat(DOC * 30, "Long question?")
+    body = json.dumps({"messages": messages}).encode()
+    assert len(body) > BODY_CHUNK
+    resps = epp.process([headers_msg("s-2"), *body_msgs(body)])
+    back = [r.request_body.response.body_mutation.streamed_response for r in resps[1:]]
+    assert all(len(b.body) <= BODY_CHUNK for b in back) and len(back) >= 2
+    assert b"".join(b.body for b in back) == body
+    assert [b.end_of_stream for b in back] == [False] * (len(back) - 1) + [True]
+
+
+def test_the_pod_holding_the_longest_prefix_takes_the_next_turn(
+    epp: Served, tokenizer: DeepSeekTokenizer
+) -> None:
+    turn1 = chat(DOC, "What grew most?")
+    turn2 = chat(DOC, "What grew most?", "Segment 6.", "And least?")
+    holder = next(p for p in (A, B, C) if p != Ring([A, B, C]).walk("p-none")[0])
+    epp.epp.picker.set_holdings(holder, HoldingsFilter.of(keys_of(tokenizer, turn1), 1000))
+    resps = epp.process([*request(turn2), served_msg(holder)])
+    assert picked(resps)[0] == holder and reason(resps) == "prefix"
+
+
+def test_the_subset_hint_limits_the_pick_and_an_empty_one_is_503(epp: Served) -> None:
+    resps = epp.process(request(chat("Hi."), "s-3", subset=[C]))
+    assert picked(resps) == [C]
+    refused = epp.process(request(chat("Hi."), "s-4", subset=["10.9.9.9:8000"]))
+    assert refused[0].immediate_response.status.code == 503
+
+
+def test_a_fallback_that_served_moves_the_session_and_its_blocks_there(
+    epp: Served, tokenizer: DeepSeekTokenizer
+) -> None:
+    turn1 = chat(DOC, "First?")
+    chosen, fallback = Ring([A, B, C]).walk("s-5")[:2]  # nothing held: the ring decides
+    # The gateway could not reach `chosen` and its retry reached `fallback`.
+    first = epp.process([*request(turn1, "s-5"), served_msg(fallback)])
+    assert picked(first)[:2] == [chosen, fallback]
+    again = epp.process([*request(chat(DOC, "First?", "Yes.", "Second?"), "s-5")])
+    assert picked(again)[0] == fallback
+    # An id-less turn of the same conversation finds its blocks at the fallback too.
+    idless = epp.process([*request(chat(DOC, "Other first?")), served_msg("")])
+    assert picked(idless)[0] == fallback and reason(idless) == "prefix"
+    registry = epp.epp.picker.metrics.registry
+    assert registry.get_sample_value("dscache_epp_served_elsewhere_total") == 1
+
+
+def test_every_pod_at_its_bound_is_429_until_a_request_ends(tokenizer: DeepSeekTokenizer) -> None:
+    s = make(tokenizer, endpoints={A: "stable"}, max_inflight=1)
+    try:
+        held: queue.Queue[pb.ProcessingRequest | None] = queue.Queue()
+        for r in request(chat("Hi."), "s-7"):
+            held.put(r)
+
+        def feed() -> Iterator[pb.ProcessingRequest]:
+            while (item := held.get()) is not None:
+                yield item
+
+        open_stream = s.stub.Process(feed(), timeout=20)
+        assert next(open_stream).WhichOneof("response") == "request_headers"
+        refused = s.process(request(chat("Other."), "s-8"))
+        assert refused[0].immediate_response.status.code == 429
+        held.put(None)  # the first request ends
+        list(open_stream)
+        for _ in range(50):  # the server sees the end a moment after the client
+            if s.epp.pool.inflight(A) == 0:
+                break
+            threading.Event().wait(0.05)
+        assert picked(s.process(request(chat("Other."), "s-8"))) == [A]
+    finally:
+        s.close()
+
+
+def test_sessions_keep_the_track_they_started_on(tokenizer: DeepSeekTokenizer) -> None:
+    endpoints = {A: "stable", B: "stable", CANARY: "canary"}
+    s = make(tokenizer, endpoints=endpoints, track_weights={"canary": 30})
+    try:
+        tracks = {}
+        for i in range(60):
+            pods = picked(s.process(request(chat(f"Hello {i}."), f"sess-{i}")))
+            tracks[f"sess-{i}"] = endpoints[pods[0]]
+            # Fallbacks stay on the track: a retry never splits a conversation.
+            assert {endpoints[p] for p in pods} == {tracks[f"sess-{i}"]}
+        share = sum(t == "canary" for t in tracks.values()) / len(tracks)
+        assert 0.1 < share < 0.5, share
+        for key, track in list(tracks.items())[:20]:
+            pods = picked(s.process(request(chat("Next turn."), key)))
+            assert endpoints[pods[0]] == track
+    finally:
+        s.close()
+
+
+def test_buffered_mode_answers_the_headers_at_once_and_picks_on_the_body(epp: Served) -> None:
+    resps = epp.process(request(chat("Hi."), "s-9", mode=None))
+    assert resps[0].WhichOneof("response") == "request_headers"
+    assert not resps[0].request_headers.response.header_mutation.set_headers
+    assert picked(resps[1:]) == Ring([A, B, C]).walk("s-9")
+
+
+def test_a_request_without_a_body_is_picked_at_its_headers(epp: Served) -> None:
+    resps = epp.process([headers_msg("s-10", end=True)])
+    assert picked(resps)[0] in (A, B, C)
+
+
+def test_a_body_over_the_limit_is_413(tokenizer: DeepSeekTokenizer) -> None:
+    s = make(tokenizer, max_body=1000)
+    try:
+        body = json.dumps({"messages": chat("x" * 5000)}).encode()
+        resps = s.process([headers_msg("s-11"), *body_msgs(body, 600)])
+        assert resps[0].immediate_response.status.code == 413
+    finally:
+        s.close()
+
+
+def test_grpc_health_reports_serving(epp: Served) -> None:
+    stub = health_pb2_grpc.HealthStub(epp.channel)
+    for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        got = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert got.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_settings_refuse_a_bad_pool() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        EppSettings(endpoints={})
+    with pytest.raises(ValueError, match="host:port"):
+        EppSettings(endpoints={"10.0.0.1": "stable"})
+    with pytest.raises(ValueError, match="more than 100"):
+        EppSettings(endpoints={A: "stable"}, track_weights={"a": 60, "b": 50})
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--epp-endpoint", "nonsense"], "IP:PORT=TRACK"),
+        (["--epp-endpoint", "10.0.0.1:8000=stable", "--epp-track-weight", "canary"], "TRACK="),
+        (["--epp-endpoint", "10.0.0.1:8000=", "--epp-max-inflight", "1"], "IP:PORT=TRACK"),
+        (["--epp-endpoint", "10.0.0.1:8000", "--epp-max-inflight", "-1"], "0 or more"),
+        (["--epp"], "at least one endpoint"),
+    ],
+)
+def test_the_cli_refuses_bad_epp_flags(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_picker_arguments(parser)
+    assert run_from_args(parser.parse_args(["--epp", *flags])) == 2
+    assert says in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_dscache_picker_epp_serves_ext_proc_and_health() -> None:
+    port, epp_port = free_port(), free_port()
+    # Pods on loopback ports nothing listens on: the refresher's fetches stay here.
+    pod, canary = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dscache.cli",
+            "picker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--epp",
+            "--epp-port",
+            str(epp_port),
+            "--epp-endpoint",
+            f"{pod}=stable",
+            "--epp-endpoint",
+            f"{canary}=canary",
+            "--epp-track-weight",
+            "canary=0",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{epp_port}")
+        grpc.channel_ready_future(channel).result(timeout=60)
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        resps = list(stub.Process(iter(request(chat("Hi."), "cli-1")), timeout=20))
+        assert picked(resps) == [pod], "canary weight 0: every new session on stable"
+        channel.close()
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)
+    assert proc.returncode in (0, -signal.SIGTERM), out  # uvicorn re-raises the signal
