@@ -66,6 +66,7 @@ def test_the_quick_router_bench_measures_a_picker_that_really_decides(tmp_path: 
     per_pass = 20
     doc, _ = run_quick_bench("router", out, 380, "--requests", str(per_pass), "--png", str(png))
     assert set(doc) == {
+        "epp",
         "feeds",
         "rows",
         "picker_decision_mean_ms",
@@ -100,3 +101,13 @@ def test_the_quick_router_bench_measures_a_picker_that_really_decides(tmp_path: 
     assert feeds["chains"] > 0 and feeds["events"]["missed"] == feeds["filters"]["missed"] == 0
     assert feeds["events"]["staleness_p50_ms"] < feeds["filters"]["staleness_p50_ms"]
     assert feeds["events"]["bytes_per_s"] > 0 and feeds["filters"]["bytes_per_s"] > 0
+    # The endpoint picker face: every request picked over gRPC, the null processor's
+    # round trip measured beside it, and routing by what the picker knows reuses at
+    # least what the ring's hash does (the same requests, simulated pod caches).
+    lat, hits = doc["epp"]["latency"], doc["epp"]["hits"]
+    assert lat["requests"] == per_pass * 2  # two quick rounds
+    assert 0 < lat["null_p50_ms"] and 0 < lat["epp_p50_ms"] < 1000.0  # a stall, not a ms
+    assert lat["added_p99_ms"] == pytest.approx(lat["epp_p99_ms"] - lat["null_p99_ms"])
+    assert hits["requests"] >= 20 and 0 < hits["ideal"] <= 1
+    assert hits["hash"] <= hits["epp"] <= hits["ideal"]
+    assert hits["epp_of_ideal"] == pytest.approx(hits["epp"] / hits["ideal"])

@@ -32,7 +32,10 @@ measured requests; ``failed``: the picker did not answer in time),
 ``requests`` (measured requests, both routers), ``failed`` (requests without a
 200 answer), ``workload_requests`` (requests per pass), ``rounds``, and
 ``feeds``: how fast and at what cost a router learns a pod's new blocks from its
-sidecar's KV events against its holdings filter (:mod:`dscache_tools.bench.feeds`).
+sidecar's KV events against its holdings filter (:mod:`dscache_tools.bench.feeds`), and
+``epp``: the picker's endpoint-picker face as a gateway meets it (time to the pick
+against a null processor, token hits against the ring and the ideal:
+:mod:`dscache_tools.bench.eppbench`).
 The command exits 1 when a request failed; a pick the picker left unanswered
 (the hash placed that request) is counted in ``picks.failed`` and logged.
 
@@ -73,6 +76,7 @@ from starlette.routing import Route
 from dscache import metricnames as names
 from dscache.keys import block_keys
 from dscache_tools.bench import Doc, ratio
+from dscache_tools.bench.eppbench import epp_table, run_epp
 from dscache_tools.bench.feeds import feeds_table, run_feeds
 from dscache_tools.demo.output import pyplot
 from dscache_tools.demo.parts import child_env, find_nginx
@@ -518,10 +522,15 @@ def run_bench(quick: bool, seed: int = 0, limit: int | None = None) -> Doc:
                 picks["failed"],
                 "\n".join(lines[-20:]),
             )
+        print("the endpoint picker face (ext_proc): time to the pick, routing quality ...")
+        flags = ["--seed", str(seed), *(["--quick"] if quick else [])]
+        flags += ["--requests", str(limit)] if limit is not None else []
+        epp = run_epp(procs, work, start_stand_ins, flags)
     decisions = count_after - count_before
     print("holdings feeds: KV events and filters of one sidecar, side by side ...", flush=True)
     feeds = run_feeds(quick)
     return {
+        "epp": epp,
         "feeds": feeds,
         "rows": rows(passes),
         "picker_decision_mean_ms": (
@@ -565,6 +574,8 @@ def table(doc: Doc) -> str:
         f"{doc['requests']} requests ({doc['workload_requests']} per pass, {doc['rounds']} "
         f"rounds), {doc['failed']} failed"
     )
+    if "epp" in doc:
+        lines.append(epp_table(doc["epp"]))
     if "feeds" in doc:
         lines.append(feeds_table(doc["feeds"]))
     return "\n".join(lines)
