@@ -180,6 +180,14 @@ def add_picker_arguments(p: argparse.ArgumentParser) -> None:
         help="also serve Envoy ext_proc as an InferencePool's endpoint picker (gRPC, --epp-port)",
     )
     epp.add_argument("--epp-port", type=int, default=9002, help="ext_proc port (default 9002)")
+    epp.add_argument("--epp-host", default=None, help="ext_proc listen address (default: --host's)")
+    epp.add_argument(
+        "--epp-pool-file",
+        type=Path,
+        default=None,
+        help='the pool as JSON {"endpoints": {"ip:port": "track"}, "trackWeights": '
+        '{"track": percent}}, reloaded when it changes (the operator writes it)',
+    )
     epp.add_argument(
         "--epp-endpoint",
         action="append",

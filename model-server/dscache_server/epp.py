@@ -49,12 +49,14 @@ Contract (the endpoint picker protocol of the inference extension, proposal 004)
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -101,7 +103,7 @@ class EppSettings:
         prompt_max_bytes, prompt_max_messages: the prompt key's bounds (as the router's).
     """
 
-    endpoints: Mapping[str, str] = field(default_factory=dict)
+    endpoints: Mapping[str, str] = field(default_factory=dict)  # none: every request 503
     track_weights: Mapping[str, int] = field(default_factory=dict)
     max_inflight: int = 0
     session_header: str = "x-session-id"
@@ -111,8 +113,6 @@ class EppSettings:
     prompt_max_messages: int = 2
 
     def __post_init__(self) -> None:
-        if not self.endpoints:
-            raise ValueError("the pool needs at least one endpoint")
         for address in self.endpoints:
             Ring([address])  # raises for an address without a port
         if any(not 0 <= w <= 100 for w in self.track_weights.values()):
@@ -164,12 +164,22 @@ class EppMetrics:
         self.streams = Gauge(
             "dscache_epp_streams", "ext_proc streams open (requests in flight).", registry=reg
         )
+        self.endpoints = Gauge(
+            "dscache_epp_endpoints", "Pods in the endpoint picker's pool.", registry=reg
+        )
+        self.pool_errors = Counter(
+            "dscache_epp_pool_file_errors",
+            "Pool files that could not be read or were invalid (the last good pool stays).",
+            registry=reg,
+        )
 
 
 class Pool:
     """The pool's pods by track, sessions' tracks and pods, and in-flight counts."""
 
-    def __init__(self, settings: EppSettings) -> None:
+    def __init__(self, settings: EppSettings, before: Pool | None = None) -> None:
+        """``before``: the pool this one replaces; its sessions and the in-flight
+        counts of pods still in the pool carry over."""
         self.settings = settings
         self._lock = threading.Lock()
         self._tracks: dict[str, list[str]] = {}
@@ -178,6 +188,12 @@ class Pool:
         self._rings = {track: Ring(pods) for track, pods in self._tracks.items()}
         self._inflight: dict[str, int] = dict.fromkeys(settings.endpoints, 0)
         self._sessions: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        if before is not None:
+            with before._lock:
+                self._sessions = OrderedDict(before._sessions)
+                for address, n in before._inflight.items():
+                    if address in self._inflight:
+                        self._inflight[address] = n
         self._shares = self._weights()
 
     def _weights(self) -> list[tuple[int, str]]:
@@ -194,8 +210,11 @@ class Pool:
             bounds.append((total, track))
         return bounds
 
-    def track_of(self, key: str) -> str:
-        """The session's track: the one it started on, else one by the weights."""
+    def track_of(self, key: str) -> str | None:
+        """The session's track: the one it started on, else one by the weights (None:
+        the pool is empty)."""
+        if not self._tracks:
+            return None
         with self._lock:
             known = self._sessions.get(key)
             if known is not None and known[0] in self._tracks:
@@ -256,6 +275,7 @@ class EndpointPicker:
         self.settings = settings
         self.pool = Pool(settings)
         self.metrics = EppMetrics(picker)
+        self.metrics.endpoints.set(len(settings.endpoints))
         picker.know(settings.endpoints)
 
     # -- the decision (a worker thread: tokenizing is CPU work) --------------------
@@ -271,12 +291,15 @@ class EndpointPicker:
         else:
             key = prompt_key(body, max_bytes=s.prompt_max_bytes, max_messages=s.prompt_max_messages)
             source = "prompt"
-        track = self.pool.track_of(key)
-        cands = self.pool.candidates(track, key, subset)
+        pool = self.pool  # one pool for the whole decision, even if the file changes
+        track = pool.track_of(key)
+        if track is None:
+            return Refusal(503, "unavailable", "the pool has no endpoint")
+        cands = pool.candidates(track, key, subset)
         if not cands:
             return Refusal(503, "unavailable", "no endpoint of the pool is in the subset hint")
         addresses = [c.address for c in cands]
-        pinned = self.pool.pinned(key)
+        pinned = pool.pinned(key)
         query = PickQuery(
             pods=tuple(cands),
             cap=s.max_inflight,
@@ -289,19 +312,28 @@ class EndpointPicker:
         choice = self.picker.pick(query)
         if choice.reason == "overloaded":
             return Refusal(429, "overloaded", "every endpoint is at its in-flight bound")
-        track = s.endpoints.get(choice.pod, track)
-        self.pool.place(key, track, choice.pod)
+        track = pool.settings.endpoints.get(choice.pod, track)
+        pool.place(key, track, choice.pod)
         order = (choice.pod, *(a for a in addresses if a != choice.pod))
         return Decision(order, choice.reason, track, key, choice.keys)
 
+    def set_pool(self, endpoints: Mapping[str, str], track_weights: Mapping[str, int]) -> None:
+        """A new pool (the pool file changed): sessions and in-flight counts carry over."""
+        settings = replace(self.settings, endpoints=dict(endpoints), track_weights=track_weights)
+        self.pool = Pool(settings, before=self.pool)
+        self.settings = settings
+        self.picker.know(endpoints)
+        self.metrics.endpoints.set(len(endpoints))
+
     def served(self, decision: Decision, pod: str) -> None:
         """The gateway says ``pod`` answered: a fallback moves the session there."""
-        if pod == decision.endpoints[0] or pod not in self.settings.endpoints:
+        endpoints = self.pool.settings.endpoints
+        if pod == decision.endpoints[0] or pod not in endpoints:
             return
         self.metrics.served_elsewhere.inc()
         self.pool.ended(decision.endpoints[0])
         self.pool.started(pod)
-        self.pool.place(decision.key, self.settings.endpoints[pod], pod)
+        self.pool.place(decision.key, endpoints[pod], pod)
         self.picker.moved(decision.key, decision.endpoints[0], pod, decision.keys)
 
     # -- the stream ------------------------------------------------------------------
@@ -474,6 +506,74 @@ def _immediate(status: int, message: str) -> pb.ProcessingResponse:
             details=message,
         )
     )
+
+
+def read_pool_file(path: Path) -> tuple[dict[str, str], dict[str, int]]:
+    """The pool of a pool file: ``{"endpoints": {"ip:port": "track"}, "trackWeights":
+    {"track": percent}}`` (what the operator writes beside the router's config).
+
+    Raises:
+        ValueError: not that shape, or an invalid pool (OSError: unreadable).
+    """
+    raw = json.loads(path.read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    endpoints, weights = raw.get("endpoints", {}), raw.get("trackWeights", {})
+    if not isinstance(endpoints, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v for k, v in endpoints.items()
+    ):
+        raise ValueError(f"{path}: endpoints must map ip:port to a track name")
+    if not isinstance(weights, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in weights.values()
+    ):
+        raise ValueError(f"{path}: trackWeights must map a track to a whole percent")
+    EppSettings(endpoints=endpoints, track_weights=weights)  # the same checks as flags
+    return endpoints, weights
+
+
+class PoolFileWatcher:
+    """Reloads the pool from its file when the file's content changes (every ``every_s``);
+    an unreadable or invalid file keeps the last good pool and is counted."""
+
+    def __init__(self, epp: EndpointPicker, path: Path, every_s: float = 1.0) -> None:
+        self.epp, self.path, self.every_s = epp, path, every_s
+        self._seen: bytes | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="epp-pool-file", daemon=True)
+
+    def check(self) -> bool:
+        """Loads the file if it changed; True when the pool was replaced."""
+        try:
+            data = self.path.read_bytes()
+        except OSError as exc:
+            if self._seen != b"":
+                log.warning("endpoint picker: cannot read the pool file %s: %s", self.path, exc)
+                self.epp.metrics.pool_errors.inc()
+            self._seen = b""
+            return False
+        if data == self._seen:
+            return False
+        self._seen = data
+        try:
+            endpoints, weights = read_pool_file(self.path)
+        except ValueError as exc:
+            log.warning("endpoint picker: keeping the last good pool: %s", exc)
+            self.epp.metrics.pool_errors.inc()
+            return False
+        self.epp.set_pool(endpoints, weights)
+        log.info("endpoint picker: pool of %d pods from %s", len(endpoints), self.path)
+        return True
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.check()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
 
 
 async def serve(servicer: EndpointPicker, host: str, port: int) -> tuple[grpc.aio.Server, int]:

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from dscache.routing import MAX_SESSION_ID
-from dscache_server.epp import EndpointPicker, EppSettings, serve
+from dscache_server.epp import EndpointPicker, EppSettings, PoolFileWatcher, serve
 from dscache_server.eventfeed import EventFeed
 from dscache_server.picker import (
     BLOCKS_HEADER,
@@ -57,6 +57,7 @@ def create_app(
     refresher: Refresher | None = None,
     feed: EventFeed | None = None,
     epp: tuple[EndpointPicker, str, int] | None = None,
+    pool_file: PoolFileWatcher | None = None,
 ) -> FastAPI:
     """The picker's ASGI app (``refresher``, ``feed`` and the endpoint picker ``epp``,
     with its host and port, run while the app is up)."""
@@ -73,9 +74,13 @@ def create_app(
             feed.start()
         clients.append(httpx.AsyncClient(timeout=settings.locate_timeout_s))
         grpc_server = await serve(*epp) if epp is not None else None
+        if pool_file is not None:
+            pool_file.start()
         try:
             yield
         finally:
+            if pool_file is not None:
+                pool_file.stop()
             if grpc_server is not None:
                 await grpc_server[0].stop(grace=5)
             await clients.pop().aclose()
@@ -206,6 +211,8 @@ def epp_settings_from_args(args: argparse.Namespace) -> EppSettings:
         weights[track] = int(pct)
     if args.epp_max_inflight < 0:
         raise ValueError("--epp-max-inflight must be 0 or more")
+    if not endpoints and args.epp_pool_file is None:
+        raise ValueError("--epp needs at least one endpoint: --epp-endpoint or --epp-pool-file")
     return EppSettings(
         endpoints=endpoints,
         track_weights=weights,
@@ -231,9 +238,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         feed = EventFeed(
             picker, settings.events_port, settings.events_replay_port, settings.internal_token
         )
-    epp = None
+    epp, watcher = None, None
     if epp_settings is not None:
-        epp = (EndpointPicker(picker, epp_settings), args.host, args.epp_port)
-    app = create_app(picker, Refresher(picker), feed, epp)
+        servicer = EndpointPicker(picker, epp_settings)
+        epp = (servicer, args.epp_host or args.host, args.epp_port)
+        if args.epp_pool_file is not None:
+            watcher = PoolFileWatcher(servicer, args.epp_pool_file)
+            watcher.check()  # the pool it starts with (an unreadable file: none yet)
+    app = create_app(picker, Refresher(picker), feed, epp, watcher)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

@@ -106,7 +106,7 @@ def test_the_quick_router_bench_measures_a_picker_that_really_decides(tmp_path: 
     # least what the ring's hash does (the same requests, simulated pod caches).
     lat, hits = doc["epp"]["latency"], doc["epp"]["hits"]
     assert lat["requests"] == per_pass * 2  # two quick rounds
-    assert 0 < lat["null_p50_ms"] and 0 < lat["epp_p50_ms"] < 1000.0  # a stall, not a ms
+    assert lat["null_p50_ms"] > 0 and 0 < lat["epp_p50_ms"] < 1000.0  # a stall, not a ms
     assert lat["added_p99_ms"] == pytest.approx(lat["epp_p99_ms"] - lat["null_p99_ms"])
     assert hits["requests"] >= 20 and 0 < hits["ideal"] <= 1
     assert hits["hash"] <= hits["epp"] <= hits["ideal"]

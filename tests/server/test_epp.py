@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -31,6 +32,8 @@ from dscache_server.epp import (
     SUBSET_NAMESPACE,
     EndpointPicker,
     EppSettings,
+    PoolFileWatcher,
+    read_pool_file,
     serve,
 )
 from dscache_server.picker import Picker, PickerSettings
@@ -318,8 +321,6 @@ def test_grpc_health_reports_serving(epp: Served) -> None:
 
 
 def test_settings_refuse_a_bad_pool() -> None:
-    with pytest.raises(ValueError, match="at least one"):
-        EppSettings(endpoints={})
     with pytest.raises(ValueError, match="host:port"):
         EppSettings(endpoints={"10.0.0.1": "stable"})
     with pytest.raises(ValueError, match="more than 100"):
@@ -333,7 +334,7 @@ def test_settings_refuse_a_bad_pool() -> None:
         (["--epp-endpoint", "10.0.0.1:8000=stable", "--epp-track-weight", "canary"], "TRACK="),
         (["--epp-endpoint", "10.0.0.1:8000=", "--epp-max-inflight", "1"], "IP:PORT=TRACK"),
         (["--epp-endpoint", "10.0.0.1:8000", "--epp-max-inflight", "-1"], "0 or more"),
-        (["--epp"], "at least one endpoint"),
+        (["--epp"], "--epp-endpoint or --epp-pool-file"),
     ],
 )
 def test_the_cli_refuses_bad_epp_flags(
@@ -387,3 +388,52 @@ def test_dscache_picker_epp_serves_ext_proc_and_health() -> None:
         proc.terminate()
         out, _ = proc.communicate(timeout=20)
     assert proc.returncode in (0, -signal.SIGTERM), out  # uvicorn re-raises the signal
+
+
+def test_the_pool_file_replaces_the_pool_and_sessions_carry_over(
+    tokenizer: DeepSeekTokenizer, tmp_path: Path
+) -> None:
+    pool = tmp_path / "epp-pool.json"
+    s = make(tokenizer, endpoints={})
+    watcher = PoolFileWatcher(s.epp, pool)
+    try:
+        assert not watcher.check()  # no file yet: no pool, every request 503
+        assert s.process(request(chat("Hi."), "f-1"))[0].immediate_response.status.code == 503
+        pool.write_text(json.dumps({"endpoints": {A: "blue", B: "blue"}}))
+        assert watcher.check() and not watcher.check()  # read once, then unchanged
+        first = picked(s.process(request(chat("Hi."), "f-1")))[0]
+        # A canary slot joins at 100% of new sessions: f-1 keeps its track and pod.
+        doc = {"endpoints": {A: "blue", B: "blue", CANARY: "green"}, "trackWeights": {"green": 100}}
+        pool.write_text(json.dumps(doc))
+        assert watcher.check()
+        assert picked(s.process(request(chat("Next."), "f-1")))[0] == first
+        assert picked(s.process(request(chat("Hi."), "f-2"))) == [CANARY]
+        # A broken file keeps the last good pool, and says so in a metric (as the
+        # missing one did).
+        registry = s.epp.picker.metrics.registry
+        assert registry.get_sample_value("dscache_epp_pool_file_errors_total") == 1
+        pool.write_text('{"endpoints": {"nonsense": "blue"}}')
+        assert not watcher.check()
+        assert registry.get_sample_value("dscache_epp_pool_file_errors_total") == 2
+        assert registry.get_sample_value("dscache_epp_endpoints") == 3
+        assert picked(s.process(request(chat("Hi."), "f-2"))) == [CANARY]
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[]", "not a JSON object"),
+        ('{"endpoints": ["10.0.0.1:8000"]}', "ip:port to a track"),
+        ('{"endpoints": {"10.0.0.1:8000": ""}}', "ip:port to a track"),
+        ('{"endpoints": {}, "trackWeights": {"a": "10"}}', "whole percent"),
+        ('{"endpoints": {}, "trackWeights": {"a": 101}}', "percent"),
+        ('{"endpoints": {"10.0.0.1": "blue"}}', "host:port"),
+    ],
+)
+def test_a_malformed_pool_file_is_refused(text: str, says: str, tmp_path: Path) -> None:
+    path = tmp_path / "pool.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=says):
+        read_pool_file(path)
