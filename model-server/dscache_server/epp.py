@@ -85,6 +85,8 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 BODY_CHUNK = 62_000
 _DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 OUTCOMES = ("routed", "unavailable", "overloaded", "too_large")
+#: Track shares are kept in basis points: a canary weight of 2.5% is 250 of 10,000.
+_BASIS = 10_000
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ class EppSettings:
     """
 
     endpoints: Mapping[str, str] = field(default_factory=dict)  # none: every request 503
-    track_weights: Mapping[str, int] = field(default_factory=dict)
+    track_weights: Mapping[str, float] = field(default_factory=dict)
     max_inflight: int = 0
     session_header: str = "x-session-id"
     max_sessions: int = 200_000
@@ -117,7 +119,7 @@ class EppSettings:
             Ring([address])  # raises for an address without a port
         if any(not 0 <= w <= 100 for w in self.track_weights.values()):
             raise ValueError("a track weight is a percent, 0..100")
-        if sum(self.track_weights.values()) > 100:
+        if sum(self.track_weights.values()) > 100.0001:
             raise ValueError("track weights add up to more than 100")
 
 
@@ -197,10 +199,13 @@ class Pool:
         self._shares = self._weights()
 
     def _weights(self) -> list[tuple[int, str]]:
-        """Cumulative percent bounds of the tracks with pods, in name order."""
-        explicit = {t: w for t, w in self.settings.track_weights.items() if t in self._tracks}
+        """Cumulative bounds of the tracks with pods in basis points (1/100 of a percent),
+        in name order."""
+        explicit = {
+            t: round(w * 100) for t, w in self.settings.track_weights.items() if t in self._tracks
+        }
         rest = [t for t in sorted(self._tracks) if t not in explicit]
-        left = 100 - sum(explicit.values())
+        left = max(0, _BASIS - sum(explicit.values()))
         shares = dict(explicit)
         for i, track in enumerate(rest):
             shares[track] = left // len(rest) + (1 if i < left % len(rest) else 0)
@@ -219,7 +224,7 @@ class Pool:
             known = self._sessions.get(key)
             if known is not None and known[0] in self._tracks:
                 return known[0]
-        point = zlib.crc32(key.encode()) % 100
+        point = zlib.crc32(key.encode()) % _BASIS
         for bound, track in self._shares:
             if point < bound and self._tracks.get(track):
                 return track
@@ -317,7 +322,7 @@ class EndpointPicker:
         order = (choice.pod, *(a for a in addresses if a != choice.pod))
         return Decision(order, choice.reason, track, key, choice.keys)
 
-    def set_pool(self, endpoints: Mapping[str, str], track_weights: Mapping[str, int]) -> None:
+    def set_pool(self, endpoints: Mapping[str, str], track_weights: Mapping[str, float]) -> None:
         """A new pool (the pool file changed): sessions and in-flight counts carry over."""
         settings = replace(self.settings, endpoints=dict(endpoints), track_weights=track_weights)
         self.pool = Pool(settings, before=self.pool)
@@ -508,7 +513,7 @@ def _immediate(status: int, message: str) -> pb.ProcessingResponse:
     )
 
 
-def read_pool_file(path: Path) -> tuple[dict[str, str], dict[str, int]]:
+def read_pool_file(path: Path) -> tuple[dict[str, str], dict[str, float]]:
     """The pool of a pool file: ``{"endpoints": {"ip:port": "track"}, "trackWeights":
     {"track": percent}}`` (what the operator writes beside the router's config).
 
@@ -524,9 +529,9 @@ def read_pool_file(path: Path) -> tuple[dict[str, str], dict[str, int]]:
     ):
         raise ValueError(f"{path}: endpoints must map ip:port to a track name")
     if not isinstance(weights, dict) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in weights.values()
+        isinstance(v, int | float) and not isinstance(v, bool) for v in weights.values()
     ):
-        raise ValueError(f"{path}: trackWeights must map a track to a whole percent")
+        raise ValueError(f"{path}: trackWeights must map a track to a percent")
     EppSettings(endpoints=endpoints, track_weights=weights)  # the same checks as flags
     return endpoints, weights
 

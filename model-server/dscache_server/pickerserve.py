@@ -203,12 +203,15 @@ def epp_settings_from_args(args: argparse.Namespace) -> EppSettings:
         if not _ADDRESS.fullmatch(address) or (sep and not track):
             raise ValueError(f"--epp-endpoint {item!r} is not IP:PORT=TRACK")
         endpoints[address] = track or "stable"
-    weights: dict[str, int] = {}
+    weights: dict[str, float] = {}
     for item in args.epp_track_weight:
         track, sep, pct = item.partition("=")
-        if not sep or not track or not pct.isdigit():
+        try:
+            weights[track] = float(pct)
+        except ValueError:
+            sep = ""
+        if not sep or not track:
             raise ValueError(f"--epp-track-weight {item!r} is not TRACK=PERCENT")
-        weights[track] = int(pct)
     if args.epp_max_inflight < 0:
         raise ValueError("--epp-max-inflight must be 0 or more")
     if not endpoints and args.epp_pool_file is None:

@@ -69,6 +69,7 @@ RESOURCES: dict[str, Resource] = {
     "Job": Resource("batch/v1", "jobs"),
     "ServiceMonitor": Resource("monitoring.coreos.com/v1", "servicemonitors"),
     "PrometheusRule": Resource("monitoring.coreos.com/v1", "prometheusrules"),
+    "InferencePool": Resource("inference.networking.k8s.io/v1", "inferencepools"),
     "DeepSeekCacheDeployment": Resource(f"{GROUP}/{VERSION}", PLURAL),
 }
 

@@ -48,12 +48,14 @@ from dscache_operator.analysis import Step, analyse
 from dscache_operator.children import ApiChildren, ChildReader
 from dscache_operator.conditions import get_condition, set_condition
 from dscache_operator.desired import (
+    INFERENCE_POOL_API,
     ROUTER_CONFIG_HASH,
     SLOT,
     TEMPLATE_HASH,
     TRACK,
     Owner,
     children,
+    epp_active,
     new_salt,
     pod_address,
     prewarm_active,
@@ -260,6 +262,8 @@ class Reconciler:
             canary,
             previous_addresses=previous,
             monitoring=self._monitoring_available(),
+            inference_pools=epp_active(spec)
+            and self._api_available(INFERENCE_POOL_API, "inferencepools"),
             policy=self.policy,
         )
         for child in objs:
@@ -510,10 +514,22 @@ class Reconciler:
         return verdict
 
     def _monitoring_available(self) -> bool:
-        available = self._monitoring.get("servicemonitors")
+        return self._api_available("monitoring.coreos.com/v1", "servicemonitors")
+
+    def _api_available(self, group_version: str, plural: str) -> bool:
+        """Whether the cluster serves ``plural`` (asked once, then remembered)."""
+        available = self._monitoring.get(plural)
         if available is None:
-            available = self.kube.has_api("monitoring.coreos.com/v1", "servicemonitors")
-            self._monitoring["servicemonitors"] = available
+            available = self.kube.has_api(group_version, plural)
+            self._monitoring[plural] = available
+            if not available and plural == "inferencepools":
+                log.warning(
+                    "routing.gateway inferencePool: the cluster serves no %s/%s (install "
+                    "the Gateway API Inference Extension's CRDs); the endpoint picker runs "
+                    "without its InferencePool",
+                    group_version,
+                    plural,
+                )
         return available
 
     def _write_status(

@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from dscache_operator.nginx import DEBIAN_LUA_MODULES
 from dscache_operator.revision import (
@@ -29,6 +29,7 @@ from dscache_operator.revision import (
     AuthSpec,
     CacheSpec,
     ImageSpec,
+    KVEventsPeer,
     ModelSpec,
     ResourcesSpec,
     RevisionSource,
@@ -101,6 +102,37 @@ class PickerSpec(SpecModel):
         return value
 
 
+class InferencePoolSpec(SpecModel):
+    """An InferencePool whose endpoint picker is the picker (``routing.gateway:
+    inferencePool``)."""
+
+    epp_port: int = Field(
+        default=9002,
+        ge=1024,
+        le=65535,
+        description="Port of the picker's ext_proc face on the router pods and of the "
+        "<name>-epp Service the InferencePool names.",
+    )
+    failure_mode: Literal["FailClose", "FailOpen"] = Field(
+        default="FailClose",
+        description="The InferencePool's endpointPickerRef.failureMode: what the gateway "
+        "does when the picker does not answer (drop the request, or pick a pod itself).",
+    )
+    max_inflight: int = Field(
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description="Requests in flight per pod (through the gateway) past which the picker "
+        "passes it over; every pod past it: 429. 0: no bound.",
+    )
+    gateway_peers: Annotated[list[KVEventsPeer], Field(max_length=16)] = Field(
+        default_factory=list,
+        description="The gateway's pods (NetworkPolicy peers): they reach the picker's "
+        "ext_proc port and the model pods' server port directly. Empty: any pod may.",
+        json_schema_extra={"default": []},
+    )
+
+
 class RoutingSpec(SpecModel):
     """The NGINX router in front of the model pods."""
 
@@ -109,7 +141,33 @@ class RoutingSpec(SpecModel):
             "self.balanceFactor == 0.0 || self.balanceFactor >= 1.0",
             "routing.balanceFactor must be 0 (off) or at least 1",
         ),
+        (
+            "self.gateway != 'inferencePool' || self.picker.enabled",
+            "routing.gateway inferencePool needs routing.picker.enabled: the picker is the "
+            "endpoint picker",
+        ),
     )
+
+    gateway: Literal["nginx", "inferencePool"] = Field(
+        default="nginx",
+        description="Who routes requests to the model pods: 'nginx', the router "
+        "(Service <name>); 'inferencePool' also makes an InferencePool <name> whose endpoint "
+        "picker is the router pods' picker (Service <name>-epp), for Gateway API Inference "
+        "Extension gateways; the router keeps serving beside it.",
+    )
+    inference_pool: InferencePoolSpec = Field(
+        default_factory=InferencePoolSpec,
+        description="The InferencePool and its endpoint picker (gateway: inferencePool).",
+    )
+
+    @model_validator(mode="after")
+    def _gateway_needs_the_picker(self) -> RoutingSpec:
+        if self.gateway == "inferencePool" and not self.picker.enabled:
+            raise ValueError(
+                "routing.gateway inferencePool needs routing.picker.enabled: the picker is "
+                "the endpoint picker"
+            )
+        return self
 
     session_header: Annotated[str, Field(pattern=r"^[A-Za-z0-9-]{1,64}$")] = Field(
         default="X-Session-ID", description="Request header carrying the session id."

@@ -427,7 +427,7 @@ def test_the_pool_file_replaces_the_pool_and_sessions_carry_over(
         ("[]", "not a JSON object"),
         ('{"endpoints": ["10.0.0.1:8000"]}', "ip:port to a track"),
         ('{"endpoints": {"10.0.0.1:8000": ""}}', "ip:port to a track"),
-        ('{"endpoints": {}, "trackWeights": {"a": "10"}}', "whole percent"),
+        ('{"endpoints": {}, "trackWeights": {"a": "10"}}', "to a percent"),
         ('{"endpoints": {}, "trackWeights": {"a": 101}}', "percent"),
         ('{"endpoints": {"10.0.0.1": "blue"}}', "host:port"),
     ],

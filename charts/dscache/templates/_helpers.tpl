@@ -89,6 +89,11 @@ app.kubernetes.io/component: operator
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors", "prometheusrules"]
   verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["inference.networking.k8s.io"]
+  # routing.gateway inferencePool: the resource's InferencePool (its endpoint picker is
+  # the router pods' picker).
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

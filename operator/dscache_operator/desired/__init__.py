@@ -59,8 +59,13 @@ from dscache_operator.desired.prewarm import (
     progressive,
 )
 from dscache_operator.desired.router import (
+    EPP_POOL_KEY,
+    INFERENCE_POOL_API,
     ROUTER_CONF,
     ROUTER_CONFIG_HASH,
+    epp_active,
+    epp_service,
+    inference_pool,
     router_config,
     router_config_hash,
     router_configmap,
@@ -74,6 +79,8 @@ from dscache_operator.status import DeepSeekCacheDeploymentStatus
 
 #: What the reconciler and the tests use; the builders' own modules hold the rest.
 __all__ = [
+    "EPP_POOL_KEY",
+    "INFERENCE_POOL_API",
     "PREWARM_TARGETS_ENV",
     "ROUTER_CONF",
     "ROUTER_CONFIG_HASH",
@@ -82,6 +89,9 @@ __all__ = [
     "TRACK",
     "Owner",
     "children",
+    "epp_active",
+    "epp_service",
+    "inference_pool",
     "model_deployment",
     "network_policies",
     "new_salt",
@@ -111,13 +121,15 @@ def children(
     *,
     previous_addresses: tuple[str, ...] = (),
     monitoring: bool,
+    inference_pools: bool = False,
     policy: AdminPolicy = DEFAULT_POLICY,
 ) -> list[Obj]:
     """Every child to (re-)apply now, in a safe order (tracks before the router).
 
     Frozen tracks (a ``kubectl rollout undo`` was seen) are left out: the
     operator does not fight a person's rollback. The prewarm Job is not among
-    them: it is created once (:func:`prewarm_job`), never re-applied.
+    them: it is created once (:func:`prewarm_job`), never re-applied. The InferencePool
+    is among them only where the cluster serves its API (``inference_pools``).
     """
     out: list[Obj] = []
     for slot, ss in sorted(status.slots.items()):
@@ -128,12 +140,17 @@ def children(
             pdb(owner, f"{owner.name}-{slot}", "model", track_of(status, slot), {SLOT: slot})
         )
     cfg = router_config(spec, status, stable_addresses, canary_addresses, previous_addresses)
+    epp = epp_active(spec)
     out += [
-        router_configmap(owner, cfg),
+        router_configmap(owner, cfg, epp=epp),
         router_deployment(owner, spec),
         router_service(owner, spec),
         pdb(owner, f"{owner.name}-router", "router", "all", {}),
     ]
+    if epp:
+        out.append(epp_service(owner, spec))
+        if inference_pools:
+            out.append(inference_pool(owner, spec))
     out += network_policies(owner, spec, status, policy)
     if monitoring:
         if spec.monitoring.service_monitor:

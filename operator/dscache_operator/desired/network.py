@@ -10,9 +10,13 @@ With the admin's ``network_policies`` on (the default), each resource gets:
     filters),
   - with ``cache.kvEvents`` on, on the KV-event ports from the router pods and
     the subscribers the spec names (llm-d's indexer, Dynamo's router),
-  - on both ports from the metrics peers the admin names (Prometheus);
+  - on both ports from the metrics peers the admin names (Prometheus),
+  - with ``routing.gateway: inferencePool``, on the server port from the
+    gateway's pods (``routing.inferencePool.gatewayPeers``; none named: any pod):
+    the gateway sends requests to the pod the picker chose itself;
 * ``<name>-router``: the router pods take connections on the router port
-  only, from anywhere (it is the service's entry point);
+  only, from anywhere (it is the service's entry point), and with an
+  InferencePool on the endpoint picker's port from the gateway's pods;
 * ``<name>-prewarm``: the prewarm Job's pods take none.
 
 Only ingress is restricted: a model pod's way out (the shared tier's Redis,
@@ -29,7 +33,7 @@ both tracks while both run.
 from __future__ import annotations
 
 from dscache_operator.desired.common import Obj, Owner, labels, meta, selector_labels
-from dscache_operator.desired.router import ROUTER_PORT
+from dscache_operator.desired.router import ROUTER_PORT, epp_active
 from dscache_operator.policy import AdminPolicy
 from dscache_operator.revision import KVEventsPeer, RevisionSource
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
@@ -96,8 +100,15 @@ def network_policies(
         ports = sorted({p for e in events for p in (e.port, e.replay_port)})
         subscribers = [router] + [_peer(p) for e in events for p in e.subscribers]
         model_ingress.append({"from": _unique(subscribers), "ports": _tcp(ports)})
+    router_ingress: list[Obj] = [{"ports": _tcp([ROUTER_PORT])}]
+    if epp_active(spec):
+        ip = spec.routing.inference_pool
+        gateway = _unique([_peer(p) for p in ip.gateway_peers])
+        from_gateway: Obj = {"from": gateway} if gateway else {}
+        model_ingress.append({**from_gateway, "ports": _tcp(server)})
+        router_ingress.append({**from_gateway, "ports": _tcp([ip.epp_port])})
     return [
         _policy(owner, f"{owner.name}-model", "model", model_ingress),
-        _policy(owner, f"{owner.name}-router", "router", [{"ports": _tcp([ROUTER_PORT])}]),
+        _policy(owner, f"{owner.name}-router", "router", router_ingress),
         _policy(owner, f"{owner.name}-prewarm", "prewarm", []),
     ]

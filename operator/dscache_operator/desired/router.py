@@ -16,6 +16,7 @@ config and a weight change restarts nothing.
 from __future__ import annotations
 
 import hashlib
+import json
 
 from dscache_operator.desired import common
 from dscache_operator.desired.common import TMP, Obj, Owner, meta, selector_labels
@@ -29,6 +30,10 @@ from dscache_operator.status import DeepSeekCacheDeploymentStatus
 ROUTER_PORT = 8080
 ROUTER_CONF_DIR = "/etc/dscache-router"
 ROUTER_CONF = f"{ROUTER_CONF_DIR}/nginx.conf"
+#: The endpoint picker's pool file, beside nginx.conf (routing.gateway: inferencePool).
+EPP_POOL_KEY = "epp-pool.json"
+#: The InferencePool API (Gateway API Inference Extension).
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
 #: Pod annotation the operator sets on live router pods after a config change: a pod
 #: update makes the kubelet refresh the ConfigMap volume at once instead of on its
 #: next periodic sync; the router's own watcher then reloads NGINX.
@@ -83,8 +88,30 @@ def router_config(
 
 
 def picker_active(spec: DeepSeekCacheDeploymentSpec) -> bool:
-    """Whether the router pods run the picker (enabled, and the Lua balancer is on)."""
+    """Whether NGINX consults the picker (enabled, and the Lua balancer is on)."""
     return spec.routing.picker.enabled and spec.routing.balance_factor > 0
+
+
+def epp_active(spec: DeepSeekCacheDeploymentSpec) -> bool:
+    """Whether the picker is also an InferencePool's endpoint picker."""
+    return spec.routing.gateway == "inferencePool" and spec.routing.picker.enabled
+
+
+def picker_runs(spec: DeepSeekCacheDeploymentSpec) -> bool:
+    """Whether the router pods run the picker (for NGINX, the gateway, or both)."""
+    return picker_active(spec) or epp_active(spec)
+
+
+def epp_pool(config: RouterConfig) -> str:
+    """The endpoint picker's pool file: every track's pods by slot name, and the share of
+    new sessions each slot takes (the previous slot none: it keeps its own sessions)."""
+    endpoints = {a: config.stable_name for a in config.stable}
+    endpoints.update({a: config.canary_name for a in config.canary})
+    endpoints.update({a: config.previous_name for a in config.previous})
+    weight = round(config.canary_weight, 2) if config.canary else 0.0
+    weights = {config.stable_name: round(100 - weight, 2), config.canary_name: weight}
+    weights[config.previous_name] = 0.0
+    return json.dumps({"endpoints": endpoints, "trackWeights": weights}, sort_keys=True)
 
 
 def _picker_container(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
@@ -101,6 +128,19 @@ def _picker_container(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
     args += ["--similarity-threshold", f"{p.similarity_threshold:g}"]
     for term, weight in sorted(p.domain_terms.items()):
         args += ["--domain-term", f"{term}={weight}"]
+    ports: list[Obj] = []
+    mounts: list[Obj] = [{"name": "tmp", "mountPath": TMP}]
+    if epp_active(spec):
+        # The gateway's ext_proc face, on the pod's address; the pool comes from the
+        # ConfigMap beside nginx.conf and is reloaded when the kubelet updates it.
+        ip = spec.routing.inference_pool
+        args += ["--epp", "--epp-host", "0.0.0.0", "--epp-port", str(ip.epp_port)]
+        args += ["--epp-pool-file", f"{ROUTER_CONF_DIR}/{EPP_POOL_KEY}"]
+        args += ["--session-header", spec.routing.session_header]
+        if ip.max_inflight:
+            args += ["--epp-max-inflight", str(ip.max_inflight)]
+        ports.append({"name": "epp", "containerPort": ip.epp_port, "protocol": "TCP"})
+        mounts.append({"name": "config", "mountPath": ROUTER_CONF_DIR, "readOnly": True})
     # By number: a probe's named port is looked up in its own container's ports, and
     # "http" is NGINX's (the kubelet could not parse it, so the picker was never probed).
     probe = {"httpGet": {"path": PICKER_HEALTH_PATH, "port": ROUTER_PORT}, "periodSeconds": 10}
@@ -108,28 +148,36 @@ def _picker_container(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
     return {
         **common.container("picker", p.image, ["dscache"], args),
         **({"env": env} if env else {}),
+        **({"ports": ports} if ports else {}),
         # Up to 5 minutes to start on a busy node; then 6 misses in a row restart it.
         "startupProbe": {**probe, "failureThreshold": 30},
         "livenessProbe": {**probe, "failureThreshold": 6},
         "resources": common.resources(p.resources),
-        "volumeMounts": [{"name": "tmp", "mountPath": TMP}],
+        "volumeMounts": mounts,
     }
 
 
-def router_configmap(owner: Owner, config: RouterConfig) -> Obj:
-    """ConfigMap ``<name>-router`` with the rendered nginx.conf."""
+def router_configmap(owner: Owner, config: RouterConfig, epp: bool = False) -> Obj:
+    """ConfigMap ``<name>-router`` with the rendered nginx.conf (and, with ``epp``, the
+    endpoint picker's pool file)."""
+    data = {"nginx.conf": render_nginx_conf(config)}
+    if epp:
+        data[EPP_POOL_KEY] = epp_pool(config)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": meta(owner, f"{owner.name}-router", common.labels(owner, "router", "all")),
-        "data": {"nginx.conf": render_nginx_conf(config)},
+        "data": data,
     }
 
 
 def router_config_hash(configmap: Obj) -> str:
-    """The value of :data:`ROUTER_CONFIG_HASH` for a router ConfigMap."""
-    text: str = configmap["data"]["nginx.conf"]
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """The value of :data:`ROUTER_CONFIG_HASH` for a router ConfigMap (every key: a new
+    pool must reach the picker as soon as a new config reaches NGINX)."""
+    digest = hashlib.sha256()
+    for key in sorted(configmap["data"]):
+        digest.update(key.encode() + b"\0" + configmap["data"][key].encode() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
@@ -161,7 +209,7 @@ def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
                 "spec": {
                     **common.pod_spec(spec.scheduling, spread=sel),
                     "containers": [nginx, _picker_container(owner, spec)]
-                    if picker_active(spec)
+                    if picker_runs(spec)
                     else [nginx],
                     "volumes": [
                         {"name": "config", "configMap": {"name": f"{owner.name}-router"}},
@@ -183,5 +231,51 @@ def router_service(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
             "type": "ClusterIP",
             "selector": selector_labels(owner, "router"),
             "ports": [{"name": "http", "port": spec.routing.port, "targetPort": "http"}],
+        },
+    }
+
+
+def epp_service(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
+    """Service ``<name>-epp``: the router pods' picker as the InferencePool's endpoint picker
+    (gRPC without TLS: ``appProtocol`` h2c)."""
+    port = spec.routing.inference_pool.epp_port
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(owner, f"{owner.name}-epp", common.labels(owner, "router", "all")),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner, "router"),
+            "ports": [
+                {
+                    "name": "grpc",
+                    "port": port,
+                    "targetPort": "epp",
+                    "protocol": "TCP",
+                    "appProtocol": "kubernetes.io/h2c",
+                }
+            ],
+        },
+    }
+
+
+def inference_pool(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
+    """InferencePool ``<name>``: every model pod of the resource (all tracks: the picker
+    chooses the track, so a gateway's split never moves a conversation), its server
+    port, and ``<name>-epp`` as the endpoint picker."""
+    ip = spec.routing.inference_pool
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": meta(owner, owner.name, common.labels(owner, "model", "all")),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner, "model")},
+            "targetPorts": [{"number": spec.server.port}],
+            "endpointPickerRef": {
+                "kind": "Service",
+                "name": f"{owner.name}-epp",
+                "port": {"number": ip.epp_port},
+                "failureMode": ip.failure_mode,
+            },
         },
     }
