@@ -9,14 +9,17 @@ that serves the NGINX router: the pod holding the request's longest prefix,
 else a similar request's pod, else the ring's choice, under a load bound.
 
 Contract (the endpoint picker protocol of the inference extension, proposal 004):
-    * Modes: the request body mode ``FULL_DUPLEX_STREAMED`` (what the extension's
-      gateways configure; told by ``protocol_config`` on the stream's first
-      message) and ``BUFFERED``. Duplex: the headers are answered only once the
-      whole body is in (the pick needs it), then the body is sent back unchanged
-      in ``streamed_response`` chunks of at most :data:`BODY_CHUNK` bytes.
-      Buffered (or no protocol_config): the headers are answered at once and the
-      pick rides on the body's answer. A request without a body is picked at its
-      headers. Response bodies are passed through unchanged (duplex: echoed).
+    * Modes, as ``protocol_config`` on the stream's first message tells:
+      ``FULL_DUPLEX_STREAMED`` (what the extension's gateways configure, and what is
+      assumed without a ``protocol_config``, as the extension's reference picker
+      does: NGINX Gateway Fabric's shim sends none and reads the pick from the
+      headers' answer): the headers are answered only once the whole body is in
+      (the pick needs it), then the body is sent back unchanged in
+      ``streamed_response`` chunks of at most :data:`BODY_CHUNK` bytes.
+      ``BUFFERED`` (or any other mode with a body): the headers are answered at once
+      and the pick rides on the body's answer. ``NONE`` (no body will come), or a
+      request without a body: picked at its headers. Response bodies pass
+      through unchanged (duplex: echoed).
     * The pick: header ``x-gateway-destination-endpoint`` and dynamic metadata
       ``envoy.lb`` / ``x-gateway-destination-endpoint``, the same value: the
       chosen pod, then the rest of its track in the ring's order for the
@@ -84,6 +87,7 @@ SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 #: Largest body chunk sent back in duplex mode (Envoy's limit is 64 KiB).
 BODY_CHUNK = 62_000
 _DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 OUTCOMES = ("routed", "unavailable", "overloaded", "too_large")
 #: Track shares are kept in basis points: a canary weight of 2.5% is 250 of 10,000.
 _BASIS = 10_000
@@ -364,6 +368,7 @@ class EndpointPicker:
             cfg = req.protocol_config
             st.duplex = cfg.request_body_mode == _DUPLEX
             st.duplex_response = cfg.response_body_mode == _DUPLEX
+            st.no_body = cfg.request_body_mode == _NO_BODY
         kind = req.WhichOneof("request")
         if kind in ("request_headers", "request_body"):
             return await self._on_request(req, st, kind == "request_headers")
@@ -394,7 +399,7 @@ class EndpointPicker:
         if headers:
             st.headers = _headers(req.request_headers.headers)
             st.subset = _subset(req)
-            if req.request_headers.end_of_stream:
+            if req.request_headers.end_of_stream or st.no_body:
                 return await self._answer(st, at_headers=True)
             if st.duplex:
                 return []  # answered with the body's end
@@ -452,8 +457,9 @@ class _Stream:
     headers: dict[str, str] = field(default_factory=dict)
     body: bytearray = field(default_factory=bytearray)
     subset: list[str] | None = None
-    duplex: bool = False
-    duplex_response: bool = False
+    duplex: bool = True  # until protocol_config says otherwise
+    duplex_response: bool = True
+    no_body: bool = False
     refused: bool = False
     decision: Decision | None = None
     pod: str = ""

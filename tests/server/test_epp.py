@@ -59,6 +59,7 @@ DOC = " ".join(
     f"Revenue of segment {i} grew {i % 7} percent in fiscal {2000 + i}." for i in range(40)
 )
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +293,7 @@ def test_sessions_keep_the_track_they_started_on(tokenizer: DeepSeekTokenizer) -
 
 
 def test_buffered_mode_answers_the_headers_at_once_and_picks_on_the_body(epp: Served) -> None:
-    resps = epp.process(request(chat("Hi."), "s-9", mode=None))
+    resps = epp.process(request(chat("Hi."), "s-9", mode=BUFFERED))
     assert resps[0].WhichOneof("response") == "request_headers"
     assert not resps[0].request_headers.response.header_mutation.set_headers
     assert picked(resps[1:]) == Ring([A, B, C]).walk("s-9")
@@ -301,6 +302,17 @@ def test_buffered_mode_answers_the_headers_at_once_and_picks_on_the_body(epp: Se
 def test_a_request_without_a_body_is_picked_at_its_headers(epp: Served) -> None:
     resps = epp.process([headers_msg("s-10", end=True)])
     assert picked(resps)[0] in (A, B, C)
+    # Body mode NONE: no body will come, so the headers' answer carries the pick.
+    none = epp.process([headers_msg("s-10", mode=processing_mode_pb2.ProcessingMode.NONE)])
+    assert picked(none) == picked(resps)
+
+
+def test_without_protocol_config_the_pick_comes_with_the_headers_answer(epp: Served) -> None:
+    """As the extension's reference picker answers: NGINX Gateway Fabric's shim sends no
+    protocol_config, then the body, and reads the pick from the headers' answer."""
+    resps = epp.process(request(chat("Hi."), "s-12", mode=None))
+    assert resps[0].WhichOneof("response") == "request_headers"
+    assert picked(resps) == Ring([A, B, C]).walk("s-12")
 
 
 def test_a_body_over_the_limit_is_413(tokenizer: DeepSeekTokenizer) -> None:
