@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import xxhash
 from datasketch import MinHash, MinHashLSH
 from dscache_sidecar.holdings import (
     HOLDINGS_PATH,
@@ -288,9 +289,8 @@ def shingles(
     copies of the domain terms among them."""
     tokens = [m.group().lower() for m in itertools.islice(_WORD.finditer(text), limit)]
     out = {" ".join(tokens[i : i + words]).encode() for i in range(max(len(tokens) - words + 1, 1))}
-    for token in set(tokens):
-        weight = domain_terms.get(token, 0)
-        out.update(f"\x00{token}\x00{i}".encode() for i in range(weight))
+    for token in domain_terms.keys() & set(tokens):
+        out.update(f"\x00{token}\x00{i}".encode() for i in range(domain_terms[token]))
     out.discard(b"")
     return out
 
@@ -324,6 +324,7 @@ class Picker:
         self.pieces = PieceCache()
         self._lock = threading.Lock()
         self._pods: dict[str, _Pod] = {}
+        self._perms = MinHash(num_perm=settings.num_perm, scheme="affine32").permutations
         self._lsh = (
             MinHashLSH(threshold=settings.similarity_threshold, num_perm=settings.num_perm)
             if settings.similarity_threshold > 0
@@ -483,7 +484,14 @@ class Picker:
         if self._lsh is None:
             return None
         s = self.settings
-        m = MinHash(num_perm=s.num_perm)
+        # xxh32 of each shingle (a C call; datasketch's default, SHA-1 through a Python
+        # wrapper, was a third of a decision) and one set of permutations for all.
+        m = MinHash(
+            num_perm=s.num_perm,
+            hashfunc=xxhash.xxh32_intdigest,
+            permutations=self._perms,
+            scheme="affine32",
+        )
         m.update_batch(list(shingles(text, s.shingle_words, s.domain_terms)))
         return m
 
