@@ -385,7 +385,15 @@ class EndpointPicker:
         if kind == "response_body":
             body = req.response_body
             if st.duplex_response:
-                return [_body_back(body.body, body.end_of_stream)]
+                data = bytes(body.body)
+                return [
+                    _body_back(
+                        data[i : i + BODY_CHUNK],
+                        body.end_of_stream and i + BODY_CHUNK >= len(data),
+                        "response_body",
+                    )
+                    for i in range(0, max(len(data), 1), BODY_CHUNK)
+                ]
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
         if kind == "request_trailers":
             return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
@@ -501,12 +509,14 @@ def _set(common: pb.CommonResponse, name: str, value: str) -> None:
     )
 
 
-def _body_back(chunk: bytes, end: bool) -> pb.ProcessingResponse:
+def _body_back(chunk: bytes, end: bool, phase: str = "request_body") -> pb.ProcessingResponse:
+    """A body chunk sent back unchanged (duplex mode), as the answer of ``phase``
+    (``request_body`` or ``response_body``: Envoy tears down a stream whose answer is
+    for the other phase)."""
     streamed = pb.StreamedBodyResponse(body=chunk, end_of_stream=end)
     mutation = pb.BodyMutation(streamed_response=streamed)
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-    )
+    body = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+    return pb.ProcessingResponse(**{phase: body})
 
 
 def _immediate(status: int, message: str) -> pb.ProcessingResponse:

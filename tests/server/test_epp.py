@@ -212,6 +212,36 @@ def test_the_body_goes_back_unchanged_in_chunks_after_the_headers(epp: Served) -
     assert [b.end_of_stream for b in back] == [False] * (len(back) - 1) + [True]
 
 
+def test_the_response_body_goes_back_unchanged_as_the_response_bodys_answer(
+    epp: Served,
+) -> None:
+    answer = b"data: " + b"x" * (BODY_CHUNK + 100) + b"\n\n"
+    parts = [answer[:70_000], answer[70_000:]]
+    msgs = [
+        *request(chat("Hi."), "s-13"),
+        served_msg(""),
+        *(
+            pb.ProcessingRequest(
+                response_body=pb.HttpBody(body=p, end_of_stream=i == len(parts) - 1)
+            )
+            for i, p in enumerate(parts)
+        ),
+    ]
+    resps = epp.process(msgs)
+    back = [r for r in resps if r.WhichOneof("response") == "response_body"]
+    streamed = [r.response_body.response.body_mutation.streamed_response for r in back]
+    assert b"".join(s.body for s in streamed) == answer
+    assert all(len(s.body) <= BODY_CHUNK for s in streamed)
+    assert [s.end_of_stream for s in streamed][-1] and not any(
+        s.end_of_stream for s in streamed[:-1]
+    )
+    # Every answer is for the phase it answers: no request-body answer after the pick's.
+    kinds = [r.WhichOneof("response") for r in resps]
+    assert kinds.index("response_headers") > max(
+        i for i, k in enumerate(kinds) if k == "request_body"
+    )
+
+
 def test_the_pod_holding_the_longest_prefix_takes_the_next_turn(
     epp: Served, tokenizer: DeepSeekTokenizer
 ) -> None:
