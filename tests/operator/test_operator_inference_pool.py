@@ -10,6 +10,7 @@ pods may reach the picker and the model pods' server port, no one else beyond th
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,11 @@ def test_the_pool_file_is_what_the_picker_reads_and_a_new_one_nudges_the_pods(
     cm = _objs(POOL)["ConfigMap", "chat-router"]
     moved = {**cm, "data": {**cm["data"], EPP_POOL_KEY: json.dumps({"endpoints": {}})}}
     assert router_config_hash(moved) != router_config_hash(cm)
+    # Without a pool the hash is nginx.conf's alone, as the cluster test and older
+    # operators compute it: an upgrade re-annotates no router pod.
+    plain = _objs(BASE)["ConfigMap", "chat-router"]
+    conf = plain["data"]["nginx.conf"].encode()
+    assert router_config_hash(plain) == hashlib.sha256(conf).hexdigest()[:16]
 
 
 def test_only_the_gateway_reaches_the_picker_and_the_model_pods_directly() -> None:

@@ -172,12 +172,15 @@ def router_configmap(owner: Owner, config: RouterConfig, epp: bool = False) -> O
 
 
 def router_config_hash(configmap: Obj) -> str:
-    """The value of :data:`ROUTER_CONFIG_HASH` for a router ConfigMap (every key: a new
-    pool must reach the picker as soon as a new config reaches NGINX)."""
-    digest = hashlib.sha256()
-    for key in sorted(configmap["data"]):
-        digest.update(key.encode() + b"\0" + configmap["data"][key].encode() + b"\0")
-    return digest.hexdigest()[:16]
+    """The value of :data:`ROUTER_CONFIG_HASH` for a router ConfigMap: of nginx.conf, and
+    of the endpoint picker's pool file where there is one (a new pool must reach the
+    picker as soon as a new config reaches NGINX; without one the hash is nginx.conf's
+    alone, as before pools existed, so an upgrade nudges no pod)."""
+    text: str = configmap["data"]["nginx.conf"]
+    pool = configmap["data"].get(EPP_POOL_KEY)
+    if pool is not None:
+        text += "\0" + pool
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def router_deployment(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
