@@ -281,11 +281,15 @@ class EndpointPicker:
 
     def __init__(self, picker: Picker, settings: EppSettings) -> None:
         self.picker = picker
-        self.settings = settings
         self.pool = Pool(settings)
         self.metrics = EppMetrics(picker)
         self.metrics.endpoints.set(len(settings.endpoints))
         picker.know(settings.endpoints)
+
+    @property
+    def settings(self) -> EppSettings:
+        """The settings of the pool in use (a pool file replaces its endpoints)."""
+        return self.pool.settings
 
     # -- the decision (a worker thread: tokenizing is CPU work) --------------------
 
@@ -293,14 +297,14 @@ class EndpointPicker:
         self, headers: Mapping[str, str], body: bytes, subset: Sequence[str] | None
     ) -> Decision | Refusal:
         """Picks the pods for one request, or says why not."""
-        s = self.settings
+        pool = self.pool  # one pool for the whole decision, even if the file changes
+        s = pool.settings
         client_key = headers.get(s.session_header.lower(), "")
         if client_key and len(client_key) <= MAX_SESSION_ID:
             key, source = client_key, "header"
         else:
             key = prompt_key(body, max_bytes=s.prompt_max_bytes, max_messages=s.prompt_max_messages)
             source = "prompt"
-        pool = self.pool  # one pool for the whole decision, even if the file changes
         track = pool.track_of(key)
         if track is None:
             return Refusal(503, "unavailable", "the pool has no endpoint")
@@ -321,7 +325,7 @@ class EndpointPicker:
         choice = self.picker.pick(query)
         if choice.reason == "overloaded":
             return Refusal(429, "overloaded", "every endpoint is at its in-flight bound")
-        track = pool.settings.endpoints.get(choice.pod, track)
+        track = s.endpoints.get(choice.pod, track)
         pool.place(key, track, choice.pod)
         order = (choice.pod, *(a for a in addresses if a != choice.pod))
         return Decision(order, choice.reason, track, key, choice.keys)
@@ -330,7 +334,6 @@ class EndpointPicker:
         """A new pool (the pool file changed): sessions and in-flight counts carry over."""
         settings = replace(self.settings, endpoints=dict(endpoints), track_weights=track_weights)
         self.pool = Pool(settings, before=self.pool)
-        self.settings = settings
         self.picker.know(endpoints)
         self.metrics.endpoints.set(len(endpoints))
 
@@ -385,15 +388,7 @@ class EndpointPicker:
         if kind == "response_body":
             body = req.response_body
             if st.duplex_response:
-                data = bytes(body.body)
-                return [
-                    _body_back(
-                        data[i : i + BODY_CHUNK],
-                        body.end_of_stream and i + BODY_CHUNK >= len(data),
-                        "response_body",
-                    )
-                    for i in range(0, max(len(data), 1), BODY_CHUNK)
-                ]
+                return body_back(bytes(body.body), body.end_of_stream, "response_body")
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
         if kind == "request_trailers":
             return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
@@ -445,11 +440,7 @@ class EndpointPicker:
                 )
             ]
             if st.duplex and not at_headers:
-                body = bytes(st.body)
-                out += [
-                    _body_back(body[i : i + BODY_CHUNK], i + BODY_CHUNK >= len(body))
-                    for i in range(0, max(len(body), 1), BODY_CHUNK)
-                ]
+                out += body_back(bytes(st.body), True)
             return out
         return [
             pb.ProcessingResponse(
@@ -509,14 +500,18 @@ def _set(common: pb.CommonResponse, name: str, value: str) -> None:
     )
 
 
-def _body_back(chunk: bytes, end: bool, phase: str = "request_body") -> pb.ProcessingResponse:
-    """A body chunk sent back unchanged (duplex mode), as the answer of ``phase``
-    (``request_body`` or ``response_body``: Envoy tears down a stream whose answer is
-    for the other phase)."""
-    streamed = pb.StreamedBodyResponse(body=chunk, end_of_stream=end)
-    mutation = pb.BodyMutation(streamed_response=streamed)
-    body = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-    return pb.ProcessingResponse(**{phase: body})
+def body_back(data: bytes, end: bool, phase: str = "request_body") -> list[pb.ProcessingResponse]:
+    """``data`` sent back unchanged (duplex mode) in chunks of at most :data:`BODY_CHUNK`
+    bytes, the last marked ``end``, as the answer of ``phase`` (``request_body`` or
+    ``response_body``: Envoy tears down a stream whose answer is for the other phase)."""
+    out = []
+    for i in range(0, max(len(data), 1), BODY_CHUNK):
+        last = end and i + BODY_CHUNK >= len(data)
+        streamed = pb.StreamedBodyResponse(body=data[i : i + BODY_CHUNK], end_of_stream=last)
+        mutation = pb.BodyMutation(streamed_response=streamed)
+        body = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
+        out.append(pb.ProcessingResponse(**{phase: body}))
+    return out
 
 
 def _immediate(status: int, message: str) -> pb.ProcessingResponse:

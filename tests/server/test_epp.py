@@ -38,7 +38,7 @@ from dscache_server.epp import (
 )
 from dscache_server.picker import Picker, PickerSettings
 from dscache_server.pickerserve import run_from_args
-from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer
+from dscache_server.tokenizer import DeepSeekTokenizer
 from dscache_sidecar.holdings import HoldingsFilter
 from dscache_tools.net import free_port
 from envoy.config.core.v3 import base_pb2
@@ -47,17 +47,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format, struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_picker import BT, DOC, ROOT, A, B, C, chat, keys_of
 
-from dscache.keys import block_keys
 from dscache.routing import Ring
 
-BT = 16
-ROOT = bytes(range(32))
-A, B, C = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 CANARY = "10.0.1.1:8000"
-DOC = " ".join(
-    f"Revenue of segment {i} grew {i % 7} percent in fiscal {2000 + i}." for i in range(40)
-)
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 
@@ -102,16 +96,6 @@ def epp(tokenizer: DeepSeekTokenizer) -> Iterator[Served]:
     s = make(tokenizer)
     yield s
     s.close()
-
-
-def chat(*turns: str) -> list[dict[str, str]]:
-    roles = ["system", "user", "assistant", "user", "assistant", "user"]
-    return [{"role": roles[i], "content": t} for i, t in enumerate(turns)]
-
-
-def keys_of(tokenizer: DeepSeekTokenizer, messages: list[dict[str, str]]) -> list[bytes]:
-    ids = tokenizer.apply_chat_template([ChatMessage(m["role"], m["content"]) for m in messages])
-    return block_keys(ROOT, ids, BT)
 
 
 def headers_msg(

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from dscache_server.epp import BODY_CHUNK, DESTINATION, LB_NAMESPACE, SERVED
+from dscache_server.epp import BODY_CHUNK, DESTINATION, LB_NAMESPACE, SERVED, body_back
 from dscache_sidecar.holdings import HoldingsFilter
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -360,17 +360,8 @@ class NullProcessor:
                 yield pb.ProcessingResponse(
                     request_headers=pb.HeadersResponse(response=common), dynamic_metadata=meta
                 )
-                data = bytes(body)
-                for i in range(0, max(len(data), 1), BODY_CHUNK):
-                    streamed = pb.StreamedBodyResponse(
-                        body=data[i : i + BODY_CHUNK], end_of_stream=i + BODY_CHUNK >= len(data)
-                    )
-                    mutation = pb.BodyMutation(streamed_response=streamed)
-                    yield pb.ProcessingResponse(
-                        request_body=pb.BodyResponse(
-                            response=pb.CommonResponse(body_mutation=mutation)
-                        )
-                    )
+                for resp in body_back(bytes(body), True):
+                    yield resp
             elif kind == "response_headers":
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 
