@@ -1,4 +1,5 @@
-"""``dscache dev cluster {build,up,down,env}``: the dev Kubernetes control plane.
+"""``dscache dev cluster {build,up,down,env}``: the dev Kubernetes control plane;
+``dscache dev eppcheck``: an endpoint picker against the extension's reference.
 
 Light module: argument parsing only; each handler imports
 :mod:`dscache_tools.devcluster` when it runs.
@@ -17,9 +18,40 @@ from dscache.cli import Commands
 def register(sub: Commands, bench: Commands) -> None:
     """Adds ``dscache dev ...``; ``bench`` is not used."""
     del bench
-    dev = sub.add_parser("dev", help="developer tools: a local Kubernetes control plane")
+    dev = sub.add_parser(
+        "dev", help="developer tools: a local Kubernetes control plane, the EPP check"
+    )
     dev_sub = dev.add_subparsers(dest="dev_command", metavar="DEV")
     dev.set_defaults(handler=lambda _args: _help(dev))
+
+    epp = dev_sub.add_parser(
+        "eppcheck",
+        help="check an endpoint picker against the Gateway API Inference Extension's "
+        "reference picker (builds a Go driver on first use)",
+    )
+    epp.add_argument("--target", required=True, help="the picker's ext_proc address, HOST:PORT")
+    epp.add_argument(
+        "--endpoints",
+        required=True,
+        help="the pool's endpoints as the picker was given them: IP:PORT,IP:PORT,...",
+    )
+    epp.add_argument("--session-header", default="x-session-id")
+    epp.add_argument(
+        "--conversations",
+        type=int,
+        default=6,
+        help="conversations of three turns, sent with a session id and again without",
+    )
+    epp.add_argument(
+        "--forward",
+        action="store_true",
+        help="be the gateway's data path too: send each turn to the endpoint picked "
+        "(http://ENDPOINT/v1/chat/completions); later turns must hit that pod's cache",
+    )
+    epp.add_argument(
+        "--pad", type=int, default=40, help="words of each turn, in threes (150 for --forward)"
+    )
+    epp.set_defaults(handler=_eppcheck)
 
     cluster = dev_sub.add_parser(
         "cluster",
@@ -79,6 +111,20 @@ def register(sub: Commands, bench: Commands) -> None:
     )
     env.add_argument("--state-dir", type=Path, default=None, help=state_help)
     env.set_defaults(handler=_env)
+
+
+def _eppcheck(args: argparse.Namespace) -> int:
+    from dscache_tools.eppcheck import run_cli
+
+    endpoints = [e for e in args.endpoints.split(",") if e]
+    return run_cli(
+        args.target,
+        endpoints,
+        session_header=args.session_header,
+        conversations=args.conversations,
+        forward=args.forward,
+        pad=args.pad,
+    )
 
 
 def _help(parser: argparse.ArgumentParser) -> int:

@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -42,7 +43,7 @@ from dscache_tools.demo.parts import (
     render_router,
     worker_pids,
 )
-from dscache_tools.net import free_port
+from dscache_tools.net import free_port, port_open
 from dscache_tools.polling import poll
 from dscache_tools.procs import Child, ProcessGroup, StartError, http_ok
 
@@ -359,10 +360,26 @@ class LocalStack:
         self.router = None
         self.replicas.clear()
 
-    def _start_picker(self, servers: list[Server]) -> tuple[str, Child]:
+    def start_endpoint_picker(
+        self, servers: list[Server], track_weights: dict[str, float] | None = None
+    ) -> str:
+        """Starts ``dscache picker --epp`` over ``servers`` (each on its own track, as
+        a gateway's InferencePool holds them); returns its ext_proc ``host:port``."""
+        eport = free_port()
+        extra = ["--epp", "--epp-host", "127.0.0.1", "--epp-port", str(eport)]
+        extra += [a for s in servers for a in ("--epp-endpoint", f"{s.address}={s.track}")]
+        for track, weight in (track_weights or {}).items():
+            extra += ["--epp-track-weight", f"{track}={weight}"]
+        _address, child = self._start_picker(servers, extra)
+        child.wait_ready(
+            lambda: port_open("127.0.0.1", eport), timeout_s=30, what="ext_proc", interval_s=0.2
+        )
+        return f"127.0.0.1:{eport}"
+
+    def _start_picker(self, servers: list[Server], extra: Sequence[str] = ()) -> tuple[str, Child]:
         """Starts ``dscache picker`` knowing each server's sidecar filter; its address."""
         port = free_port()
-        args = ["picker", "--host", "127.0.0.1", "--port", str(port), "--refresh", "0.5"]
+        args = ["picker", "--host", "127.0.0.1", "--port", str(port), "--refresh", "0.5", *extra]
         for s in servers:
             if s.sidecar is not None:
                 url = f"http://127.0.0.1:{s.sidecar.metrics_port}/dscache/holdings"

@@ -1,0 +1,172 @@
+"""An endpoint picker checked against the Gateway API Inference Extension's own.
+
+Contract:
+    * :func:`build` compiles ``tools/eppcheck`` (a Go module that pins
+      ``sigs.k8s.io/gateway-api-inference-extension``) into
+      ``<cache>/eppcheck/<digest>/eppcheck``, the digest taken over its go.mod,
+      go.sum and Go files, so a changed driver is rebuilt (the drivers of
+      earlier sources removed) and an unchanged one is reused at once. Go's
+      build cache for it lives in a temporary directory removed afterwards (a
+      GiB the user's GOCACHE need not keep).
+    * :func:`check` runs the driver against an endpoint picker and returns its
+      exit code and JSON report: the extension's reference picker (lwepp),
+      served inside the driver on the same endpoints, answers the same ext_proc
+      streams, and the report says per check whether the target keeps the
+      protocol and the reference's message order, and dscache's promises
+      (a conversation's turns on one endpoint; 503 for a subset outside the
+      pool). With ``forward`` the driver is also the gateway's data path: each
+      turn goes to the endpoint picked and must find its conversation's KV.
+    * ``dscache dev eppcheck --target HOST:PORT --endpoints IP:PORT,...
+      [--forward]`` builds if needed, prints the report and exits with the
+      driver's code (0 all checks hold, 1 one failed, 2 no report).
+    * Standard library only (like :mod:`.devcluster.gobuild`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from dscache_tools.devcluster.gobuild import BuildError, find_go
+from dscache_tools.devcluster.versions import cache_root
+
+#: The Go module of the driver, beside this package in the source tree.
+SOURCE = Path(__file__).resolve().parents[1] / "eppcheck"
+_GOFLAGS = "-trimpath -buildvcs=false -mod=readonly"
+
+
+def digest(source: Path = SOURCE) -> str:
+    """What decides the binary: its Go files, go.mod and go.sum, and the flags."""
+    h = hashlib.sha256(_GOFLAGS.encode())
+    for path in sorted(source.iterdir()):
+        if path.suffix == ".go" or path.name in ("go.mod", "go.sum"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def build(source: Path = SOURCE, root: Path | None = None) -> Path:
+    """The driver's binary, compiled now unless one of this digest exists.
+
+    Raises:
+        BuildError: No source tree (an installed wheel carries none), no Go, or
+            the build failed (the message carries Go's output).
+    """
+    if not (source / "go.mod").is_file():
+        raise BuildError(f"{source} holds no go.mod: eppcheck builds from a dscache source tree")
+    binary = (root or cache_root()) / "eppcheck" / digest(source) / "eppcheck"
+    if binary.is_file():
+        return binary
+    go = find_go()
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    partial = binary.with_name("eppcheck.partial")
+    with tempfile.TemporaryDirectory(prefix="eppcheck-gocache-") as gocache:
+        env = dict(os.environ)
+        env.update(
+            {"CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": _GOFLAGS, "GOCACHE": gocache}
+        )
+        done = subprocess.run(
+            ["nice", "-n", "19", str(go), "build", "-o", str(partial), "."],
+            cwd=source,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise BuildError(
+            f"building eppcheck failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
+        )
+    os.replace(partial, binary)
+    for old in binary.parent.parent.iterdir():  # drivers of earlier sources
+        if old != binary.parent:
+            shutil.rmtree(old, ignore_errors=True)
+    return binary
+
+
+def check(
+    binary: Path,
+    target: str,
+    endpoints: list[str],
+    *,
+    session_header: str = "x-session-id",
+    conversations: int = 6,
+    forward: bool = False,
+    pad: int = 40,
+    timeout_s: float = 600.0,
+) -> tuple[int, dict[str, Any]]:
+    """Runs the driver against ``target``; returns its exit code and report.
+
+    ``forward``: the driver is the gateway's data path too: each conversation turn
+    goes to the endpoint picked, its answer back through the picker, and a later
+    turn must find its conversation's KV there (``pad`` makes a turn long enough
+    to fill KV blocks).
+
+    Raises:
+        BuildError: The driver printed no report (usage or connection error).
+    """
+    done = subprocess.run(
+        [
+            str(binary),
+            "--target",
+            target,
+            "--endpoints",
+            ",".join(endpoints),
+            "--session-header",
+            session_header,
+            "--conversations",
+            str(conversations),
+            "--pad",
+            str(pad),
+            *(["--forward"] if forward else []),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    try:
+        report: dict[str, Any] = json.loads(done.stdout)
+    except ValueError:
+        raise BuildError(
+            f"eppcheck printed no report (exit {done.returncode}): {done.stderr[-2000:]}"
+        ) from None
+    return done.returncode, report
+
+
+def run_cli(
+    target: str,
+    endpoints: list[str],
+    *,
+    session_header: str,
+    conversations: int,
+    forward: bool,
+    pad: int,
+) -> int:
+    """``dscache dev eppcheck``: builds if needed, prints the report, returns the exit code."""
+    try:
+        code, report = check(
+            build(),
+            target,
+            endpoints,
+            session_header=session_header,
+            conversations=conversations,
+            forward=forward,
+            pad=pad,
+        )
+    except BuildError as exc:
+        print(f"dscache dev eppcheck: {exc}", file=sys.stderr)
+        return 2
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    for c in report.get("checks", []):
+        if not c["ok"]:
+            print(f"FAILED {c['name']}: {c.get('detail', '')}", file=sys.stderr)
+    return code
