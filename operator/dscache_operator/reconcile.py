@@ -192,9 +192,10 @@ class Reconciler:
         self._salted: LRUCache[str, bool] = LRUCache(maxsize=10000)
         self._locks: dict[str, threading.Lock] = {}
         self._locks_guard = threading.Lock()
-        # One discovery GET per period, not per resource.
+        # One discovery GET per optional API and period, not per resource: an API
+        # installed later (a CRD) is seen within the period.
         self._monitoring: TTLCache[str, bool] = TTLCache(
-            maxsize=1, ttl=_MONITORING_TTL_S, timer=time.monotonic
+            maxsize=8, ttl=_MONITORING_TTL_S, timer=time.monotonic
         )
         # (owner uid, kind, name) -> what was last written there; an entry lives
         # reapply_seconds, so an unchanged object is re-applied (drift repaired)
@@ -517,7 +518,8 @@ class Reconciler:
         return self._api_available("monitoring.coreos.com/v1", "servicemonitors")
 
     def _api_available(self, group_version: str, plural: str) -> bool:
-        """Whether the cluster serves ``plural`` (asked once, then remembered)."""
+        """Whether the cluster serves ``plural`` (asked once per period of
+        ``_MONITORING_TTL_S``, so a CRD installed later is seen)."""
         available = self._monitoring.get(plural)
         if available is None:
             available = self.kube.has_api(group_version, plural)

@@ -9,7 +9,9 @@ back by the gate, the blind rolling update); then the abort annotation and
 ``kubectl rollout undo`` on live pods, an operator pod killed mid-ramp, and a
 hostPath cache that survives its pod and keeps the two tracks apart; and a
 session that moves to another pod finding its prefix in the shared tier (a Redis
-Cluster on the host).
+Cluster on the host); and ``routing.gateway: inferencePool`` with the Gateway API
+Inference Extension's own CRD, a conversation's turns sent through the router pods'
+endpoint picker to the pods holding their KV.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import pytest
 import yaml
 from dscache_tools.demo.kube import EXAMPLE, KubeDemoOptions, run_kubernetes_demo, write_png
 from dscache_tools.devcluster import DevCluster, wait_until
+from dscache_tools.eppcheck import build as build_eppcheck
+from dscache_tools.eppcheck import check as run_eppcheck
+from dscache_tools.eppcheck import inference_pool_crd
 from dscache_tools.rediscluster import LocalRedisCluster
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -530,3 +535,98 @@ def test_a_session_moved_to_another_pod_finds_its_prefix_in_the_shared_tier(
         assert fetched > 0
         assert _pod_metric(b, 9102, "dscache_sidecar_remote_up") == 1
         c.kubectl("delete", "dscd", name, "-n", ns, "--timeout=300s")
+
+
+# ----------------------------------------------------------------------------- gateway
+
+
+def _epp_destination(address: str) -> str | None:
+    """The endpoint picker's answer to a headers-only request (a GET), or None."""
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    headers = base_pb2.HeaderMap(
+        headers=[
+            base_pb2.HeaderValue(key=":method", raw_value=b"GET"),
+            base_pb2.HeaderValue(key=":path", raw_value=b"/v1/models"),
+        ]
+    )
+    request = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=headers, end_of_stream=True)
+    )
+    with grpc.insecure_channel(address) as channel:
+        try:
+            for answer in pb_grpc.ExternalProcessorStub(channel).Process(
+                iter([request]), timeout=10
+            ):
+                for h in answer.request_headers.response.header_mutation.set_headers:
+                    if h.header.key == "x-gateway-destination-endpoint":
+                        return h.header.raw_value.decode()
+        except grpc.RpcError:
+            return None
+    return None
+
+
+def test_through_the_endpoint_picker_each_turn_reaches_the_pod_holding_its_kv(
+    dev_cluster: DevCluster, release: str, namespace: str
+) -> None:
+    """``routing.gateway: inferencePool`` on the real node: the extension's own
+    InferencePool CRD (its schema checks what the operator makes), the router pods'
+    picker serving ext_proc on the pool the operator wrote, and ``dscache dev
+    eppcheck --forward`` as the gateway (no gateway builds here; README): its
+    protocol checks against the extension's reference picker, then each turn of six
+    conversations, with a session id and without, picked and sent to that model pod,
+    where every later turn finds the KV its conversation left."""
+    c, ns = dev_cluster, namespace
+    crd = inference_pool_crd()
+    binary = build_eppcheck()
+    c.kubectl("apply", "--server-side", "-f", str(crd))
+    try:
+        c.kubectl(
+            "wait", "--for=condition=Established", "crd/inferencepools.inference.networking.k8s.io"
+        )
+        name = "gateway"
+        _apply(c, ns, _resource(name, replicas=2, routing={"gateway": "inferencePool"}))
+        _available(c, ns, name)
+
+        # The operator sees the API within its discovery period and makes the pool.
+        def pool() -> dict[str, Any] | None:
+            done = c.kubectl("get", "inferencepool", name, "-n", ns, "-o", "json", check=False)
+            return json.loads(done.stdout) if done.returncode == 0 else None
+
+        spec = wait_until("the InferencePool", pool, 120)["spec"]
+        assert spec["endpointPickerRef"]["name"] == f"{name}-epp"
+        assert spec["endpointPickerRef"]["port"] == {"number": 9002}
+        assert spec["targetPorts"] == [{"number": 8000}]
+        selector = ",".join(f"{k}={v}" for k, v in spec["selector"]["matchLabels"].items())
+        pods = c.kubectl_json("get", "pods", "-n", ns, "-l", selector)["items"]
+        endpoints = sorted(f"{p['status']['podIP']}:8000" for p in pods if p["status"].get("podIP"))
+        assert len(endpoints) == 2, pods
+
+        router = c.kubectl_json(
+            "get", "pods", "-n", ns, "-l",
+            f"app.kubernetes.io/instance={name},app.kubernetes.io/component=router",
+        )["items"][0]["status"]["podIP"]  # fmt: skip
+
+        def picker_knows_both() -> bool:
+            # The pool file reaches the picker through the ConfigMap volume; its
+            # answer names the pick and then the track's other pods.
+            named = _epp_destination(f"{router}:9002")
+            return named is not None and sorted(named.split(",")) == endpoints
+
+        wait_until("the picker's pool of both model pods", picker_knows_both, 180)
+        code, report = run_eppcheck(
+            binary, f"{router}:9002", endpoints, conversations=3, forward=True, pad=150
+        )
+        failed = [ch for ch in report["checks"] if not ch["ok"]]
+        assert failed == [] and code == 0, failed
+        turns = report["turns"]
+        assert len(turns) == 6
+        for conversation in turns.values():
+            assert {t["pick"] for t in conversation} <= set(endpoints)
+            assert conversation[2]["cached_tokens"] >= 512, conversation
+        c.kubectl("delete", "dscd", name, "-n", ns, "--timeout=300s")
+    finally:
+        c.kubectl("delete", "-f", str(crd), "--wait=false", check=False)

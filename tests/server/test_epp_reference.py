@@ -82,7 +82,9 @@ def test_through_the_picker_each_turn_reaches_the_pod_holding_its_conversations_
     (the stand-in for Envoy here: pick, send to the pod picked, report the served
     endpoint): every conversation's later turns hit the KV its earlier turns left
     on its pod, with a session id and without one, on both tracks."""
-    with LocalStack(tmp_path, StackOptions(model="mini-gqa", threads=1)) as stack:
+    # Stores sized for the test: a few hundred blocks of the mini model.
+    options = StackOptions(sidecar_capacity="64MiB", sidecar_segment_size="16MiB")
+    with LocalStack(tmp_path, options) as stack:
         stable = stack.start_servers(2, cache=True, prefix="stable")
         canary = stack.start_servers(1, cache=True, track="canary", prefix="canary")
         pods = stable + canary

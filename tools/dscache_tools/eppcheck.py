@@ -19,6 +19,8 @@ Contract:
     * ``dscache dev eppcheck --target HOST:PORT --endpoints IP:PORT,...
       [--forward]`` builds if needed, prints the report and exits with the
       driver's code (0 all checks hold, 1 one failed, 2 no report).
+    * :func:`inference_pool_crd` is the extension's own InferencePool CRD, read
+      from the pinned module (tests install it: the API's real schema).
     * Standard library only (like :mod:`.devcluster.gobuild`).
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +43,8 @@ from dscache_tools.devcluster.versions import cache_root
 #: The Go module of the driver, beside this package in the source tree.
 SOURCE = Path(__file__).resolve().parents[1] / "eppcheck"
 _GOFLAGS = "-trimpath -buildvcs=false -mod=readonly"
+#: The Gateway API Inference Extension's module (its version is go.mod's).
+MODULE = "sigs.k8s.io/gateway-api-inference-extension"
 
 
 def digest(source: Path = SOURCE) -> str:
@@ -89,6 +94,39 @@ def build(source: Path = SOURCE, root: Path | None = None) -> Path:
         if old != binary.parent:
             shutil.rmtree(old, ignore_errors=True)
     return binary
+
+
+def inference_pool_crd(source: Path = SOURCE) -> Path:
+    """The extension's own InferencePool CRD, from the module the driver pins (fetched
+    through the Go module proxy into Go's module cache, read-only there).
+
+    Raises:
+        BuildError: No source tree, no Go, or the module could not be fetched.
+    """
+    gomod = source / "go.mod"
+    if not gomod.is_file():
+        raise BuildError(f"{source} holds no go.mod: the CRD comes from a dscache source tree")
+    pinned = re.search(rf"^\s*(?:require\s+)?{re.escape(MODULE)}\s+(v\S+)", gomod.read_text(), re.M)
+    if pinned is None:
+        raise BuildError(f"{gomod} requires no {MODULE}")
+    env = dict(os.environ, GOTOOLCHAIN="local", GOFLAGS="-mod=readonly")
+    done = subprocess.run(
+        [str(find_go()), "mod", "download", "-json", f"{MODULE}@{pinned[1]}"],
+        cwd=source,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    try:
+        directory = Path(json.loads(done.stdout)["Dir"])
+    except (ValueError, KeyError):
+        raise BuildError(
+            f"go mod download {MODULE}@{pinned[1]} failed: {done.stderr[-2000:]}"
+        ) from None
+    return (
+        directory / "config" / "crd" / "bases" / "inference.networking.k8s.io_inferencepools.yaml"
+    )
 
 
 def check(
