@@ -88,6 +88,9 @@ CACHE_LOOKUPS: Final = SERVER_PREFIX + "cache_lookups"
 
 #: Where the router (NGINX's Lua) serves its metrics, on its listen port.
 ROUTER_METRICS_PATH: Final = "/dscache/router/metrics"
+#: Where the router pod's NGINX serves its picker's metrics (``dscache_picker_*``,
+#: ``dscache_epp_*``; the picker itself listens on the pod's loopback only).
+PICKER_METRICS_PATH: Final = "/dscache/picker/metrics"
 #: Prefix of every router metric (served at :data:`ROUTER_METRICS_PATH`).
 ROUTER_PREFIX: Final = "dscache_router_"
 #: Counter: requests the router answered, by ``track`` (stable, canary, previous) and

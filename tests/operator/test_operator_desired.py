@@ -70,9 +70,19 @@ def test_every_child_is_owned_labelled_and_schema_valid(spec: DeepSeekCacheDeplo
     kinds = sorted(o["kind"] for o in objs)
     assert kinds.count("Deployment") == 3  # blue, green, router
     monitors = {o["metadata"]["name"]: o["spec"] for o in objs if o["kind"] == "ServiceMonitor"}
+    # NGINX's counters, and the picker's, which listens on the pod's loopback only.
     assert monitors["chat-router"]["endpoints"] == [
-        {"port": "http", "path": "/dscache/router/metrics", "interval": "15s"}
+        {"port": "http", "path": "/dscache/router/metrics", "interval": "15s"},
+        {"port": "http", "path": "/dscache/picker/metrics", "interval": "15s"},
     ]
+    spec_off, s_off = _rollout(
+        parse_spec({**spec.model_dump(by_alias=True), "routing": {"picker": {"enabled": False}}})
+    )
+    off = children(OWNER, spec_off, s_off, ("10.0.0.1:8000",), (), monitoring=True)
+    (router_monitor,) = [
+        o for o in off if o["kind"] == "ServiceMonitor" and o["metadata"]["name"] == "chat-router"
+    ]
+    assert [e["path"] for e in router_monitor["spec"]["endpoints"]] == ["/dscache/router/metrics"]
     assert monitors["chat"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "model"
     assert {
         "Service",

@@ -129,6 +129,15 @@ def test_every_turn_reaches_its_history_with_or_without_the_id(stack: LocalStack
     # loaded machine falls back to the hash, so "failed" is bounded, not zero).
     assert picks["prefix"] >= 4
     assert picks["failed"] <= 2
+    # The picker listens on loopback; its own figures reach Prometheus through NGINX.
+    text = httpx.get(stack.router.url + names.PICKER_METRICS_PATH, timeout=10).text
+    decisions = {
+        s.labels["reason"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "dscache_picker_decisions_total"
+    }
+    assert decisions.get("prefix", 0) >= picks["prefix"]
 
 
 def test_a_restarted_picker_finds_the_history_in_the_sidecars_filters(stack: LocalStack) -> None:

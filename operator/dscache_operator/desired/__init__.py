@@ -66,6 +66,7 @@ from dscache_operator.desired.router import (
     epp_active,
     epp_service,
     inference_pool,
+    picker_active,
     router_config,
     router_config_hash,
     router_configmap,
@@ -154,7 +155,8 @@ def children(
     out += network_policies(owner, spec, status, policy)
     if monitoring:
         if spec.monitoring.service_monitor:
-            out += [service_monitor(owner), router_service_monitor(owner)]
+            picker = picker_active(spec)  # NGINX proxies the picker's metrics then
+            out += [service_monitor(owner), router_service_monitor(owner, picker)]
         if spec.monitoring.prometheus_rule:
             out.append(prometheus_rule(owner, spec))
     return out

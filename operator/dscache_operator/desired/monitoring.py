@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dscache.metricnames import ROUTER_METRICS_PATH
+from dscache.metricnames import PICKER_METRICS_PATH, ROUTER_METRICS_PATH
 from dscache_operator import analysis as q
 from dscache_operator.desired.common import (
     REVISION,
@@ -256,10 +256,14 @@ def service_monitor(owner: Owner) -> Obj:
     }
 
 
-def router_service_monitor(owner: Owner) -> Obj:
+def router_service_monitor(owner: Owner, picker: bool = False) -> Obj:
     """ServiceMonitor ``<name>-router`` scraping every router pod's Lua counters
     (``dscache_router_*``: requests by track and status, retries, tries, errors and
-    in-flight per pod, overload skips, picks; each router replica its own series)."""
+    in-flight per pod, overload skips, picks; each router replica its own series)
+    and, with ``picker``, its picker's (``dscache_picker_*``, ``dscache_epp_*``)."""
+    endpoints = [{"port": "http", "path": ROUTER_METRICS_PATH, "interval": "15s"}]
+    if picker:
+        endpoints.append({"port": "http", "path": PICKER_METRICS_PATH, "interval": "15s"})
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
@@ -267,7 +271,7 @@ def router_service_monitor(owner: Owner) -> Obj:
         "spec": {
             "selector": {"matchLabels": selector_labels(owner, "router")},
             "namespaceSelector": {"matchNames": [owner.namespace]},
-            "endpoints": [{"port": "http", "path": ROUTER_METRICS_PATH, "interval": "15s"}],
+            "endpoints": endpoints,
         },
     }
 

@@ -31,6 +31,7 @@ from dscache_operator.nginx.lua import fill
 CONFIG_ID_PREFIX = "# dscache-config-id: "
 #: Where the router serves its Prometheus metrics (with ``metrics`` on).
 METRICS_PATH = names.ROUTER_METRICS_PATH
+PICKER_METRICS_PATH = names.PICKER_METRICS_PATH
 #: The internal location through which the balancer's Lua asks the picker.
 PICKER_PATH = "/_dscache/pick"
 #: The internal location through which the Lua asks the picker where a session lives.
@@ -116,6 +117,7 @@ def _context(c: RouterConfig) -> dict[str, Any]:
         "picker_path": PICKER_PATH,
         "locate_path": LOCATE_PATH,
         "picker_health_path": PICKER_HEALTH_PATH,
+        "picker_metrics_path": PICKER_METRICS_PATH,
         "api_prefix": API_PREFIX,
         "route_key_header": ROUTE_KEY_HEADER,
         "inflight_header": INFLIGHT_HEADER,
