@@ -6,7 +6,8 @@ gateway sends to our picker and to the extension's reference picker (lwepp),
 served inside the driver on the same endpoints, and checks both: the pick as
 header and ``envoy.lb`` metadata, bodies handed back whole in the extension's
 chunks, and our message order equal to the reference's. No gateway builds on
-this machine (see docs/gateway.md); this is the extension's own tooling instead.
+this machine (the README's "Checked against the extension's own picker" says
+why); this is the extension's own tooling instead.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from dscache_server.epp import DESTINATION, LB_NAMESPACE, body_back
 from dscache_server.tokenizer import DeepSeekTokenizer
 from dscache_tools.demo.stack import LocalStack, StackOptions
 from dscache_tools.eppcheck import build, check
@@ -119,11 +121,8 @@ class BodyFirst(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         for req in requests:
             kind = req.WhichOneof("request")
             if kind == "request_body":
-                echo = pb.ProcessingResponse()
-                streamed = echo.request_body.response.body_mutation.streamed_response
-                streamed.body = req.request_body.body
-                streamed.end_of_stream = req.request_body.end_of_stream
-                yield echo
+                body = req.request_body
+                yield from body_back(bytes(body.body), body.end_of_stream)
             if (kind == "request_body" and req.request_body.end_of_stream) or (
                 kind == "request_headers" and req.request_headers.end_of_stream
             ):
@@ -131,20 +130,15 @@ class BodyFirst(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 common = pick.request_headers.response
                 common.clear_route_cache = True
                 common.header_mutation.set_headers.add(
-                    header=base_pb2.HeaderValue(
-                        key="x-gateway-destination-endpoint", raw_value=A.encode()
-                    )
+                    header=base_pb2.HeaderValue(key=DESTINATION, raw_value=A.encode())
                 )
-                pick.dynamic_metadata.update({"envoy.lb": {"x-gateway-destination-endpoint": A}})
+                pick.dynamic_metadata.update({LB_NAMESPACE: {DESTINATION: A}})
                 yield pick
             if kind == "response_headers":
                 yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
             if kind == "response_body":
-                echo = pb.ProcessingResponse()
-                streamed = echo.response_body.response.body_mutation.streamed_response
-                streamed.body = req.response_body.body
-                streamed.end_of_stream = req.response_body.end_of_stream
-                yield echo
+                body = req.response_body
+                yield from body_back(bytes(body.body), body.end_of_stream, "response_body")
 
 
 def test_a_picker_answering_bodies_before_the_pick_fails_the_check(eppcheck: Path) -> None:

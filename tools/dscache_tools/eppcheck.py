@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dscache_tools.devcluster.gobuild import BuildError, find_go
+from dscache_tools.devcluster.gobuild import BuildError, find_go, go_env, module_download
 from dscache_tools.devcluster.versions import cache_root
 
 #: The Go module of the driver, beside this package in the source tree.
@@ -72,14 +72,10 @@ def build(source: Path = SOURCE, root: Path | None = None) -> Path:
     binary.parent.mkdir(parents=True, exist_ok=True)
     partial = binary.with_name("eppcheck.partial")
     with tempfile.TemporaryDirectory(prefix="eppcheck-gocache-") as gocache:
-        env = dict(os.environ)
-        env.update(
-            {"CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": _GOFLAGS, "GOCACHE": gocache}
-        )
         done = subprocess.run(
             ["nice", "-n", "19", str(go), "build", "-o", str(partial), "."],
             cwd=source,
-            env=env,
+            env=go_env(Path(gocache), _GOFLAGS),
             capture_output=True,
             text=True,
             check=False,
@@ -109,21 +105,8 @@ def inference_pool_crd(source: Path = SOURCE) -> Path:
     pinned = re.search(rf"^\s*(?:require\s+)?{re.escape(MODULE)}\s+(v\S+)", gomod.read_text(), re.M)
     if pinned is None:
         raise BuildError(f"{gomod} requires no {MODULE}")
-    env = dict(os.environ, GOTOOLCHAIN="local", GOFLAGS="-mod=readonly")
-    done = subprocess.run(
-        [str(find_go()), "mod", "download", "-json", f"{MODULE}@{pinned[1]}"],
-        cwd=source,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    try:
-        directory = Path(json.loads(done.stdout)["Dir"])
-    except (ValueError, KeyError):
-        raise BuildError(
-            f"go mod download {MODULE}@{pinned[1]} failed: {done.stderr[-2000:]}"
-        ) from None
+    info = module_download(find_go(), MODULE, pinned[1], source)
+    directory = Path(info["Dir"])
     return (
         directory / "config" / "crd" / "bases" / "inference.networking.k8s.io_inferencepools.yaml"
     )

@@ -98,7 +98,7 @@ def find_go() -> Path:
             f"(go >= {MIN_GO[0]}.{MIN_GO[1]} on PATH or in /usr/local/go/bin)"
         )
     out = subprocess.run(
-        [found, "env", "GOVERSION"], capture_output=True, text=True, env=_go_env(), check=False
+        [found, "env", "GOVERSION"], capture_output=True, text=True, env=go_env(), check=False
     ).stdout.strip()
     match = re.match(r"go(\d+)\.(\d+)", out)
     if match is None or (int(match[1]), int(match[2])) < MIN_GO:
@@ -106,15 +106,16 @@ def find_go() -> Path:
     return Path(found)
 
 
-def _go_env(gocache: Path | None = None) -> dict[str, str]:
-    """Go's environment; ``gocache`` replaces the user's build cache (GOCACHE)."""
+def go_env(gocache: Path | None = None, goflags: str = _GOFLAGS) -> dict[str, str]:
+    """Go's environment; ``gocache`` replaces the user's build cache (GOCACHE),
+    ``goflags`` the pinned parts' GOFLAGS (a module of our own builds read-only)."""
     env = dict(os.environ)
     if gocache is not None:
         env["GOCACHE"] = str(gocache)
     env.update(
         {
             "CGO_ENABLED": "0",
-            "GOFLAGS": _GOFLAGS,
+            "GOFLAGS": goflags,
             # Never download another toolchain: the pinned parts build with local Go.
             "GOTOOLCHAIN": "local",
         }
@@ -122,11 +123,17 @@ def _go_env(gocache: Path | None = None) -> dict[str, str]:
     return env
 
 
-def _module_download(go: Path, module: str, version: str, cwd: Path) -> dict[str, str]:
+def module_download(go: Path, module: str, version: str, cwd: Path) -> dict[str, str]:
+    """``go mod download -json module@version`` run in ``cwd``: its answer (``Dir``,
+    ``GoMod``, ``Info``, ...).
+
+    Raises:
+        BuildError: The download failed (the message carries Go's output).
+    """
     done = subprocess.run(
         [str(go), "mod", "download", "-json", f"{module}@{version}"],
         cwd=cwd,
-        env=_go_env(),
+        env=go_env(),
         capture_output=True,
         text=True,
         check=False,
@@ -194,7 +201,7 @@ def build_part(part: Part, base: Path, go: Path, say: Progress) -> None:
     src.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     say(f"{part.name} {part.version}: fetching {part.module} through the Go module proxy")
-    info = _module_download(go, part.module, part.version, src)
+    info = module_download(go, part.module, part.version, src)
     ldflags = _write_wrapper(part, info, src)
     cpu_before = _children_cpu_seconds()
     out_tmp = _compile(
@@ -282,7 +289,7 @@ def _compile(
         proc = subprocess.Popen(
             command,
             cwd=directory / "src",
-            env=_go_env(gocache),
+            env=go_env(gocache),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
