@@ -209,7 +209,7 @@ ruff format --check .
 echo "-- mypy (strict)"; mypy
 echo "-- import contracts"; lint-imports
 echo "-- luacheck (the router's Lua)"
-(cd operator/dscache_operator/nginx/lua && luacheck --no-color --quiet --codes .)
+(cd router/dscache_router/nginx/lua && luacheck --no-color --quiet --codes .)
 echo "-- helm chart and CRDs"; python -m dscache_operator.crd --check
 
 if [ "$fast" -eq 1 ]; then

@@ -69,6 +69,7 @@ def test_commands_come_from_entry_points_runtime_and_tooling_apart() -> None:
         "dscache_sidecar.cli",
         "dscache_server.cli",
         "dscache_operator.cli",
+        "dscache_router.cli",
         "dscache_vllm.cli",
     }
     assert "dscache_tools.benchcli" in tooling and "dscache_tools.democli" in tooling

@@ -14,9 +14,9 @@ one track. Where each prompt goes is the placement:
   session with any of them.
 * ``ring``: the router's own choice. The prompt's key is computed from the
   exact bytes sent, as the router computes it for a request without a session
-  id (:func:`dscache.routing.prompt_key`; the bytes are compact UTF-8 JSON, as
+  id (:func:`dscache_router.ring.prompt_key`; the bytes are compact UTF-8 JSON, as
   the OpenAI Python SDK sends), and the prompt goes to the first
-  ``--copies`` pods of its walk on the track's ring (:class:`dscache.routing.Ring`),
+  ``--copies`` pods of its walk on the track's ring (:class:`dscache_router.ring.Ring`),
   skipping the first ``--skip-copies`` (warmed by an earlier step): the pods the
   router tries for that prompt, in order. A canary rollout warms one copy
   before its first step and more as its share of sessions grows.
@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from dscache_router.ring import Ring, prompt_key
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 from tqdm import tqdm
 
-from dscache.routing import Ring, prompt_key
 from dscache_server.auth import GATEWAY_TOKEN_HEADER
 
 log = logging.getLogger(__name__)

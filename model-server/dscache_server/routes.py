@@ -16,7 +16,7 @@ Contract:
       token) gets an answer, else 401 ``invalid_internal_token``. 503 until the
       model is loaded.
     * ``GET /dscache/sessions/<id>``: whether this pod served the session (router
-      replicas share placements through it, :mod:`dscache_server.sessions`): 200
+      replicas share placements through it, :mod:`dscache_router.locate`): 200
       ``{"age_s", "inflight"}`` or 404 ``{"inflight"}``; the internal token as for
       the key info; 503 until the model is loaded.
     * ``GET /dscache/templates?top=N&tenant=T``: the live template miner's top ``N``

@@ -55,7 +55,7 @@ class AppState:
         draining: set at shutdown; model routes answer 503 from then on.
         load_error: why loading failed, if it did.
         sessions: the sessions this pod served (router replicas ask it where a
-            session lives: :mod:`dscache_server.sessions`).
+            session lives: :mod:`dscache_router.locate`).
     """
 
     runtime: Runtime | None = None

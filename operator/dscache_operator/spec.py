@@ -20,9 +20,9 @@ from __future__ import annotations
 import itertools
 from typing import Annotated, Any, Literal
 
+from dscache_router.nginx import DEBIAN_LUA_MODULES
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from dscache_operator.nginx import DEBIAN_LUA_MODULES
 from dscache_operator.revision import (
     CLAIM_NAME_REFUSED,
     DEFAULT_CORE_IMAGE,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
+from dscache_router.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
 from dscache_tools.devcluster import images, wait_until
 from dscache_tools.devcluster.images import IMAGES, ImageArchive, PrivateDocker
 from dscache_tools.devcluster.images.builder import ca_bundle
@@ -170,7 +170,7 @@ def test_core_runs_every_light_command_and_has_no_torch_nor_tooling(run_image: R
 
 
 PICKER_SMOKE = """
-from dscache_server.picker import Picker, PickerSettings, PickQuery
+from dscache_router.picker import Picker, PickerSettings, PickQuery
 from dscache_server.tokenizer import DeepSeekTokenizer
 picker = Picker(PickerSettings(), DeepSeekTokenizer())
 body = b'{"messages": [{"role": "user", "content": "hello there"}]}'

@@ -20,13 +20,13 @@ from dscache_operator.desired import (
     router_configmap,
     router_deployment,
 )
-from dscache_operator.nginx import DEBIAN_LUA_MODULES, render_nginx_conf
-from dscache_operator.nginx.render import PICKER_HEALTH_PATH
 from dscache_operator.quantity import quantity_bytes
 from dscache_operator.revision import revision_of
 from dscache_operator.schema import InvalidSpecError
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus
+from dscache_router.nginx import DEBIAN_LUA_MODULES, render_nginx_conf
+from dscache_router.nginx.render import PICKER_HEALTH_PATH
 from dscache_tools.net import free_port
 from needs import need_nginx
 from spec_helpers import OWNER, released_revision, status_for

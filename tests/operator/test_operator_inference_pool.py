@@ -27,11 +27,11 @@ from dscache_operator.desired import (
     selector_labels,
 )
 from dscache_operator.desired.router import epp_pool
-from dscache_operator.nginx import RouterConfig
 from dscache_operator.policy import DEFAULT_POLICY
 from dscache_operator.schema import InvalidSpecError
 from dscache_operator.spec import parse_spec
-from dscache_server.epp import read_pool_file
+from dscache_router.epp import read_pool_file
+from dscache_router.nginx import RouterConfig
 from spec_helpers import OWNER, status_for
 from test_operator_network import Peer, allowed
 

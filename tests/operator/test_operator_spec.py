@@ -19,10 +19,10 @@ from dscache_operator.crd import (
     target_dirs,
     targets,
 )
-from dscache_operator.nginx import DEBIAN_LUA_MODULES
 from dscache_operator.revision import RevisionSource, revision_of
 from dscache_operator.schema import InvalidSpecError, parse_duration
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec, parse_spec
+from dscache_router.nginx import DEBIAN_LUA_MODULES
 
 ROOT = Path(__file__).resolve().parents[2]
 MINIMAL = {"model": {"preset": "tiny-gqa"}}

@@ -75,7 +75,7 @@ CASES: dict[str, dict[str, Any]] = {
 
 def render(name: str) -> str:
     """Case ``name``'s nginx.conf as the renderer of this checkout writes it."""
-    from dscache_operator.nginx import RouterConfig, render_nginx_conf
+    from dscache_router.nginx import RouterConfig, render_nginx_conf
 
     return render_nginx_conf(RouterConfig(**CASES[name]))
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
+from dscache_router.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
 from dscache_tools.devcluster import wait_until
 from dscache_tools.net import free_port
 from prometheus_client.parser import text_string_to_metric_families

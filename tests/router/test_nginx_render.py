@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from dscache_operator.nginx import PromptKey, RouterConfig, render_nginx_conf
+from dscache_router.nginx import PromptKey, RouterConfig, render_nginx_conf
 from pydantic import ValidationError
 from router_helpers import Nginx, Pod
 
@@ -107,7 +107,7 @@ def test_config_watch_is_an_option_and_its_id_names_the_config() -> None:
     watched = base.model_copy(update={"watch_config": True, "config_path": "/etc/r/nginx.conf"})
     text = render_nginx_conf(watched)
     header, id_line = text.splitlines()[:2]
-    assert header.startswith("# Rendered by dscache_operator.nginx")
+    assert header.startswith("# Rendered by dscache_operator.nginx")  # unchanged by the move
     config_id = id_line.removeprefix("# dscache-config-id: ")
     assert len(config_id) == 16 and int(config_id, 16) >= 0
     # The running config knows its own id and where to look; worker 0 alone watches.

@@ -25,11 +25,11 @@ import threading
 from collections import Counter
 
 import pytest
+from dscache_router.ring import Ring
 from dscache_tools.net import free_port
 from router_helpers import Nginx, Pod, call, metric, scrape, wait_for
 
 from dscache import metricnames as names
-from dscache.routing import Ring
 
 REQUESTS = names.ROUTER_REQUESTS + "_total"
 RETRIES = names.ROUTER_RETRIES + "_total"

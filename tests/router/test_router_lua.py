@@ -7,9 +7,9 @@ import re
 from importlib import resources
 
 import pytest
-from dscache_operator.nginx.lua import fill, read
+from dscache_router.nginx.lua import fill, read
 
-LUA = resources.files("dscache_operator.nginx").joinpath("lua")
+LUA = resources.files("dscache_router.nginx").joinpath("lua")
 FILES = sorted(p.name for p in LUA.iterdir() if p.name.endswith(".lua"))
 MEMORY = {"LIVE": '{["blue"] = true}', "TTL": "600"}
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from dscache_router.ring import Ring
 from dscache_tools.demo.stack import LocalStack, Router, StackOptions
 from needs import need_nginx
 from router_helpers import scrape
 
 from dscache import metricnames as names
-from dscache.routing import Ring
 
 pytestmark = pytest.mark.slow
 

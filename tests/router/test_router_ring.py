@@ -1,7 +1,7 @@
 """The router's placement computed in Python (``dscache.routing``) is NGINX's own, on real NGINX.
 
 A prewarm that warms "the pod a prompt's requests will reach" trusts
-:func:`dscache.routing.prompt_key` and :class:`dscache.routing.Ring` to agree with
+:func:`dscache_router.ring.prompt_key` and :class:`dscache_router.ring.Ring` to agree with
 the router byte for byte. Here real NGINX (Debian's, with the Lua module) routes
 session ids and id-less prompts of every shape the prompt key reads (escaped
 quotes, nested content parts, more messages than it hashes, a body longer than
@@ -15,9 +15,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from dscache_router.ring import Ring, prompt_key
 from router_helpers import Nginx, Pod
-
-from dscache.routing import Ring, prompt_key
 
 
 def _bodies() -> list[bytes]:

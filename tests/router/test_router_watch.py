@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dscache_operator.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
+from dscache_router.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_conf
 from dscache_tools.net import free_port
 from needs import need_binary, need_nginx
 from router_helpers import Pod, call, stop, wait_for

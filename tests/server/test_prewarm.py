@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from dscache_router.ring import Ring
 from dscache_server.prewarm import PrewarmOptions, address, parse_targets, prewarm
 from dscache_server.tokenizer import DeepSeekTokenizer
 from srv_helpers import (
@@ -30,7 +31,6 @@ from srv_helpers import (
 )
 
 from dscache.cli import main
-from dscache.routing import Ring
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Where a session lives (:mod:`dscache_server.sessions`): the pod's ledger, the lookup
+"""Where a session lives (:mod:`dscache_router.locate`): the pod's ledger, the lookup
 the router replicas share, and the picker's ``/locate`` route."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import asyncio
 import json
 
 import httpx
-from dscache_server.picker import Picker, PickerSettings
-from dscache_server.pickerserve import create_app
-from dscache_server.sessions import locate
+from dscache_router.locate import locate
+from dscache_router.picker import Picker, PickerSettings
+from dscache_router.serve import create_app
 from dscache_server.tokenizer import DeepSeekTokenizer
 from fastapi.testclient import TestClient
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dscache_server.sessions import locate
+from dscache_router.locate import locate
 from dscache_vllm.ledger import SessionLedgerMiddleware, write_keyinfo
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse

@@ -3,13 +3,13 @@
 With ``routing.picker`` on (and bounded loads), each router pod also runs the
 picker (``dscache picker`` on the pod's loopback) that NGINX's Lua consults per
 request for KV-aware routing; its liveness probe goes through NGINX
-(:data:`~dscache_operator.nginx.render.PICKER_HEALTH_PATH`), so the picker
+(:data:`~dscache_router.nginx.render.PICKER_HEALTH_PATH`), so the picker
 listens on loopback only.
 
 The router runs NGINX itself (exec form, no shell) and reloads itself when
 its mounted config changes: the rendered config carries a Lua timer that sends
 NGINX's master a SIGHUP when the file changes (see
-:mod:`dscache_operator.nginx`), so the pod template never changes with the
+:mod:`dscache_router.nginx`), so the pod template never changes with the
 config and a weight change restarts nothing.
 """
 
@@ -18,11 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 
+from dscache_router.nginx import PromptKey, RouterConfig, render_nginx_conf
+from dscache_router.nginx.render import PICKER_HEALTH_PATH
+
 from dscache_operator.desired import common
 from dscache_operator.desired.common import TMP, Obj, Owner, meta, selector_labels
 from dscache_operator.desired.model import internal_token_env
-from dscache_operator.nginx import PromptKey, RouterConfig, render_nginx_conf
-from dscache_operator.nginx.render import PICKER_HEALTH_PATH
 from dscache_operator.schema import parse_duration
 from dscache_operator.spec import DeepSeekCacheDeploymentSpec
 from dscache_operator.status import DeepSeekCacheDeploymentStatus

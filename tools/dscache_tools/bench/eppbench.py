@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from dscache_server.epp import BODY_CHUNK, DESTINATION, LB_NAMESPACE, SERVED, body_back
+from dscache_router.epp import BODY_CHUNK, DESTINATION, LB_NAMESPACE, SERVED, body_back
+from dscache_router.ring import Ring, prompt_key
 from dscache_sidecar.holdings import HoldingsFilter
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -48,7 +49,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
 from dscache.keys import block_keys
-from dscache.routing import Ring, prompt_key
 from dscache_tools.bench import Doc, ratio
 from dscache_tools.demo.parts import child_env
 from dscache_tools.loadgen.report import percentile

@@ -12,7 +12,7 @@ with a key-chain root and 256-token blocks, and a holdings filter
 (:mod:`dscache_sidecar.holdings`) of the block keys of half the workload's
 requests, split between the two pods, so the picker does its real work.
 
-Two real NGINX routers (:func:`dscache_operator.nginx.render_nginx_conf`, the
+Two real NGINX routers (:func:`dscache_router.nginx.render_nginx_conf`, the
 Debian Lua modules, bounded loads with factor 1.25) stand in front of the same
 two stand-ins: ``hash`` (no picker: session / prompt-key hash) and ``kv`` (a real
 ``dscache picker`` child fetching the stand-ins' keyinfo and filters). The same
@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from dscache_operator.nginx import DEBIAN_LUA_MODULES, PromptKey, RouterConfig, render_nginx_conf
+from dscache_router.nginx import DEBIAN_LUA_MODULES, PromptKey, RouterConfig, render_nginx_conf
 from dscache_sidecar.holdings import HoldingsFilter
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -109,7 +109,7 @@ STAND_IN_ROOT = hashlib.sha256(b"dscache bench router: stand-in model").digest()
 CONCURRENCIES = (1, 4)
 #: The routers compared; ``hash`` is the baseline.
 ROUTINGS = ("hash", "kv")
-#: The picker's decision timer (:class:`dscache_server.picker.PickerMetrics`).
+#: The picker's decision timer (:class:`dscache_router.picker.PickerMetrics`).
 PICKER_DECISION_SECONDS = "dscache_picker_decision_seconds"
 #: The picker's gauge of pods whose holdings filter it has.
 PICKER_FILTERS = "dscache_picker_filters"

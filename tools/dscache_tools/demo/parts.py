@@ -2,7 +2,7 @@
 
 Records of running children (:class:`Sidecar`, :class:`Server`, :class:`Router`),
 the stack's knobs, the environment Python children get, and the config files of
-NGINX (rendered by :mod:`dscache_operator.nginx`, as in a cluster) and
+NGINX (rendered by :mod:`dscache_router.nginx`, as in a cluster) and
 Prometheus. :mod:`dscache_tools.demo.stack` starts and stops the children.
 
 Contract:
@@ -141,7 +141,7 @@ def child_env() -> dict[str, str]:
 
 def find_nginx() -> str:
     """Path of the ``nginx`` binary; a clear error naming the packages if absent."""
-    from dscache_operator.nginx import DEBIAN_LUA_MODULES
+    from dscache_router.nginx import DEBIAN_LUA_MODULES
 
     path = shutil.which("nginx") or (
         "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
@@ -156,8 +156,8 @@ def find_nginx() -> str:
 
 
 def render_router(router: Router) -> None:
-    """Writes the router's NGINX config (:mod:`dscache_operator.nginx`) to ``router.conf``."""
-    from dscache_operator.nginx import (
+    """Writes the router's NGINX config (:mod:`dscache_router.nginx`) to ``router.conf``."""
+    from dscache_router.nginx import (
         DEBIAN_LUA_MODULES,
         PromptKey,
         RouterConfig,

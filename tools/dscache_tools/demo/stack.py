@@ -1,7 +1,7 @@
 """The whole data path on one machine: sidecars, model servers, NGINX, Prometheus.
 
 Every piece is the real program (``dscache sidecar``, ``dscache server``, Debian's
-NGINX with the Lua module running the config of :mod:`dscache_operator.nginx`,
+NGINX with the Lua module running the config of :mod:`dscache_router.nginx`,
 optionally Debian's Prometheus), started as a child process on loopback with a
 free port and its files under one work dir. The demo and the end-to-end tests
 build their stacks from these calls.

@@ -58,7 +58,7 @@ MAX_WAITING = 10_000
 
 
 class FeedTarget(Protocol):
-    """What the feed updates: the picker (:class:`dscache_server.picker.Picker`)."""
+    """What the feed updates: the picker (:class:`dscache_router.picker.Picker`)."""
 
     def pods(self) -> list[str]: ...
 

@@ -10,8 +10,8 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import httpx
 import pytest
-from dscache_server.picker import Picker, PickError, PickerSettings, PickQuery, shingles
-from dscache_server.pickerserve import create_app
+from dscache_router.picker import Picker, PickError, PickerSettings, PickQuery, shingles
+from dscache_router.serve import create_app
 from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer
 from dscache_sidecar.holdings import HoldingsFilter
 from dscache_sidecar.holdings_publisher import Holdings
@@ -253,9 +253,9 @@ def test_a_pod_no_pick_names_any_more_is_forgotten(
 async def test_a_pick_body_is_read_no_further_than_the_limit(
     picker: Picker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dscache_server import pickerserve
+    from dscache_router import serve
 
-    monkeypatch.setattr(pickerserve, "MAX_BODY", 64 << 10)
+    monkeypatch.setattr(serve, "MAX_BODY", 64 << 10)
     sent: list[int] = []
 
     async def endless() -> AsyncIterator[bytes]:
@@ -289,7 +289,7 @@ def _serve_wsgi(app: Any) -> tuple[str, Callable[[], None]]:
 def test_a_filter_over_the_limit_is_not_taken(
     tokenizer: DeepSeekTokenizer, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dscache_server import picker as picker_module
+    from dscache_router import picker as picker_module
 
     big = HoldingsFilter.of(keys_of(tokenizer, chat(DOC)), capacity=200_000).to_bytes()
     monkeypatch.setattr(picker_module, "MAX_FILTER_BYTES", len(big) // 4)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from dscache_server.epp import DESTINATION, LB_NAMESPACE, body_back
+from dscache_router.epp import DESTINATION, LB_NAMESPACE, body_back
 from dscache_server.tokenizer import DeepSeekTokenizer
 from dscache_tools.demo.stack import LocalStack, StackOptions
 from dscache_tools.eppcheck import build, check

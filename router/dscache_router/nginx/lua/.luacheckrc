@@ -1,6 +1,6 @@
 -- luacheck's settings for the router's Lua (scripts/test.sh runs it). The files run in
 -- NGINX's Lua module; DSCACHE_* are the values the renderer writes in
--- (dscache_operator.nginx.lua).
+-- (dscache_router.nginx.lua).
 std = "ngx_lua"
 max_line_length = 100
 read_globals = {

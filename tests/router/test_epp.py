@@ -22,8 +22,8 @@ from typing import Any
 
 import grpc
 import pytest
-from dscache_server.cli import add_picker_arguments
-from dscache_server.epp import (
+from dscache_router.cli import add_picker_arguments
+from dscache_router.epp import (
     BODY_CHUNK,
     DESTINATION,
     LB_NAMESPACE,
@@ -36,8 +36,9 @@ from dscache_server.epp import (
     read_pool_file,
     serve,
 )
-from dscache_server.picker import Picker, PickerSettings
-from dscache_server.pickerserve import run_from_args
+from dscache_router.picker import Picker, PickerSettings
+from dscache_router.ring import Ring
+from dscache_router.serve import run_from_args
 from dscache_server.tokenizer import DeepSeekTokenizer
 from dscache_sidecar.holdings import HoldingsFilter
 from dscache_tools.net import free_port
@@ -48,8 +49,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format, struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_picker import BT, DOC, ROOT, A, B, C, chat, keys_of
-
-from dscache.routing import Ring
 
 CANARY = "10.0.1.1:8000"
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from dscache_server.eventfeed import EventFeed
-from dscache_server.picker import Picker, PickerSettings
+from dscache_router.eventfeed import EventFeed
+from dscache_router.picker import Picker, PickerSettings
 from dscache_server.tokenizer import DeepSeekTokenizer
 from dscache_sidecar import kvevents
 from dscache_sidecar.client import BlockData, SidecarClient

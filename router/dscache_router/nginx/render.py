@@ -3,7 +3,7 @@
 The text's shape is the Jinja2 template ``templates/nginx.conf.j2``; this module
 derives the few values it reads (the track variable, the split, the status JSON)
 and the Lua it embeds (:mod:`.lua`), and adds the config watcher, whose id is a
-hash of the rest. See :mod:`dscache_operator.nginx` for the routing rules the text
+hash of the rest. See :mod:`dscache_router.nginx` for the routing rules the text
 implements. Invariants: the output depends only on the config (no clock, no randomness);
 upstream lists are rendered in the order given (the consistent-hash ring does
 not depend on it).
@@ -19,13 +19,13 @@ import jinja2
 
 from dscache import metricnames as names
 from dscache.routing import INFLIGHT_HEADER
-from dscache_operator.nginx.config import (
+from dscache_router.nginx.config import (
     API_PREFIX,
     ROUTE_KEY_HEADER,
     STRIPPED_HEADERS,
     RouterConfig,
 )
-from dscache_operator.nginx.lua import fill
+from dscache_router.nginx.lua import fill
 
 #: The second line of a watched config: ``# dscache-config-id: <hex>``.
 CONFIG_ID_PREFIX = "# dscache-config-id: "
@@ -47,7 +47,7 @@ FAIL_TIMEOUT_S = 10
 #: ``templates/nginx.conf.j2``: block tags on lines of their own leave no trace, a
 #: name the context lacks is an error, and nothing is escaped (values are validated).
 _TEMPLATE = jinja2.Environment(
-    loader=jinja2.PackageLoader(__package__ or "dscache_operator.nginx", "templates"),
+    loader=jinja2.PackageLoader(__package__ or "dscache_router.nginx", "templates"),
     trim_blocks=True,
     lstrip_blocks=True,
     keep_trailing_newline=True,

@@ -61,8 +61,8 @@ it embeds).
 
 from __future__ import annotations
 
-from dscache_operator.nginx.config import DEBIAN_LUA_MODULES, PromptKey, RouterConfig
-from dscache_operator.nginx.render import CONFIG_ID_PREFIX, render_nginx_conf
+from dscache_router.nginx.config import DEBIAN_LUA_MODULES, PromptKey, RouterConfig
+from dscache_router.nginx.render import CONFIG_ID_PREFIX, render_nginx_conf
 
 __all__ = [
     "CONFIG_ID_PREFIX",

@@ -16,7 +16,7 @@ fails or is slow. The picker decides, in this order:
    (a turn's follow-up often arrives before the next filter does). With
    ``events_port`` the exact keys the sidecar's KV events announced answer
    instead of the filter while that feed is in sync
-   (:mod:`dscache_server.eventfeed`).
+   (:mod:`dscache_router.eventfeed`).
 3. ``similar``: no pod holds a block of it (a prompt shorter than a block, a
    filter not yet fetched), but a request seen recently is similar to it
    (MinHash LSH over word shingles of its messages, datasketch; estimated
@@ -65,6 +65,7 @@ from typing import Any
 import httpx
 import xxhash
 from datasketch import MinHash, MinHashLSH
+from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer, PieceCache, TemplateError
 from dscache_sidecar.holdings import (
     HOLDINGS_PATH,
     INTERNAL_TOKEN_HEADER,
@@ -75,7 +76,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dscache.keys import block_keys
 from dscache.routing import KEYINFO_PATH
-from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer, PieceCache, TemplateError
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +113,9 @@ class PickerSettings:
         internal_token: sent as ``X-Dscache-Internal-Token`` with every keyinfo and
             holdings fetch (servers and sidecars that have one ask for it).
         locate_timeout_s: how long a session lookup waits for the pods
-            (:mod:`dscache_server.sessions`); under the router's picker timeout.
+            (:mod:`dscache_router.locate`); under the router's picker timeout.
         events_port: subscribe to each pod's sidecar KV events on this port
-            (:mod:`dscache_server.eventfeed`; None: filters only).
+            (:mod:`dscache_router.eventfeed`; None: filters only).
         events_replay_port: the sidecars' replay port (needed with events_port).
         max_event_keys: keys kept per pod from its events; past it, its filter.
     """
@@ -213,7 +213,7 @@ class _Pod:
     holdings_at: float = 0.0
     holdings_etag: str | None = None
     #: The keys its sidecar's KV events announced, while the feed is in sync
-    #: (:mod:`dscache_server.eventfeed`); None: the filter answers.
+    #: (:mod:`dscache_router.eventfeed`); None: the filter answers.
     events: set[bytes] | None = None
     recent: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
     seen_at: float = 0.0  # when a pick last named it

@@ -4,7 +4,7 @@ A gateway (Envoy Gateway, Istio, kgateway, GKE, NGINX Gateway Fabric) sends each
 request of an InferencePool to its endpoint picker over Envoy's external
 processing protocol (``envoy.service.ext_proc.v3.ExternalProcessor/Process``, one
 bidirectional gRPC stream a request) and routes it where the answer says. This
-module is that answer, made by the same :class:`~dscache_server.picker.Picker`
+module is that answer, made by the same :class:`~dscache_router.picker.Picker`
 that serves the NGINX router: the pod holding the request's longest prefix,
 else a similar request's pod, else the ring's choice, under a load bound.
 
@@ -38,7 +38,7 @@ Contract (the endpoint picker protocol of the inference extension, proposal 004)
       counts as held move there. The response gets ``X-Dscache-Pick-Reason`` and
       ``X-Dscache-Track``.
     * Sessions and tracks: the key is the client's ``session_header``, else the
-      router's prompt key (:func:`dscache.routing.prompt_key`). One pool holds
+      router's prompt key (:func:`dscache_router.ring.prompt_key`). One pool holds
       every track (``stable``, ``canary``, ...); a new session takes a track by
       the configured weights (a hash of its key), and a known session keeps its
       track and its pod (``pinned``) while they are in the pool, so a weight
@@ -71,8 +71,9 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Gauge
 
-from dscache.routing import MAX_SESSION_ID, Ring, prompt_key
-from dscache_server.picker import REASON_HEADER, Candidate, Picker, PickQuery
+from dscache.routing import MAX_SESSION_ID
+from dscache_router.picker import REASON_HEADER, Candidate, Picker, PickQuery
+from dscache_router.ring import Ring, prompt_key
 
 log = logging.getLogger(__name__)
 

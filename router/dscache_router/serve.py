@@ -1,8 +1,8 @@
-"""``dscache picker``: the picker's HTTP server (see :mod:`dscache_server.picker`).
+"""``dscache picker``: the picker's HTTP server (see :mod:`dscache_router.picker`).
 
 Routes: ``POST /pick`` (the decision), ``GET /locate?key=K&pods=ADDR,...&budget_ms=N`` (which
 of the pods served session ``K``, asked of the pods themselves, so that router
-replicas agree: :mod:`dscache_server.sessions`; 200 with the address, 404 when
+replicas agree: :mod:`dscache_router.locate`; 200 with the address, 404 when
 none did, 400 for a bad query; each pod is given ``budget_ms``, else
 ``--locate-timeout``), ``GET /health``, ``GET /metrics``. The
 decision runs on a worker thread (tokenizing is CPU work); the filters are
@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
+from dscache_server.tokenizer import DeepSeekTokenizer
 from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -30,9 +31,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from dscache.routing import MAX_SESSION_ID
-from dscache_server.epp import EndpointPicker, EppSettings, PoolFileWatcher, serve
-from dscache_server.eventfeed import EventFeed
-from dscache_server.picker import (
+from dscache_router.epp import EndpointPicker, EppSettings, PoolFileWatcher, serve
+from dscache_router.eventfeed import EventFeed
+from dscache_router.locate import locate
+from dscache_router.picker import (
     BLOCKS_HEADER,
     REASON_HEADER,
     Picker,
@@ -41,8 +43,6 @@ from dscache_server.picker import (
     PickQuery,
     Refresher,
 )
-from dscache_server.sessions import locate
-from dscache_server.tokenizer import DeepSeekTokenizer
 
 log = logging.getLogger(__name__)
 

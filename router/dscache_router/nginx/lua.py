@@ -24,7 +24,7 @@ The files:
 ``router.lua`` is the Lua module ``dscache_router`` (bounded-load balancer and request
 counters): :mod:`.render` puts it in ``init_by_lua_block`` with ``DSCACHE_CONFIG`` a
 Lua table literal built from the validated
-:class:`~dscache_operator.nginx.config.RouterConfig` (addresses, factor, metric
+:class:`~dscache_router.nginx.config.RouterConfig` (addresses, factor, metric
 names); the module registers itself in ``package.loaded``, so each phase reaches it
 with ``require("dscache_router")``.
 
@@ -55,13 +55,13 @@ down and ends its in-flight count; ``log()`` ends the last one (and marks its
 pod down when it failed: no answer, 502, 503 or 504, as ``max_fails=1`` does).
 
 ``pick(upstream)`` (``access_by_lua``, with a picker configured): asks the
-picker (:mod:`dscache_server.picker`) through the internal ``picker_path``
+picker (:mod:`dscache_router.picker`) through the internal ``picker_path``
 subrequest which pod holds the longest cached prefix of the request; the
 balancer's first try takes that pod when it is in the track and up (the picker
 applied the load bound from the in-flight counts it was sent). No answer within
 the timeout, or a wrong one: the walk below, as without a picker.
 
-Router replicas agree through the pods (:mod:`dscache_server.sessions`). A
+Router replicas agree through the pods (:mod:`dscache_router.locate`). A
 session (header or cookie) this replica has neither a track nor a pin for is
 looked up once per request: ``locate(key)`` asks the picker, which asks every
 live pod of every track whether it served the session, through the internal
