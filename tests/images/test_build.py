@@ -199,6 +199,19 @@ def test_the_build_context_holds_exactly_the_hashed_inputs() -> None:
     assert "**/*.py[co]" in lines
 
 
+def test_every_package_the_wheel_installs_is_in_the_build_context() -> None:
+    """A runtime package folder missing from the inputs fails the image build (COPY of
+    a folder the context lacks) or builds an image that never changes with it."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    folders = {
+        p.split("/")[0] for p in project["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
+    }
+    assert folders <= set(IMAGES["server"].inputs)
+    dockerfile = (REPO / "images" / "Dockerfile").read_text()
+    for folder in folders:
+        assert f"COPY {folder} /src/{folder}" in dockerfile, folder
+
+
 def test_current_stamps_start_no_docker(
     tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,7 +6,7 @@ Contract:
     * Staleness is a content hash of an image's build inputs
       (:func:`inputs_digest`): every file under ``images/`` and, for the
       Python images, ``pyproject.toml`` and every file of
-      ``dscache/``, ``sidecar/``, ``model-server/``, ``operator/`` and
+      ``dscache/``, ``sidecar/``, ``model-server/``, ``operator/``, ``router/`` and
       ``vllm-connector/`` that exists (``__pycache__``, ``*.pyc`` and tool caches
       excluded, as in ``.dockerignore``; the tooling, ``tools/``, is no image's
       input, nor is ``README.md``: the image writes the wheel's long description
@@ -41,6 +41,7 @@ _PYTHON_INPUTS = (
     "sidecar",
     "model-server",
     "operator",
+    "router",
     "vllm-connector",
 )
 
