@@ -354,8 +354,40 @@ class KVEventsPeer(SpecModel):
     )
 
 
+#: Why a spec's KV event ports are refused (the CEL rule's and the operator's message).
+KV_EVENT_PORTS_DIFFER = (
+    "spec.cache.kvEvents: port, replayPort, engine.port and engine.replayPort must differ"
+)
+
+
+class EngineKVEventsSpec(SpecModel):
+    """vLLM's own KV events (its GPU prefix cache), with engine vllm."""
+
+    enabled: bool = Field(
+        default=True,
+        description="With engine vllm: vLLM also publishes its own KV events (--kv-events-"
+        "config: its GPU prefix cache, medium GPU) on port and replayPort, and the router's "
+        "picker follows them, so a request goes where its prefix is already on the GPU. "
+        "The operator sets --kv-events-config: leave it out of vllm.args.",
+    )
+    port: int = Field(default=5559, ge=1024, le=65535, description="vLLM's PUB socket's port.")
+    replay_port: int = Field(
+        default=5560, ge=1024, le=65535, description="vLLM's replay (ROUTER) socket's port."
+    )
+
+
 class KVEventsSpec(SpecModel):
     """The sidecars' holdings as vLLM KV events, for routers that learn from them."""
+
+    model_config = cel_rules(
+        (
+            "self.port != self.replayPort && (!has(self.engine) || ("
+            "self.engine.port != self.engine.replayPort"
+            " && !(self.engine.port in [self.port, self.replayPort])"
+            " && !(self.engine.replayPort in [self.port, self.replayPort])))",
+            KV_EVENT_PORTS_DIFFER,
+        ),
+    )
 
     enabled: bool = Field(
         default=False,
@@ -379,6 +411,16 @@ class KVEventsSpec(SpecModel):
         "pods (the NetworkPolicy's peers).",
         json_schema_extra={"default": []},
     )
+    engine: EngineKVEventsSpec = Field(
+        default_factory=EngineKVEventsSpec,
+        description="vLLM's own KV events, beside the sidecar's (engine vllm only).",
+    )
+
+    def engine_ports(self, engine: str) -> tuple[int, int] | None:
+        """vLLM's event ports when it publishes them (events on, engine vllm), else None."""
+        if self.enabled and self.engine.enabled and engine == "vllm":
+            return self.engine.port, self.engine.replay_port
+        return None
 
 
 class CacheSpec(SpecModel):
@@ -564,6 +606,7 @@ _NESTED_ADDED_LATER: tuple[tuple[tuple[str, ...], str], ...] = (
     (("server",), "dtype"),
     (("cache", "volume"), "claim_template"),
     (("cache",), "eviction"),
+    (("cache", "kv_events"), "engine"),
 )
 
 

@@ -26,6 +26,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from dscache_operator.revision import (
     CLAIM_NAME_REFUSED,
     DEFAULT_CORE_IMAGE,
+    KV_EVENT_PORTS_DIFFER,
     AuthSpec,
     CacheSpec,
     ImageSpec,
@@ -391,10 +392,25 @@ _VLLM_INT8 = (
 )
 
 
+#: Why engine vllm with its own KV events refuses a --kv-events-config of the user's.
+_VLLM_KV_EVENTS = (
+    "spec.vllm.args carries --kv-events-config while spec.cache.kvEvents.engine is on: "
+    "the operator sets it (ports cache.kvEvents.engine.port and replayPort, which the "
+    "router and the NetworkPolicy follow); remove it, or set kvEvents.engine.enabled false"
+)
+
+
 class DeepSeekCacheDeploymentSpec(SpecModel):
     """Desired state of a DeepSeekCacheDeployment."""
 
     model_config = cel_rules(
+        (
+            "self.engine != 'vllm' || !has(self.cache) || !has(self.cache.kvEvents) "
+            "|| !self.cache.kvEvents.enabled || !has(self.cache.kvEvents.engine) "
+            "|| !self.cache.kvEvents.engine.enabled || !has(self.vllm) "
+            "|| !self.vllm.args.exists(a, a.startsWith('--kv-events-config'))",
+            _VLLM_KV_EVENTS,
+        ),
         (
             "self.engine != 'vllm' || has(self.model.path)",
             "engine vllm serves a checkpoint directory: set spec.model.path",
@@ -522,6 +538,14 @@ def _vllm_checks(spec: DeepSeekCacheDeploymentSpec) -> None:
         raise InvalidSpecError(f"{_VLLM_DTYPE}, got {spec.server.dtype!r}")
     if spec.engine == "vllm" and spec.cache.codec == "int8":
         raise InvalidSpecError(_VLLM_INT8)
+    events = spec.cache.kv_events
+    ports = [events.port, events.replay_port, events.engine.port, events.engine.replay_port]
+    if len(set(ports)) != len(ports):
+        raise InvalidSpecError(f"{KV_EVENT_PORTS_DIFFER}, got {ports}")
+    if events.engine_ports(spec.engine) and any(
+        a.startswith("--kv-events-config") for a in spec.vllm.args
+    ):
+        raise InvalidSpecError(_VLLM_KV_EVENTS)
 
 
 def _shared_tier_checks(spec: DeepSeekCacheDeploymentSpec) -> None:

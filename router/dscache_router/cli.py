@@ -48,6 +48,19 @@ def add_picker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-events-replay-port", type=int, default=None, help="the sidecars' KV event replay port"
     )
+    p.add_argument(
+        "--vllm-events-port",
+        type=int,
+        default=None,
+        help="also follow each vLLM pod's own engine KV events (its GPU prefix cache, "
+        "vLLM's --kv-events-config) on tcp://<pod IP>:PORT",
+    )
+    p.add_argument(
+        "--vllm-events-replay-port",
+        type=int,
+        default=None,
+        help="the engines' KV event replay port",
+    )
     p.add_argument("--refresh", type=float, default=1.0, help="seconds between filter fetches (1)")
     p.add_argument(
         "--memory",

@@ -26,6 +26,11 @@ Contract:
       the feed asks for a replay from the first number it lacks (from 0 on
       connecting); until the answer ends, live batches wait. A lower number in a
       batch newer than the last applied is a restarted sidecar: replay from 0.
+    * Without baselines (``baselines=False``: vLLM's own events, which have none;
+      the target is :class:`dscache_router.gputier.GpuTier`) the feed asks the same
+      replay from 0 on connecting and starts from the first batch it gets (vLLM's
+      replay buffer holds its last 10,000 batches); gaps and reconnections are
+      handled as above, and the target knows it never has the whole picture.
     * A pod's set holds at most ``max_keys``; past it the pod leaves the feed
       (the filter answers for it from then on) and a warning says so.
     * With an internal token the feed logs in with ZeroMQ PLAIN (user
@@ -91,9 +96,14 @@ class EventFeed:
         port: int,
         replay_port: int,
         token: str = "",
+        *,
         check_s: float = 1.0,
+        baselines: bool = True,
     ) -> None:
+        """``baselines`` False: the publisher sends none (vLLM's engine); the feed then
+        starts from the first batch it gets (the replay's oldest, else the stream's)."""
         self._target = target
+        self._baselines = baselines
         self._port = port
         self._replay_port = replay_port
         self._token = token
@@ -228,7 +238,7 @@ class EventFeed:
         baseline = bool(events) and events[0].get("type") == "AllBlocksCleared"
         if not live and seq == feed.snapshot_seq and not baseline:
             pass  # the rest of a replayed baseline: its batches share one number
-        elif not baseline:
+        elif not baseline and not (feed.next_seq < 0 and not self._baselines):
             if feed.next_seq < 0:
                 return  # nothing to build on yet: the replay from 0 brings the baseline
             if seq < feed.next_seq:

@@ -76,6 +76,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dscache.keys import block_keys
 from dscache.routing import KEYINFO_PATH
+from dscache_router.gputier import GpuTier, root
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,11 @@ class PickerSettings:
             (:mod:`dscache_router.eventfeed`; None: filters only).
         events_replay_port: the sidecars' replay port (needed with events_port).
         max_event_keys: keys kept per pod from its events; past it, its filter.
+        gpu_events_port: subscribe to each pod's vLLM engine KV events (its GPU prefix
+            cache, :mod:`dscache_router.gputier`) on this port (None: not followed).
+        gpu_events_replay_port: the engines' replay port (needed with gpu_events_port).
+        gpu_min_tokens: tokens a pod's GPU must hold of a request for a ``prefix``
+            choice by it (vLLM's blocks are small: a chat template's opening is one).
     """
 
     holdings: Mapping[str, str] = field(default_factory=dict)
@@ -138,6 +144,9 @@ class PickerSettings:
     events_port: int | None = None
     events_replay_port: int | None = None
     max_event_keys: int = 1_000_000
+    gpu_events_port: int | None = None
+    gpu_events_replay_port: int | None = None
+    gpu_min_tokens: int = 256
 
 
 @dataclass(frozen=True)
@@ -196,6 +205,9 @@ class Pick:
     pod: str
     reason: str
     blocks: int = 0
+    #: Where the ``prefix`` match was: ``store`` (the pod's sidecar) or ``gpu``
+    #: (its vLLM engine's prefix cache; ``blocks`` are then vLLM's blocks).
+    tier: str = "store"
     #: The request's block keys as the chosen pod keys them (what the picker now
     #: counts as held there; :meth:`Picker.moved` moves them).
     keys: tuple[bytes, ...] = field(default=(), repr=False, compare=False)
@@ -259,6 +271,20 @@ class PickerMetrics:
         )
         for result in ("found", "unknown", "failed"):
             self.locates.labels(result)
+        self.tiers = Counter(
+            "dscache_picker_prefix_tier",
+            "Prefix choices by where the match was: store (the pod's sidecar: filter, "
+            "events, placements) or gpu (its vLLM engine's own KV events).",
+            ["tier"],
+            registry=self.registry,
+        )
+        for tier in ("store", "gpu"):
+            self.tiers.labels(tier)
+        self.gpu_pods = Gauge(
+            "dscache_picker_gpu_pods",
+            "Pods whose vLLM engine's GPU-cached blocks the picker knows from its KV events.",
+            registry=self.registry,
+        )
         self.pods = Gauge("dscache_picker_pods", "Pods known.", registry=self.registry)
         self.filters = Gauge(
             "dscache_picker_filters",
@@ -331,6 +357,8 @@ class Picker:
             else None
         )
         self._sessions: OrderedDict[str, tuple[MinHash, str]] = OrderedDict()
+        #: vLLM pods' GPU prefix caches, fed by an EventFeed without baselines.
+        self.gpu = GpuTier(self.pods, following=self.metrics.gpu_pods.set)
 
     # -- what the pods hold -------------------------------------------------------
 
@@ -436,17 +464,23 @@ class Picker:
         text = request_text(body)
         ids = None if q.credentials else self._token_ids(body)
         minhash = self._minhash(text) if text else None
+        gpu: dict[str, int] = {}
+        if ids and not q.pinned:
+            model = body.get("model") if isinstance(body, dict) else None
+            roots = [root(None)] + ([root(model)] if isinstance(model, str) and model else [])
+            gpu = self.gpu.held_tokens(ids, roots, (c.address for c in q.pods if q.eligible(c)))
         with self._lock:
             now = self.clock()
             chains: dict[tuple[bytes, int], list[bytes]] = {}  # pods of a track share one
             keys = {c.address: self._keys(c.address, ids, chains) for c in q.pods}
-            choice = self._choose(q, keys, minhash, now)
+            choice = self._choose(q, keys, gpu, minhash, now)
             chosen = keys.get(choice.pod, [])
             self._record(choice.pod, chosen, q.key, minhash, now)
-            choice = Pick(choice.pod, choice.reason, choice.blocks, tuple(chosen))
+            choice = Pick(choice.pod, choice.reason, choice.blocks, choice.tier, tuple(chosen))
         self.metrics.decisions.labels(choice.reason).inc()
         if choice.reason == "prefix":
             self.metrics.matched.observe(choice.blocks)
+            self.metrics.tiers.labels(choice.tier).inc()
         self.metrics.seconds.observe(time.perf_counter() - started)
         return choice
 
@@ -526,21 +560,33 @@ class Picker:
         self,
         q: PickQuery,
         keys: Mapping[str, list[bytes]],
+        gpu: Mapping[str, int],
         minhash: MinHash | None,
         now: float,
     ) -> Pick:
+        """Pinned, else the longest prefix in tokens over both tiers (a tie: the GPU,
+        where a hit costs no load; then the ring order), else similar, else hash."""
         addresses = {c.address for c in q.pods}
         if q.pinned and q.pinned in addresses:
             return Pick(q.pinned, "pinned")
         eligible = [c for c in q.pods if q.eligible(c)]
-        best: tuple[int, str] | None = None
+        best: tuple[int, int] | None = None  # (tokens, 1 for the GPU tier)
+        choice: Pick | None = None
         for c in eligible:
             pod = self._pods[c.address]
             held = self._held(pod, keys.get(c.address, []), now)
-            if held >= self.settings.min_blocks and (best is None or held > best[0]):
-                best = (held, c.address)
-        if best is not None:
-            return Pick(best[1], "prefix", best[0])
+            if held >= self.settings.min_blocks:
+                score = (held * max(pod.block_tokens, 1), 0)
+                if best is None or score > best:
+                    best, choice = score, Pick(c.address, "prefix", held)
+            tokens = gpu.get(c.address, 0)
+            if tokens >= self.settings.gpu_min_tokens and tokens > 0:
+                score = (tokens, 1)
+                if best is None or score > best:
+                    size = self.gpu.block_size(c.address) or 1
+                    best, choice = score, Pick(c.address, "prefix", tokens // size, "gpu")
+        if choice is not None:
+            return choice
         similar = self._similar(minhash, {c.address for c in eligible})
         if similar is not None:
             return Pick(similar, "similar")

@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import httpx
@@ -55,12 +55,12 @@ INTERNAL_TOKEN_ENV = "DSCACHE_PICKER_INTERNAL_TOKEN"  # noqa: S105 - a variable'
 def create_app(
     picker: Picker,
     refresher: Refresher | None = None,
-    feed: EventFeed | None = None,
+    feeds: Sequence[EventFeed] = (),
     epp: tuple[EndpointPicker, str, int] | None = None,
     pool_file: PoolFileWatcher | None = None,
 ) -> FastAPI:
-    """The picker's ASGI app (``refresher``, ``feed`` and the endpoint picker ``epp``,
-    with its host and port, run while the app is up)."""
+    """The picker's ASGI app (``refresher``, the event ``feeds`` and the endpoint
+    picker ``epp``, with its host and port, run while the app is up)."""
 
     settings = picker.settings
     token = {INTERNAL_TOKEN_HEADER: settings.internal_token} if settings.internal_token else {}
@@ -70,7 +70,7 @@ def create_app(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         if refresher is not None:
             refresher.start()
-        if feed is not None:
+        for feed in feeds:
             feed.start()
         clients.append(httpx.AsyncClient(timeout=settings.locate_timeout_s))
         grpc_server = await serve(*epp) if epp is not None else None
@@ -86,7 +86,7 @@ def create_app(
             await clients.pop().aclose()
             if refresher is not None:
                 refresher.stop()
-            if feed is not None:
+            for feed in feeds:
                 feed.stop()
 
     app = FastAPI(title="dscache picker", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -151,14 +151,8 @@ async def _read_body(request: Request, limit: int) -> bytes | None:
     return bytes(buf)
 
 
-def settings_from_args(args: argparse.Namespace) -> PickerSettings:
-    """The settings of ``dscache picker``'s arguments; ValueError for a bad one."""
-    holdings: dict[str, str] = {}
-    for item in args.holdings:
-        pod, sep, url = item.partition("=")
-        if not sep or not pod or not url.startswith(("http://", "https://")):
-            raise ValueError(f"--holdings {item!r} is not POD=http://...")
-        holdings[pod] = url
+def _domain_terms(args: argparse.Namespace) -> dict[str, int]:
+    """``--domain-terms FILE`` and ``--domain-term TERM=WEIGHT``; ValueError for a bad one."""
     terms: dict[str, int] = {}
     if args.domain_terms is not None:
         raw = json.loads(args.domain_terms.read_text())
@@ -173,12 +167,28 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         if not sep or not term or not weight.isdigit() or int(weight) > 64:
             raise ValueError(f"--domain-term {item!r} is not TERM=WEIGHT (weight 0..64)")
         terms[term.lower()] = int(weight)
+    return terms
+
+
+def settings_from_args(args: argparse.Namespace) -> PickerSettings:
+    """The settings of ``dscache picker``'s arguments; ValueError for a bad one."""
+    holdings: dict[str, str] = {}
+    for item in args.holdings:
+        pod, sep, url = item.partition("=")
+        if not sep or not pod or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--holdings {item!r} is not POD=http://...")
+        holdings[pod] = url
+    terms = _domain_terms(args)
     if not 0.0 <= args.similarity_threshold <= 1.0:
         raise ValueError("--similarity-threshold must be in [0, 1]")
     if args.refresh <= 0:
         raise ValueError("--refresh must be positive")
-    if (args.kv_events_port is None) != (args.kv_events_replay_port is None):
-        raise ValueError("--kv-events-port and --kv-events-replay-port go together")
+    for flag in ("kv_events", "vllm_events"):
+        if (getattr(args, f"{flag}_port") is None) != (
+            getattr(args, f"{flag}_replay_port") is None
+        ):
+            name = flag.replace("_", "-")
+            raise ValueError(f"--{name}-port and --{name}-replay-port go together")
     if not 0.001 <= args.locate_timeout <= 10.0:
         raise ValueError("--locate-timeout must be between 0.001 and 10 seconds")
     return PickerSettings(
@@ -192,6 +202,8 @@ def settings_from_args(args: argparse.Namespace) -> PickerSettings:
         locate_timeout_s=args.locate_timeout,
         events_port=args.kv_events_port,
         events_replay_port=args.kv_events_replay_port,
+        gpu_events_port=args.vllm_events_port,
+        gpu_events_replay_port=args.vllm_events_replay_port,
     )
 
 
@@ -236,11 +248,17 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     picker = Picker(settings, DeepSeekTokenizer())
     picker.know(settings.holdings)
-    feed = None
+    feeds = []
     if settings.events_port is not None and settings.events_replay_port is not None:
-        feed = EventFeed(
-            picker, settings.events_port, settings.events_replay_port, settings.internal_token
+        feeds.append(
+            EventFeed(
+                picker, settings.events_port, settings.events_replay_port, settings.internal_token
+            )
         )
+    if settings.gpu_events_port is not None and settings.gpu_events_replay_port is not None:
+        # vLLM's engine publishes no baseline and asks for no login.
+        gpu = settings.gpu_events_port, settings.gpu_events_replay_port
+        feeds.append(EventFeed(picker.gpu, *gpu, baselines=False))
     epp, watcher = None, None
     if epp_settings is not None:
         servicer = EndpointPicker(picker, epp_settings)
@@ -248,6 +266,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         if args.epp_pool_file is not None:
             watcher = PoolFileWatcher(servicer, args.epp_pool_file)
             watcher.check()  # the pool it starts with (an unreadable file: none yet)
-    app = create_app(picker, Refresher(picker), feed, epp, watcher)
+    app = create_app(picker, Refresher(picker), feeds, epp, watcher)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

@@ -37,6 +37,8 @@ from dscache_tools.eppcheck import inference_pool_crd
 from dscache_tools.rediscluster import LocalRedisCluster
 from prometheus_client.parser import text_string_to_metric_families
 
+from dscache.metricnames import PICKER_METRICS_PATH
+
 # Each test starts model pods on a 2-core machine: minutes, not the suite's default 10.
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]
 log = logging.getLogger(__name__)
@@ -578,7 +580,9 @@ def test_through_the_endpoint_picker_each_turn_reaches_the_pod_holding_its_kv(
     eppcheck --forward`` as the gateway (no gateway builds here; README): its
     protocol checks against the extension's reference picker, then each turn of six
     conversations, with a session id and without, picked and sent to that model pod,
-    where every later turn finds the KV its conversation left."""
+    where every later turn finds the KV its conversation left. With ``cache.kvEvents``
+    on: the sidecars publish their holdings over ZeroMQ (PLAIN login with the
+    resource's internal token), and the picker's feeds of both are in sync."""
     c, ns = dev_cluster, namespace
     crd = inference_pool_crd()
     binary = build_eppcheck()
@@ -588,7 +592,9 @@ def test_through_the_endpoint_picker_each_turn_reaches_the_pod_holding_its_kv(
             "wait", "--for=condition=Established", "crd/inferencepools.inference.networking.k8s.io"
         )
         name = "gateway"
-        _apply(c, ns, _resource(name, replicas=2, routing={"gateway": "inferencePool"}))
+        events = {"kvEvents": {"enabled": True}}
+        doc = _resource(name, replicas=2, routing={"gateway": "inferencePool"}, cache=events)
+        _apply(c, ns, doc)
         _available(c, ns, name)
 
         # The operator sees the API within its discovery period and makes the pool.
@@ -627,6 +633,20 @@ def test_through_the_endpoint_picker_each_turn_reaches_the_pod_holding_its_kv(
         for conversation in turns.values():
             assert {t["pick"] for t in conversation} <= set(endpoints)
             assert conversation[2]["cached_tokens"] >= 512, conversation
+
+        # The picker's gauge, through the router's NGINX (what Prometheus scrapes): it
+        # follows both sidecars' KV events (logged in with the internal token) in sync.
+        def event_pods() -> float | None:
+            url = f"http://{router}:8080{PICKER_METRICS_PATH}"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                text = resp.read().decode()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "dscache_picker_event_pods":
+                        return float(sample.value)
+            return None
+
+        wait_until("both sidecars' event feeds in sync", lambda: event_pods() == 2, 120)
         c.kubectl("delete", "dscd", name, "-n", ns, "--timeout=300s")
     finally:
         c.kubectl("delete", "-f", str(crd), "--wait=false", check=False)

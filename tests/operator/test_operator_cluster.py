@@ -154,6 +154,19 @@ def test_invalid_resources_are_rejected_by_the_api_server(
             {"model": {"path": "/m"}, "engine": "vllm", "cache": {"codec": "int8"}},
             "spec.cache.codec int8 is the reference server's",
         ),
+        (
+            {"model": {"preset": "a"}, "cache": {"kvEvents": {"engine": {"port": 5558}}}},
+            "engine.port and engine.replayPort must differ",
+        ),
+        (
+            {
+                "model": {"path": "/m"},
+                "engine": "vllm",
+                "cache": {"kvEvents": {"enabled": True}},
+                "vllm": {"args": ["--kv-events-config", "{}"]},
+            },
+            "the operator sets it",
+        ),
     ]
     long_name = {
         "apiVersion": "dscache.io/v1alpha1",

@@ -271,7 +271,24 @@ def _vllm_container(owner: Owner, src: RevisionSource) -> Obj:
     if src.model.revision:
         args += ["--revision", src.model.revision]
     args += [src.model.name, "--host", "0.0.0.0", "--port", str(port)]
-    args += ["--max-num-seqs", str(src.server.max_concurrency), *src.vllm.args]
+    args += ["--max-num-seqs", str(src.server.max_concurrency)]
+    ports = [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+    engine_events = src.cache.kv_events.engine_ports(src.engine)
+    if engine_events:
+        # vLLM's own KV events (its GPU prefix cache), for the router's picker.
+        pub, replay = engine_events
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{pub}",
+            "replay_endpoint": f"tcp://*:{replay}",
+        }
+        args += ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+        ports += [
+            {"name": "engine-events", "containerPort": pub, "protocol": "TCP"},
+            {"name": "engine-replay", "containerPort": replay, "protocol": "TCP"},
+        ]
+    args += src.vllm.args
     env = [{**e, "name": "DSCACHE_VLLM_TENANT_SECRET"} for e in _tenant_env(owner, src)] + [
         {"name": "HF_HUB_OFFLINE", "value": "1"}
     ]
@@ -281,7 +298,7 @@ def _vllm_container(owner: Owner, src: RevisionSource) -> Obj:
     return {
         **container("server", src.vllm.image, ["dscache"], args),
         "env": env,
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "ports": ports,
         # vLLM loads weights and profiles memory before /health answers: minutes.
         "startupProbe": {**probe, "periodSeconds": 10, "failureThreshold": 180},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},

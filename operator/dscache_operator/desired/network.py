@@ -8,8 +8,9 @@ With the admin's ``network_policies`` on (the default), each resource gets:
     stable pods' mined templates),
   - on the sidecar's metrics port from the router pods (the picker's holdings
     filters),
-  - with ``cache.kvEvents`` on, on the KV-event ports from the router pods and
-    the subscribers the spec names (llm-d's indexer, Dynamo's router),
+  - with ``cache.kvEvents`` on, on the KV-event ports (the sidecar's, and with
+    engine vllm vLLM's own, ``kvEvents.engine``) from the router pods and the
+    subscribers the spec names (llm-d's indexer, Dynamo's router),
   - on both ports from the metrics peers the admin names (Prometheus),
   - with ``routing.gateway: inferencePool``, on the server port from the
     gateway's pods (``routing.inferencePool.gatewayPeers``; none named: any pod):
@@ -97,7 +98,10 @@ def network_policies(
         model_ingress.append({"from": peers, "ports": _tcp(sorted({*server, *sidecar}))})
     events = [s.cache.kv_events for s in sources if s.cache.kv_events.enabled]
     if events:
-        ports = sorted({p for e in events for p in (e.port, e.replay_port)})
+        ports = sorted(
+            {p for e in events for p in (e.port, e.replay_port)}
+            | {p for s in sources for p in s.cache.kv_events.engine_ports(s.engine) or ()}
+        )
         subscribers = [router] + [_peer(p) for e in events for p in e.subscribers]
         model_ingress.append({"from": _unique(subscribers), "ports": _tcp(ports)})
     router_ingress: list[Obj] = [{"ports": _tcp([ROUTER_PORT])}]

@@ -126,6 +126,11 @@ def _picker_container(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
         # The sidecars' KV events: exact holdings, fresher than the filters.
         args += ["--kv-events-port", str(events.port)]
         args += ["--kv-events-replay-port", str(events.replay_port)]
+    engine_events = events.engine_ports(spec.engine)
+    if engine_events:
+        # vLLM's own events: what each pod's GPU prefix cache holds.
+        args += ["--vllm-events-port", str(engine_events[0])]
+        args += ["--vllm-events-replay-port", str(engine_events[1])]
     args += ["--similarity-threshold", f"{p.similarity_threshold:g}"]
     for term, weight in sorted(p.domain_terms.items()):
         args += ["--domain-term", f"{term}={weight}"]
