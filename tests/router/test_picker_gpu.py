@@ -260,6 +260,7 @@ class VllmStylePublisher:
         self._ctx.term()
 
 
+@pytest.mark.slow  # sockets and a thread, waits on delivery
 def test_the_feed_starts_from_the_replay_and_repairs_a_lost_batch(
     tokenizer: DeepSeekTokenizer,
 ) -> None:
