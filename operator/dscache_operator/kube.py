@@ -70,6 +70,7 @@ RESOURCES: dict[str, Resource] = {
     "ServiceMonitor": Resource("monitoring.coreos.com/v1", "servicemonitors"),
     "PrometheusRule": Resource("monitoring.coreos.com/v1", "prometheusrules"),
     "InferencePool": Resource("inference.networking.k8s.io/v1", "inferencepools"),
+    "InferenceObjective": Resource("inference.networking.x-k8s.io/v1alpha2", "inferenceobjectives"),
     "DeepSeekCacheDeployment": Resource(f"{GROUP}/{VERSION}", PLURAL),
 }
 

@@ -48,6 +48,7 @@ from dscache_operator.analysis import Step, analyse
 from dscache_operator.children import ApiChildren, ChildReader
 from dscache_operator.conditions import get_condition, set_condition
 from dscache_operator.desired import (
+    INFERENCE_OBJECTIVE_API,
     INFERENCE_POOL_API,
     ROUTER_CONFIG_HASH,
     SLOT,
@@ -57,6 +58,7 @@ from dscache_operator.desired import (
     children,
     epp_active,
     new_salt,
+    objective_priorities,
     pod_address,
     prewarm_active,
     prewarm_copy_range,
@@ -255,6 +257,7 @@ class Reconciler:
         stable = _addresses(new, new.stable_slot, pods)
         canary = _addresses(new, new.canary_slot, pods)
         previous = _addresses(new, new.previous_slot, pods)
+        pools = epp_active(spec) and self._api_available(INFERENCE_POOL_API, "inferencepools")
         objs = children(
             owner,
             spec,
@@ -263,8 +266,8 @@ class Reconciler:
             canary,
             previous_addresses=previous,
             monitoring=self._monitoring_available(),
-            inference_pools=epp_active(spec)
-            and self._api_available(INFERENCE_POOL_API, "inferencepools"),
+            inference_pools=pools,
+            objectives=self._objectives(owner) if pools else None,
             policy=self.policy,
         )
         for child in objs:
@@ -513,6 +516,14 @@ class Reconciler:
             verdict.message,
         )
         return verdict
+
+    def _objectives(self, owner: Owner) -> dict[str, int]:
+        """The priorities of the InferenceObjectives of the resource's InferencePool
+        (one list per reconcile, where the cluster serves their API)."""
+        if not self._api_available(INFERENCE_OBJECTIVE_API, "inferenceobjectives"):
+            return {}
+        items = self.kube.list("InferenceObjective", owner.namespace, {})
+        return objective_priorities(items, owner.name)
 
     def _monitoring_available(self) -> bool:
         return self._api_available("monitoring.coreos.com/v1", "servicemonitors")

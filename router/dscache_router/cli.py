@@ -131,6 +131,15 @@ def add_picker_arguments(p: argparse.ArgumentParser) -> None:
         help="requests in flight per pod past which it is not picked; all past it: 429 (0: off)",
     )
     epp.add_argument(
+        "--epp-objective",
+        action="append",
+        default=[],
+        metavar="NAME=PRIORITY",
+        help="an InferenceObjective's priority (repeatable): a request naming NAME in "
+        "x-gateway-inference-objective with a negative priority is shed (429) when every "
+        "pod is at --epp-max-inflight; others never are (a pool file brings its own)",
+    )
+    epp.add_argument(
         "--session-header",
         default="x-session-id",
         help="the client's session id header (default x-session-id)",

@@ -29,8 +29,13 @@ Contract (the endpoint picker protocol of the inference extension, proposal 004)
       ``x-gateway-destination-endpoint-subset`` (a list) restricts the pick to
       those pods; none of them in the pool -> immediate 503.
     * Refusals (``ImmediateResponse``): 503 when the pool has no pod to offer,
-      429 when every candidate is at ``max_inflight`` (the request should be
-      dropped, not queued on a pod), 413 for a body over ``max_body``.
+      413 for a body over ``max_body``, and 429 when every candidate is at
+      ``max_inflight`` and the request is sheddable: its objective (the
+      ``x-gateway-inference-objective`` header, an InferenceObjective's name) has a
+      negative priority (``objectives``; the operator copies the InferenceObjectives
+      of the pool). A request of priority 0 or more (no objective: 0, as the
+      extension has it) is never shed: it goes to the least loaded candidate, past
+      the bound (``dscache_epp_saturated_requests_total{action}`` counts both).
     * Served endpoint: the gateway reports the pod that answered in the response
       headers' ``metadata_context`` (``envoy.lb`` /
       ``x-gateway-destination-endpoint-served``). When it is not the pod picked
@@ -80,6 +85,8 @@ log = logging.getLogger(__name__)
 #: The header and metadata key naming the picked pods (the protocol's names).
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
+#: The request header naming the request's InferenceObjective (the extension's name).
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
 SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
@@ -103,7 +110,10 @@ class EppSettings:
         track_weights: percent of new sessions per track; tracks with pods and no
             weight share what is left of 100 equally.
         max_inflight: requests in flight per pod past which it is not picked; when
-            every candidate is past it the answer is 429 (0: no bound).
+            every candidate is past it a sheddable request gets 429 and any other the
+            least loaded pod (0: no bound).
+        objectives: an InferenceObjective's name -> its priority (negative:
+            sheddable); a request names its objective in ``x-gateway-inference-objective``.
         session_header: the client's session id header.
         max_sessions: sessions whose track and pod are remembered.
         max_body: largest request body read (413 past it).
@@ -113,6 +123,7 @@ class EppSettings:
     endpoints: Mapping[str, str] = field(default_factory=dict)  # none: every request 503
     track_weights: Mapping[str, float] = field(default_factory=dict)
     max_inflight: int = 0
+    objectives: Mapping[str, int] = field(default_factory=dict)
     session_header: str = "x-session-id"
     max_sessions: int = 200_000
     max_body: int = 16 << 20
@@ -126,6 +137,10 @@ class EppSettings:
             raise ValueError("a track weight is a percent, 0..100")
         if sum(self.track_weights.values()) > 100.0001:
             raise ValueError("track weights add up to more than 100")
+        if not all(
+            isinstance(p, int) and not isinstance(p, bool) for p in self.objectives.values()
+        ):
+            raise ValueError("an objective's priority is a whole number")
 
 
 @dataclass(frozen=True)
@@ -174,6 +189,15 @@ class EppMetrics:
         self.endpoints = Gauge(
             "dscache_epp_endpoints", "Pods in the endpoint picker's pool.", registry=reg
         )
+        self.saturated = Counter(
+            "dscache_epp_saturated_requests",
+            "Requests that found every candidate at its in-flight bound, by what was done: "
+            "shed (429: a negative priority) or routed (to the least loaded pod).",
+            ["action"],
+            registry=reg,
+        )
+        for action in ("shed", "routed"):
+            self.saturated.labels(action)
         self.pool_errors = Counter(
             "dscache_epp_pool_file_errors",
             "Pool files that could not be read or were invalid (the last good pool stays).",
@@ -324,16 +348,32 @@ class EndpointPicker:
             credentials="authorization" in headers,
         )
         choice = self.picker.pick(query)
+        pod = choice.pod
         if choice.reason == "overloaded":
-            return Refusal(429, "overloaded", "every endpoint is at its in-flight bound")
-        track = s.endpoints.get(choice.pod, track)
-        pool.place(key, track, choice.pod)
-        order = (choice.pod, *(a for a in addresses if a != choice.pod))
+            if s.objectives.get(headers.get(OBJECTIVE_HEADER, ""), 0) < 0:
+                self.metrics.saturated.labels("shed").inc()
+                return Refusal(429, "overloaded", "every endpoint is at its in-flight bound")
+            self.metrics.saturated.labels("routed").inc()
+            pod = min(cands, key=lambda c: c.inflight).address  # first of the least loaded
+        track = s.endpoints.get(pod, track)
+        pool.place(key, track, pod)
+        order = (pod, *(a for a in addresses if a != pod))
         return Decision(order, choice.reason, track, key, choice.keys)
 
-    def set_pool(self, endpoints: Mapping[str, str], track_weights: Mapping[str, float]) -> None:
-        """A new pool (the pool file changed): sessions and in-flight counts carry over."""
-        settings = replace(self.settings, endpoints=dict(endpoints), track_weights=track_weights)
+    def set_pool(
+        self,
+        endpoints: Mapping[str, str],
+        track_weights: Mapping[str, float],
+        objectives: Mapping[str, int] | None = None,
+    ) -> None:
+        """A new pool (the pool file changed): sessions and in-flight counts carry over;
+        ``objectives`` None keeps the ones in use."""
+        settings = replace(
+            self.settings,
+            endpoints=dict(endpoints),
+            track_weights=track_weights,
+            objectives=self.settings.objectives if objectives is None else dict(objectives),
+        )
         self.pool = Pool(settings, before=self.pool)
         self.picker.know(endpoints)
         self.metrics.endpoints.set(len(endpoints))
@@ -525,9 +565,10 @@ def _immediate(status: int, message: str) -> pb.ProcessingResponse:
     )
 
 
-def read_pool_file(path: Path) -> tuple[dict[str, str], dict[str, float]]:
+def read_pool_file(path: Path) -> tuple[dict[str, str], dict[str, float], dict[str, int]]:
     """The pool of a pool file: ``{"endpoints": {"ip:port": "track"}, "trackWeights":
-    {"track": percent}}`` (what the operator writes beside the router's config).
+    {"track": percent}, "objectives": {"name": priority}}`` (what the operator writes
+    beside the router's config; ``objectives`` may be left out).
 
     Raises:
         ValueError: not that shape, or an invalid pool (OSError: unreadable).
@@ -536,6 +577,7 @@ def read_pool_file(path: Path) -> tuple[dict[str, str], dict[str, float]]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: not a JSON object")
     endpoints, weights = raw.get("endpoints", {}), raw.get("trackWeights", {})
+    objectives = raw.get("objectives", {})
     if not isinstance(endpoints, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and v for k, v in endpoints.items()
     ):
@@ -544,8 +586,11 @@ def read_pool_file(path: Path) -> tuple[dict[str, str], dict[str, float]]:
         isinstance(v, int | float) and not isinstance(v, bool) for v in weights.values()
     ):
         raise ValueError(f"{path}: trackWeights must map a track to a percent")
-    EppSettings(endpoints=endpoints, track_weights=weights)  # the same checks as flags
-    return endpoints, weights
+    if not isinstance(objectives, dict) or not all(isinstance(k, str) for k in objectives):
+        raise ValueError(f"{path}: objectives must map a name to a priority")
+    # The same checks as flags.
+    EppSettings(endpoints=endpoints, track_weights=weights, objectives=objectives)
+    return endpoints, weights, objectives
 
 
 class PoolFileWatcher:
@@ -572,12 +617,12 @@ class PoolFileWatcher:
             return False
         self._seen = data
         try:
-            endpoints, weights = read_pool_file(self.path)
+            endpoints, weights, objectives = read_pool_file(self.path)
         except ValueError as exc:
             log.warning("endpoint picker: keeping the last good pool: %s", exc)
             self.epp.metrics.pool_errors.inc()
             return False
-        self.epp.set_pool(endpoints, weights)
+        self.epp.set_pool(endpoints, weights, objectives)
         log.info("endpoint picker: pool of %d pods from %s", len(endpoints), self.path)
         return True
 

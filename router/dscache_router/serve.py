@@ -224,6 +224,12 @@ def epp_settings_from_args(args: argparse.Namespace) -> EppSettings:
             sep = ""
         if not sep or not track:
             raise ValueError(f"--epp-track-weight {item!r} is not TRACK=PERCENT")
+    objectives: dict[str, int] = {}
+    for item in args.epp_objective:
+        name, sep, priority = item.partition("=")
+        if not sep or not name or not priority.lstrip("-").isdigit():
+            raise ValueError(f"--epp-objective {item!r} is not NAME=PRIORITY (a whole number)")
+        objectives[name] = int(priority)
     if args.epp_max_inflight < 0:
         raise ValueError("--epp-max-inflight must be 0 or more")
     if not endpoints and args.epp_pool_file is None:
@@ -232,6 +238,7 @@ def epp_settings_from_args(args: argparse.Namespace) -> EppSettings:
         endpoints=endpoints,
         track_weights=weights,
         max_inflight=args.epp_max_inflight,
+        objectives=objectives,
         session_header=args.session_header,
     )
 

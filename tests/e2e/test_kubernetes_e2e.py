@@ -33,7 +33,7 @@ from dscache_tools.demo.kube import EXAMPLE, KubeDemoOptions, run_kubernetes_dem
 from dscache_tools.devcluster import DevCluster, wait_until
 from dscache_tools.eppcheck import build as build_eppcheck
 from dscache_tools.eppcheck import check as run_eppcheck
-from dscache_tools.eppcheck import inference_pool_crd
+from dscache_tools.eppcheck import inference_objective_crd, inference_pool_crd
 from dscache_tools.rediscluster import LocalRedisCluster
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -582,15 +582,18 @@ def test_through_the_endpoint_picker_each_turn_reaches_the_pod_holding_its_kv(
     conversations, with a session id and without, picked and sent to that model pod,
     where every later turn finds the KV its conversation left. With ``cache.kvEvents``
     on: the sidecars publish their holdings over ZeroMQ (PLAIN login with the
-    resource's internal token), and the picker's feeds of both are in sync."""
+    resource's internal token), and the picker's feeds of both are in sync. The pool's
+    InferenceObjectives (the extension's CRD) reach the picker's pool file."""
     c, ns = dev_cluster, namespace
-    crd = inference_pool_crd()
+    crd, objective_crd = inference_pool_crd(), inference_objective_crd()
     binary = build_eppcheck()
-    c.kubectl("apply", "--server-side", "-f", str(crd))
+    c.kubectl("apply", "--server-side", "-f", str(crd), "-f", str(objective_crd))
     try:
-        c.kubectl(
-            "wait", "--for=condition=Established", "crd/inferencepools.inference.networking.k8s.io"
-        )
+        for established in (
+            "crd/inferencepools.inference.networking.k8s.io",
+            "crd/inferenceobjectives.inference.networking.x-k8s.io",
+        ):
+            c.kubectl("wait", "--for=condition=Established", established)
         name = "gateway"
         events = {"kvEvents": {"enabled": True}}
         doc = _resource(name, replicas=2, routing={"gateway": "inferencePool"}, cache=events)
@@ -647,6 +650,25 @@ def test_through_the_endpoint_picker_each_turn_reaches_the_pod_holding_its_kv(
             return None
 
         wait_until("both sidecars' event feeds in sync", lambda: event_pods() == 2, 120)
+
+        # An InferenceObjective of the pool: its priority reaches the picker's pool file
+        # (a negative one: its requests are shed, 429, when every pod is at its bound).
+        objective = {
+            "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+            "kind": "InferenceObjective",
+            "metadata": {"name": "batch-summaries"},
+            "spec": {"priority": -1, "poolRef": {"name": name}},
+        }
+        _apply(c, ns, objective)
+
+        def pool_objectives() -> dict[str, int] | None:
+            data = c.kubectl_json("get", "configmap", f"{name}-router", "-n", ns)["data"]
+            found: dict[str, int] | None = json.loads(data["epp-pool.json"]).get("objectives")
+            return found
+
+        assert wait_until("the objective in the pool file", pool_objectives, 120) == {
+            "batch-summaries": -1
+        }
         c.kubectl("delete", "dscd", name, "-n", ns, "--timeout=300s")
     finally:
-        c.kubectl("delete", "-f", str(crd), "--wait=false", check=False)
+        c.kubectl("delete", "-f", str(crd), "-f", str(objective_crd), "--wait=false", check=False)

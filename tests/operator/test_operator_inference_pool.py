@@ -22,6 +22,7 @@ from dscache_operator.desired import (
     children,
     model_deployment,
     network_policies,
+    objective_priorities,
     router_config_hash,
     router_deployment,
     selector_labels,
@@ -139,7 +140,7 @@ def test_the_pool_file_is_what_the_picker_reads_and_a_new_one_nudges_the_pods(
     )
     path = tmp_path / EPP_POOL_KEY
     path.write_text(epp_pool(cfg))
-    endpoints, weights = read_pool_file(path)
+    endpoints, weights, _objectives = read_pool_file(path)
     assert endpoints == {
         "10.1.0.1:8000": "blue",
         "10.1.0.2:8000": "blue",
@@ -190,3 +191,39 @@ def test_only_the_gateway_reaches_the_picker_and_the_model_pods_directly() -> No
 def test_a_bad_setting_is_refused(routing: dict[str, Any]) -> None:
     with pytest.raises((InvalidSpecError, ValueError)):
         parse_spec({**BASE, "routing": routing})
+
+
+def _objective(
+    name: str, pool: str, priority: Any = None, kind: str | None = None
+) -> dict[str, Any]:
+    ref: dict[str, Any] = {"name": pool, **({"kind": kind} if kind else {})}
+    spec: dict[str, Any] = {
+        "poolRef": ref,
+        **({"priority": priority} if priority is not None else {}),
+    }
+    return {"metadata": {"name": name}, "spec": spec}
+
+
+def test_the_pools_objectives_reach_the_pool_file_and_a_pool_without_any_is_unchanged(
+    tmp_path: Path,
+) -> None:
+    found = objective_priorities(
+        [
+            _objective("batch", OWNER.name, -2),
+            _objective("chat", OWNER.name),  # no priority: 0, as the extension has it
+            _objective("elsewhere", "other-pool", -9),
+            _objective("not-a-pool", OWNER.name, 5, kind="Service"),
+            _objective("odd", OWNER.name, "high"),
+        ],
+        OWNER.name,
+    )
+    assert found == {"batch": -2, "chat": 0}
+    cfg = RouterConfig(listen="8080", stable=STABLE, stable_name="blue")
+    assert epp_pool(cfg, {}) == epp_pool(cfg)  # no objectives: the file of before
+    path = tmp_path / EPP_POOL_KEY
+    path.write_text(epp_pool(cfg, found))
+    assert read_pool_file(path)[2] == {"batch": -2, "chat": 0}
+    spec = parse_spec({**BASE, "routing": {"gateway": "inferencePool"}})
+    objs = children(OWNER, spec, status_for(spec), STABLE, (), monitoring=False, objectives=found)
+    (cm,) = [o for o in objs if o["kind"] == "ConfigMap"]
+    assert json.loads(cm["data"][EPP_POOL_KEY])["objectives"] == found

@@ -27,12 +27,14 @@ from dscache_router.epp import (
     BODY_CHUNK,
     DESTINATION,
     LB_NAMESPACE,
+    OBJECTIVE_HEADER,
     SERVED,
     SUBSET,
     SUBSET_NAMESPACE,
     EndpointPicker,
     EppSettings,
     PoolFileWatcher,
+    Refusal,
     read_pool_file,
     serve,
 )
@@ -103,10 +105,13 @@ def headers_msg(
     end: bool = False,
     subset: list[str] | None = None,
     mode: int | None = DUPLEX,
+    objective: str = "",
 ) -> pb.ProcessingRequest:
     hs = [(":method", "POST"), (":path", "/v1/chat/completions")]
     if session:
         hs.append(("x-session-id", session))
+    if objective:
+        hs.append((OBJECTIVE_HEADER, objective))
     req = pb.ProcessingRequest(
         request_headers=pb.HttpHeaders(
             headers=base_pb2.HeaderMap(
@@ -260,28 +265,72 @@ def test_a_fallback_that_served_moves_the_session_and_its_blocks_there(
     assert registry.get_sample_value("dscache_epp_served_elsewhere_total") == 1
 
 
-def test_every_pod_at_its_bound_is_429_until_a_request_ends(tokenizer: DeepSeekTokenizer) -> None:
-    s = make(tokenizer, endpoints={A: "stable"}, max_inflight=1)
+def hold(
+    s: Served, messages: list[pb.ProcessingRequest]
+) -> tuple[queue.Queue[pb.ProcessingRequest | None], Iterator[pb.ProcessingResponse]]:
+    """A request whose stream stays open (in flight) until None is put on its queue."""
+    pending: queue.Queue[pb.ProcessingRequest | None] = queue.Queue()
+    for m in messages:
+        pending.put(m)
+
+    def feed() -> Iterator[pb.ProcessingRequest]:
+        while (item := pending.get()) is not None:
+            yield item
+
+    stream = s.stub.Process(feed(), timeout=20)
+    assert next(stream).WhichOneof("response") == "request_headers"
+    return pending, stream
+
+
+def test_at_the_bound_a_sheddable_request_is_429_and_a_critical_one_goes_to_the_least_loaded(
+    tokenizer: DeepSeekTokenizer,
+) -> None:
+    objectives = {"batch-summaries": -1, "chat": 10}
+    s = make(tokenizer, endpoints={A: "stable", B: "stable"}, max_inflight=1, objectives=objectives)
     try:
-        held: queue.Queue[pb.ProcessingRequest | None] = queue.Queue()
-        for r in request(chat("Hi."), "s-7"):
-            held.put(r)
+        streams = [hold(s, request(chat("Hi."), session)) for session in ("s-7", "s-9")]
+        assert {s.epp.pool.inflight(A), s.epp.pool.inflight(B)} == {1}
 
-        def feed() -> Iterator[pb.ProcessingRequest]:
-            while (item := held.get()) is not None:
-                yield item
+        # Sheddable (a negative priority): dropped, not queued on a busy pod.
+        shed = s.process(request(chat("Other."), "s-8", objective="batch-summaries"))
+        assert shed[0].immediate_response.status.code == 429
+        # No objective (priority 0, as the extension has it) and a positive one: served
+        # past the bound, by the least loaded pod.
+        for session, objective in (("s-10", ""), ("s-11", "chat")):
+            assert picked(s.process(request(chat("Other."), session, objective=objective)))
+        registry = s.epp.picker.metrics.registry
+        count = registry.get_sample_value
+        assert count("dscache_epp_saturated_requests_total", {"action": "shed"}) == 1
+        assert count("dscache_epp_saturated_requests_total", {"action": "routed"}) == 2
 
-        open_stream = s.stub.Process(feed(), timeout=20)
-        assert next(open_stream).WhichOneof("response") == "request_headers"
-        refused = s.process(request(chat("Other."), "s-8"))
-        assert refused[0].immediate_response.status.code == 429
-        held.put(None)  # the first request ends
-        list(open_stream)
+        # A request ends: there is room again, even for the sheddable.
+        pending, stream = streams[0]
+        pending.put(None)
+        list(stream)
         for _ in range(50):  # the server sees the end a moment after the client
-            if s.epp.pool.inflight(A) == 0:
+            if 0 in (s.epp.pool.inflight(A), s.epp.pool.inflight(B)):
                 break
             threading.Event().wait(0.05)
-        assert picked(s.process(request(chat("Other."), "s-8"))) == [A]
+        assert picked(s.process(request(chat("Other."), "s-8", objective="batch-summaries")))
+        pending, stream = streams[1]
+        pending.put(None)
+        list(stream)
+    finally:
+        s.close()
+
+
+def test_the_least_loaded_pod_takes_a_critical_request_past_the_bound(
+    tokenizer: DeepSeekTokenizer,
+) -> None:
+    s = make(tokenizer, endpoints={A: "stable", B: "stable"}, max_inflight=1)
+    try:
+        pool = s.epp.pool
+        for _ in range(3):
+            pool.started(A)
+        pool.started(B)
+        decision = s.epp.decide({}, json.dumps({"messages": chat("Hi.")}).encode(), None)
+        assert not isinstance(decision, Refusal)
+        assert decision.endpoints[0] == B and decision.reason == "overloaded"
     finally:
         s.close()
 
@@ -360,6 +409,8 @@ def test_settings_refuse_a_bad_pool() -> None:
         (["--epp-endpoint", "10.0.0.1:8000=", "--epp-max-inflight", "1"], "IP:PORT=TRACK"),
         (["--epp-endpoint", "10.0.0.1:8000", "--epp-max-inflight", "-1"], "0 or more"),
         (["--epp"], "--epp-endpoint or --epp-pool-file"),
+        (["--epp-endpoint", "10.0.0.1:8000", "--epp-objective", "chat"], "NAME=PRIORITY"),
+        (["--epp-endpoint", "10.0.0.1:8000", "--epp-objective", "chat=high"], "NAME=PRIORITY"),
     ],
 )
 def test_the_cli_refuses_bad_epp_flags(
@@ -442,6 +493,11 @@ def test_the_pool_file_replaces_the_pool_and_sessions_carry_over(
         assert registry.get_sample_value("dscache_epp_pool_file_errors_total") == 2
         assert registry.get_sample_value("dscache_epp_endpoints") == 3
         assert picked(s.process(request(chat("Hi."), "f-2"))) == [CANARY]
+        # The operator copies the pool's InferenceObjectives into the file.
+        doc["objectives"] = {"batch": -5, "chat": 3}
+        pool.write_text(json.dumps(doc))
+        assert watcher.check()
+        assert s.epp.settings.objectives == {"batch": -5, "chat": 3}
     finally:
         s.close()
 
@@ -455,6 +511,9 @@ def test_the_pool_file_replaces_the_pool_and_sessions_carry_over(
         ('{"endpoints": {}, "trackWeights": {"a": "10"}}', "to a percent"),
         ('{"endpoints": {}, "trackWeights": {"a": 101}}', "percent"),
         ('{"endpoints": {"10.0.0.1": "blue"}}', "host:port"),
+        ('{"endpoints": {}, "objectives": ["chat"]}', "a name to a priority"),
+        ('{"endpoints": {}, "objectives": {"chat": "high"}}', "whole number"),
+        ('{"endpoints": {}, "objectives": {"chat": true}}', "whole number"),
     ],
 )
 def test_a_malformed_pool_file_is_refused(text: str, says: str, tmp_path: Path) -> None:

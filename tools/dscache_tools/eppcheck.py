@@ -20,7 +20,10 @@ Contract:
       [--forward]`` builds if needed, prints the report and exits with the
       driver's code (0 all checks hold, 1 one failed, 2 no report).
     * :func:`inference_pool_crd` is the extension's own InferencePool CRD, read
-      from the pinned module (tests install it: the API's real schema).
+      from the pinned module (tests install it: the API's real schema);
+      :func:`inference_objective_crd` its InferenceObjective CRD, from
+      :data:`OBJECTIVE_VERSION`, the last release that carried it (the API moved to
+      llm-d's router with the endpoint picker, unchanged).
     * Standard library only (like :mod:`.devcluster.gobuild`).
 """
 
@@ -90,6 +93,24 @@ def build(source: Path = SOURCE, root: Path | None = None) -> Path:
         if old != binary.parent:
             shutil.rmtree(old, ignore_errors=True)
     return binary
+
+
+#: The extension's last release with the InferenceObjective CRD (v1alpha2).
+OBJECTIVE_VERSION = "v1.1.0"
+
+
+def inference_objective_crd(source: Path = SOURCE) -> Path:
+    """The extension's InferenceObjective CRD (``inference.networking.x-k8s.io/v1alpha2``)
+    from its :data:`OBJECTIVE_VERSION` module, fetched through the Go module proxy.
+
+    Raises:
+        BuildError: No source tree, no Go, or the module could not be fetched.
+    """
+    if not (source / "go.mod").is_file():
+        raise BuildError(f"{source} holds no go.mod: the CRD comes from a dscache source tree")
+    info = module_download(find_go(), MODULE, OBJECTIVE_VERSION, source)
+    bases = Path(info["Dir"]) / "config" / "crd" / "bases"
+    return bases / "inference.networking.x-k8s.io_inferenceobjectives.yaml"
 
 
 def inference_pool_crd(source: Path = SOURCE) -> Path:

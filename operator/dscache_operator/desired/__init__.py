@@ -32,6 +32,8 @@ track's pod template comes only from the revision stored for that track (see
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dscache_operator.desired.common import (
     SLOT,
     TEMPLATE_HASH,
@@ -60,12 +62,14 @@ from dscache_operator.desired.prewarm import (
 )
 from dscache_operator.desired.router import (
     EPP_POOL_KEY,
+    INFERENCE_OBJECTIVE_API,
     INFERENCE_POOL_API,
     ROUTER_CONF,
     ROUTER_CONFIG_HASH,
     epp_active,
     epp_service,
     inference_pool,
+    objective_priorities,
     picker_active,
     router_config,
     router_config_hash,
@@ -81,6 +85,7 @@ from dscache_operator.status import DeepSeekCacheDeploymentStatus
 #: What the reconciler and the tests use; the builders' own modules hold the rest.
 __all__ = [
     "EPP_POOL_KEY",
+    "INFERENCE_OBJECTIVE_API",
     "INFERENCE_POOL_API",
     "PREWARM_TARGETS_ENV",
     "ROUTER_CONF",
@@ -96,6 +101,7 @@ __all__ = [
     "model_deployment",
     "network_policies",
     "new_salt",
+    "objective_priorities",
     "pod_address",
     "prewarm_active",
     "prewarm_copy_range",
@@ -123,6 +129,7 @@ def children(
     previous_addresses: tuple[str, ...] = (),
     monitoring: bool,
     inference_pools: bool = False,
+    objectives: Mapping[str, int] | None = None,
     policy: AdminPolicy = DEFAULT_POLICY,
 ) -> list[Obj]:
     """Every child to (re-)apply now, in a safe order (tracks before the router).
@@ -130,7 +137,8 @@ def children(
     Frozen tracks (a ``kubectl rollout undo`` was seen) are left out: the
     operator does not fight a person's rollback. The prewarm Job is not among
     them: it is created once (:func:`prewarm_job`), never re-applied. The InferencePool
-    is among them only where the cluster serves its API (``inference_pools``).
+    is among them only where the cluster serves its API (``inference_pools``);
+    ``objectives`` are its InferenceObjectives' priorities, for the picker's pool file.
     """
     out: list[Obj] = []
     for slot, ss in sorted(status.slots.items()):
@@ -143,7 +151,7 @@ def children(
     cfg = router_config(spec, status, stable_addresses, canary_addresses, previous_addresses)
     epp = epp_active(spec)
     out += [
-        router_configmap(owner, cfg, epp=epp),
+        router_configmap(owner, cfg, epp=epp, objectives=objectives),
         router_deployment(owner, spec),
         router_service(owner, spec),
         pdb(owner, f"{owner.name}-router", "router", "all", {}),

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from dscache_router.nginx import PromptKey, RouterConfig, render_nginx_conf
 from dscache_router.nginx.render import PICKER_HEALTH_PATH
@@ -35,6 +37,9 @@ ROUTER_CONF = f"{ROUTER_CONF_DIR}/nginx.conf"
 EPP_POOL_KEY = "epp-pool.json"
 #: The InferencePool API (Gateway API Inference Extension).
 INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+#: The InferenceObjective's API (llm-d's router; the extension's before v1.1): a
+#: request names its objective, whose priority says whether it may be shed.
+INFERENCE_OBJECTIVE_API = "inference.networking.x-k8s.io/v1alpha2"
 #: Pod annotation the operator sets on live router pods after a config change: a pod
 #: update makes the kubelet refresh the ConfigMap volume at once instead of on its
 #: next periodic sync; the router's own watcher then reloads NGINX.
@@ -103,16 +108,36 @@ def picker_runs(spec: DeepSeekCacheDeploymentSpec) -> bool:
     return picker_active(spec) or epp_active(spec)
 
 
-def epp_pool(config: RouterConfig) -> str:
-    """The endpoint picker's pool file: every track's pods by slot name, and the share of
-    new sessions each slot takes (the previous slot none: it keeps its own sessions)."""
+def objective_priorities(objectives: Iterable[Obj], pool: str) -> dict[str, int]:
+    """Each InferenceObjective's priority (unset: 0) among ``objectives`` whose
+    ``spec.poolRef`` names the InferencePool ``pool``."""
+    out: dict[str, int] = {}
+    for obj in objectives:
+        spec = obj.get("spec") or {}
+        ref = spec.get("poolRef") or {}
+        if ref.get("name") != pool or ref.get("kind", "InferencePool") != "InferencePool":
+            continue
+        priority = spec.get("priority", 0)
+        if isinstance(priority, int) and not isinstance(priority, bool):
+            out[str(obj["metadata"]["name"])] = priority
+    return out
+
+
+def epp_pool(config: RouterConfig, objectives: Mapping[str, int] | None = None) -> str:
+    """The endpoint picker's pool file: every track's pods by slot name, the share of
+    new sessions each slot takes (the previous slot none: it keeps its own sessions),
+    and the pool's objectives' priorities (only when it has some: the file of a pool
+    without any stays as it was)."""
     endpoints = {a: config.stable_name for a in config.stable}
     endpoints.update({a: config.canary_name for a in config.canary})
     endpoints.update({a: config.previous_name for a in config.previous})
     weight = round(config.canary_weight, 2) if config.canary else 0.0
     weights = {config.stable_name: round(100 - weight, 2), config.canary_name: weight}
     weights[config.previous_name] = 0.0
-    return json.dumps({"endpoints": endpoints, "trackWeights": weights}, sort_keys=True)
+    doc: dict[str, Any] = {"endpoints": endpoints, "trackWeights": weights}
+    if objectives:
+        doc["objectives"] = dict(objectives)
+    return json.dumps(doc, sort_keys=True)
 
 
 def _picker_container(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
@@ -163,12 +188,17 @@ def _picker_container(owner: Owner, spec: DeepSeekCacheDeploymentSpec) -> Obj:
     }
 
 
-def router_configmap(owner: Owner, config: RouterConfig, epp: bool = False) -> Obj:
+def router_configmap(
+    owner: Owner,
+    config: RouterConfig,
+    epp: bool = False,
+    objectives: Mapping[str, int] | None = None,
+) -> Obj:
     """ConfigMap ``<name>-router`` with the rendered nginx.conf (and, with ``epp``, the
-    endpoint picker's pool file)."""
+    endpoint picker's pool file, with ``objectives``' priorities)."""
     data = {"nginx.conf": render_nginx_conf(config)}
     if epp:
-        data[EPP_POOL_KEY] = epp_pool(config)
+        data[EPP_POOL_KEY] = epp_pool(config, objectives)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
