@@ -11,7 +11,8 @@ One package, so the question "where does this request go" is answered here:
 * :mod:`.ring` — the prompt key and NGINX's consistent-hash ring in Python, for the
   picker, the endpoint picker and the prewarm Job (the Lua is the reference).
 * :mod:`.picker` — the pod holding a request's longest cached prefix (sidecar
-  filters, KV events via :mod:`.eventfeed`, its own recent placements, similarity).
+  filters, KV events via :mod:`.eventfeed`, its own recent placements, similarity;
+  vLLM pods' GPU prefix caches from vLLM's own events, :mod:`.gputier`).
 * :mod:`.locate` — which pod served a session last, asked of the pods (how several
   router replicas agree).
 * :mod:`.serve` — ``dscache picker``'s HTTP face for NGINX; :mod:`.epp` — its
