@@ -16,7 +16,10 @@ fails or is slow. The picker decides, in this order:
    (a turn's follow-up often arrives before the next filter does). With
    ``events_port`` the exact keys the sidecar's KV events announced answer
    instead of the filter while that feed is in sync
-   (:mod:`dscache_router.eventfeed`).
+   (:mod:`dscache_router.eventfeed`). With ``gpu_events_port`` a vLLM pod's GPU
+   prefix cache counts too (vLLM's own KV events, keyed by tokens:
+   :mod:`dscache_router.gputier`): the longest prefix in tokens over both wins, a
+   tie going to the GPU.
 3. ``similar``: no pod holds a block of it (a prompt shorter than a block, a
    filter not yet fetched), but a request seen recently is similar to it
    (MinHash LSH over word shingles of its messages, datasketch; estimated
