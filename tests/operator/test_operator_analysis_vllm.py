@@ -96,6 +96,17 @@ def test_the_gate_reads_vllms_own_figures_as_its_clients_saw_them(
         labels={"namespace": NAMESPACE, "dscache_io_revision": REVISION},
     )
     try:
+        client = PrometheusClient(prom.url)
+        spec = AnalysisSpec(min_hit_rate=0.2)
+        step = Step(NAMESPACE, REVISION, "none", window_s=300, since_step_s=300)
+        q = queries(spec, step)
+        # The gate's two sums, as the counters' last scraped values (no rate, so no
+        # extrapolation): what Prometheus has seen so far.
+        numerator, denominator = (
+            part.replace("rate(", "").replace("[300s])", "") for part in q["hit_rate"].split(" / ")
+        )
+        # A first scrape before any request: the window's rates then see every token.
+        wait_until("Prometheus's first scrape", lambda: client.scalar(denominator) == 0, 60, 0.5)
         usages = [_chat(server, document, "What was the margin?") for document in DOCUMENTS]
         with SidecarClient(sidecar.socket) as store:
             # Each document's whole blocks written before it is asked again.
@@ -104,14 +115,12 @@ def test_the_gate_reads_vllms_own_figures_as_its_clients_saw_them(
         prompt = sum(u["prompt_tokens"] for u in usages)
         cached = sum((u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for u in usages)
         assert cached > 0, usages  # the second question of each document loaded its prefix
-        client = PrometheusClient(prom.url)
-        spec = AnalysisSpec(min_hit_rate=0.2)
-        step = Step(NAMESPACE, REVISION, "none", window_s=300, since_step_s=300)
-        q = queries(spec, step)
 
         def all_counted() -> bool:
-            total = client.scalar(q["hit_rate"].split(" / ")[1].replace("rate(", "increase("))
-            return total is not None and total >= prompt * 0.99
+            # Both sums, exactly: an extrapolated increase could pass 99% of the
+            # prompt tokens before the last request's cached tokens were scraped.
+            seen, hit = client.scalar(denominator), client.scalar(numerator)
+            return seen is not None and hit is not None and seen >= prompt and hit >= cached
 
         wait_until("Prometheus scraped every request", all_counted, 60, 1.0)
         verdict = analyse(client, spec, step)
