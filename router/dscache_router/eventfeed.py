@@ -238,9 +238,11 @@ class EventFeed:
         baseline = bool(events) and events[0].get("type") == "AllBlocksCleared"
         if not live and seq == feed.snapshot_seq and not baseline:
             pass  # the rest of a replayed baseline: its batches share one number
-        elif not baseline and not (feed.next_seq < 0 and not self._baselines):
-            if feed.next_seq < 0:
+        elif not baseline and feed.next_seq < 0:
+            if self._baselines:
                 return  # nothing to build on yet: the replay from 0 brings the baseline
+            # No baselines (vLLM's engine): the first batch the feed gets is its start.
+        elif not baseline:
             if seq < feed.next_seq:
                 if live and isinstance(ts, float) and ts > feed.last_ts:
                     # Numbered lower but newer: the sidecar restarted.

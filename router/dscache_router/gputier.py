@@ -67,7 +67,7 @@ def token_chain(parent: bytes, ids: Sequence[int], block_size: int) -> list[byte
     arr = np.asarray(ids, dtype="<i4")
     keys: list[bytes] = []
     for start in range(0, len(arr) - block_size + 1, block_size):
-        parent = xxhash.xxh3_128_digest(parent + arr[start : start + block_size].tobytes())
+        parent = _key(parent, arr[start : start + block_size])  # the events' key, exactly
         keys.append(parent)
     return keys
 
@@ -180,11 +180,6 @@ class GpuTier:
             self._following(sum(bool(p.held) for p in self._pods.values()))
 
     # -- what the picker asks --------------------------------------------------------
-
-    def following(self) -> int:
-        """Pods with at least one block indexed."""
-        with self._lock:
-            return sum(bool(p.held) for p in self._pods.values())
 
     def block_size(self, address: str) -> int:
         """The pod's vLLM block size (0: no event from it yet)."""

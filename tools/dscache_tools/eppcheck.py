@@ -99,23 +99,10 @@ def build(source: Path = SOURCE, root: Path | None = None) -> Path:
 OBJECTIVE_VERSION = "v1.1.0"
 
 
-def inference_objective_crd(source: Path = SOURCE) -> Path:
-    """The extension's InferenceObjective CRD (``inference.networking.x-k8s.io/v1alpha2``)
-    from its :data:`OBJECTIVE_VERSION` module, fetched through the Go module proxy.
-
-    Raises:
-        BuildError: No source tree, no Go, or the module could not be fetched.
-    """
-    if not (source / "go.mod").is_file():
-        raise BuildError(f"{source} holds no go.mod: the CRD comes from a dscache source tree")
-    info = module_download(find_go(), MODULE, OBJECTIVE_VERSION, source)
-    bases = Path(info["Dir"]) / "config" / "crd" / "bases"
-    return bases / "inference.networking.x-k8s.io_inferenceobjectives.yaml"
-
-
-def inference_pool_crd(source: Path = SOURCE) -> Path:
-    """The extension's own InferencePool CRD, from the module the driver pins (fetched
-    through the Go module proxy into Go's module cache, read-only there).
+def _module_crd(source: Path, version: str | None, name: str) -> Path:
+    """The CRD file ``name`` of the extension's module at ``version`` (None: the version
+    ``source``'s go.mod pins), fetched through the Go module proxy into Go's module
+    cache (read-only there).
 
     Raises:
         BuildError: No source tree, no Go, or the module could not be fetched.
@@ -123,14 +110,27 @@ def inference_pool_crd(source: Path = SOURCE) -> Path:
     gomod = source / "go.mod"
     if not gomod.is_file():
         raise BuildError(f"{source} holds no go.mod: the CRD comes from a dscache source tree")
-    pinned = re.search(rf"^\s*(?:require\s+)?{re.escape(MODULE)}\s+(v\S+)", gomod.read_text(), re.M)
-    if pinned is None:
-        raise BuildError(f"{gomod} requires no {MODULE}")
-    info = module_download(find_go(), MODULE, pinned[1], source)
-    directory = Path(info["Dir"])
-    return (
-        directory / "config" / "crd" / "bases" / "inference.networking.k8s.io_inferencepools.yaml"
-    )
+    if version is None:
+        pinned = re.search(
+            rf"^\s*(?:require\s+)?{re.escape(MODULE)}\s+(v\S+)", gomod.read_text(), re.M
+        )
+        if pinned is None:
+            raise BuildError(f"{gomod} requires no {MODULE}")
+        version = pinned[1]
+    info = module_download(find_go(), MODULE, version, source)
+    return Path(info["Dir"]) / "config" / "crd" / "bases" / name
+
+
+def inference_objective_crd(source: Path = SOURCE) -> Path:
+    """The extension's InferenceObjective CRD (``inference.networking.x-k8s.io/v1alpha2``)
+    from its :data:`OBJECTIVE_VERSION` module."""
+    name = "inference.networking.x-k8s.io_inferenceobjectives.yaml"
+    return _module_crd(source, OBJECTIVE_VERSION, name)
+
+
+def inference_pool_crd(source: Path = SOURCE) -> Path:
+    """The extension's own InferencePool CRD, from the module the driver pins."""
+    return _module_crd(source, None, "inference.networking.k8s.io_inferencepools.yaml")
 
 
 def check(
