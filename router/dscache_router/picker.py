@@ -468,7 +468,8 @@ class Picker:
         ids = None if q.credentials else self._token_ids(body)
         minhash = self._minhash(text) if text else None
         gpu: dict[str, int] = {}
-        if ids and not q.pinned:
+        # A pin counts only where _choose honours it: a pod among the candidates.
+        if ids and not any(c.address == q.pinned for c in q.pods):
             model = body.get("model") if isinstance(body, dict) else None
             roots = [root(None)] + ([root(model)] if isinstance(model, str) and model else [])
             gpu = self.gpu.held_tokens(ids, roots, (c.address for c in q.pods if q.eligible(c)))

@@ -202,6 +202,9 @@ def test_no_gpu_match_for_credentials_pins_or_pods_over_the_bound(
     announce(gpu_picker, B, doc_ids(tokenizer), 8)
     assert gpu_picker.pick(query(chat(DOC), credentials=True)).reason != "prefix"
     assert gpu_picker.pick(query(chat(DOC), pinned=C)).pod == C
+    # A pin to a pod no longer among the candidates is no pin: the GPU still counts.
+    gone = gpu_picker.pick(query(chat(DOC), pods=f"{A}/0,{B}/0", pinned=C))
+    assert (gone.pod, gone.tier) == (B, "gpu")
     over = gpu_picker.pick(query(chat(DOC), pods=f"{A}/0,{B}/5,{C}/0", cap=2))
     assert over.pod != B
 
