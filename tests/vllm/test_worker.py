@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +115,53 @@ def test_a_corrupt_block_checked_before_the_copy_is_never_copied(daemon: Sidecar
     assert missing == {12, 13, 14, 15}
     assert reg.get_sample_value("dscache_vllm_load_failures_total", {"reason": "missing"}) == 4
     assert float(dst[0][12].abs().sum()) == 0  # nothing of the bad block was copied
+    saver.close()
+    loader.close()
+
+
+def test_a_load_from_inside_a_block_is_exact_and_its_whole_block_is_checked(
+    daemon: SidecarProcess,
+) -> None:
+    """A load that starts at a block's second page (vLLM's own prefix cache held the
+    first) gets exactly the stored pages, and the block's first page, not loaded, is
+    still part of its check: a flipped byte there fails the block (and every later
+    one) for a fresh worker."""
+    src = kv(fill=True)
+    saver, _ = worker(daemon, src)
+    save_all(saver)
+    pages = (9, 10, 11, 12, 13)
+    spec = LoadSpec("r2", CHAIN.tenant, tuple(KEYS), 0, 1, pages)  # chain pages 1..5
+    dst = kv(fill=False)
+    loader, _ = worker(daemon, dst)
+    assert loader.load(spec) == set()
+    assert loader.checked_loads == 1
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[9:14], s[1:6])
+    flip_block(saver.client, daemon.data_dir, CHAIN.tenant, KEYS[0])  # in page 0, layer 0
+    fresh, reg = worker(daemon, kv(fill=False))
+    assert fresh.load(spec) == set(pages)
+    assert reg.get_sample_value("dscache_vllm_load_failures_total", {"reason": "corrupt"}) == 5
+    saver.close()
+    loader.close()
+    fresh.close()
+
+
+def test_a_truncated_segment_recomputes_from_the_cut_block(daemon: SidecarProcess) -> None:
+    """A segment file cut short after the blocks were stored: the blocks before the
+    cut load, the rest are recomputed (never a SIGBUS on the mapping), and the
+    daemon drops the cut block."""
+    saver, _ = worker(daemon, kv(fill=True))
+    save_all(saver)
+    grant = saver.client.lease(CHAIN.tenant, KEYS)
+    assert grant is not None and len(grant.blocks) == 3
+    cut = grant.blocks[1]
+    assert grant.blocks[2].segment == cut.segment and grant.blocks[2].offset > cut.offset
+    saver.client.release(grant.lease_id)
+    os.truncate(daemon.data_dir / cut.segment, cut.offset + 100)
+    loader, reg = worker(daemon, kv(fill=False))
+    assert loader.load(load_spec((10, 11, 12, 13, 14, 15))) == {12, 13, 14, 15}
+    assert reg.get_sample_value("dscache_vllm_loaded_tokens_total") == 2 * PAGE
+    assert loader.client.find(CHAIN.tenant, KEYS).found == 1  # the daemon dropped the cut block
     saver.close()
     loader.close()
 
