@@ -1,16 +1,22 @@
 """What the reconcile reads of its children: from kopf indexes, or from the API.
 
 A reconcile observes a resource's model Deployments, its prewarm Job and its model
-and router pods. Read from the API server, that is four to six requests per tick
+and router pods, and, for ``routing.gateway: inferencePool``, the InferenceObjectives
+of its namespace. Read from the API server, that is four to seven requests per tick
 for each resource; kopf keeps the same objects from watch streams instead
 (``@kopf.index`` on Deployments, Jobs and Pods, each watch narrowed on the
 server to ``app.kubernetes.io/name=dscache``, so the operator never holds other
-workloads' objects).
+workloads' objects; and on InferenceObjectives, which are not the operator's
+children and carry no such label: only their name, pool and priority are kept).
+kopf watches InferenceObjectives only where the cluster serves their API, from the
+moment their CRD is installed.
 
 Contract:
     * :class:`ChildReader` is what the reconciler reads through: ``get(kind,
       namespace, name)`` (a Deployment or a Job, or None) and ``pods(owner,
-      component)`` (the pods carrying the owner's selector labels of that component).
+      component)`` (the pods carrying the owner's selector labels of that component)
+      and ``objectives(namespace)`` (the namespace's InferenceObjectives, or None:
+      unknown here, list them from the API).
     * :class:`IndexedChildren` answers from kopf's indexes (:func:`register_indexes`),
       which kopf fills before any resource handler runs and keeps current from
       watch events: what it returns may be a watch event behind the API server,
@@ -39,7 +45,10 @@ _INSTANCE = "app.kubernetes.io/instance"
 _COMPONENT = "app.kubernetes.io/component"
 #: kopf's index names (each becomes a handler keyword argument).
 DEPLOYMENTS, JOBS, PODS = "dscache_deployments", "dscache_jobs", "dscache_pods"
-INDEXES = (DEPLOYMENTS, JOBS, PODS)
+OBJECTIVES = "dscache_objectives"
+INDEXES = (DEPLOYMENTS, JOBS, PODS, OBJECTIVES)
+#: The InferenceObjective API (the Gateway API Inference Extension's), as kopf names it.
+OBJECTIVE_RESOURCE = ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives")
 
 
 class ChildReader(Protocol):
@@ -48,6 +57,8 @@ class ChildReader(Protocol):
     def get(self, kind: str, namespace: str, name: str) -> Obj | None: ...
 
     def pods(self, owner: Owner, component: str) -> list[Obj]: ...
+
+    def objectives(self, namespace: str) -> list[Obj] | None: ...
 
 
 class ApiChildren:
@@ -62,6 +73,9 @@ class ApiChildren:
     def pods(self, owner: Owner, component: str) -> list[Obj]:
         return self._kube.list("Pod", owner.namespace, selector_labels(owner, component))
 
+    def objectives(self, namespace: str) -> list[Obj] | None:
+        return None  # the reconciler lists them, where the cluster serves their API
+
 
 class IndexedChildren:
     """Children from kopf's indexes (the keyword arguments kopf gives a handler)."""
@@ -69,6 +83,7 @@ class IndexedChildren:
     def __init__(self, indexes: Mapping[str, Any]) -> None:
         self._by_kind = {"Deployment": indexes[DEPLOYMENTS], "Job": indexes[JOBS]}
         self._pods = indexes[PODS]
+        self._objectives = indexes[OBJECTIVES]
 
     def get(self, kind: str, namespace: str, name: str) -> Obj | None:
         store: Iterable[Obj] = self._by_kind[kind].get((namespace, name), ())
@@ -77,9 +92,23 @@ class IndexedChildren:
     def pods(self, owner: Owner, component: str) -> list[Obj]:
         return list(self._pods.get((owner.namespace, owner.name, component), ()))
 
+    def objectives(self, namespace: str) -> list[Obj] | None:
+        return list(self._objectives.get(namespace, ()))
+
 
 def _key(namespace: str | None, name: str | None) -> tuple[str, str]:
     return (namespace or "", name or "")
+
+
+def objective_entry(namespace: str | None, body: Mapping[str, Any]) -> dict[str, Obj]:
+    """An InferenceObjective's index entry: its namespace, and what a pool file needs of
+    it (its name, the pool it names, its priority)."""
+    spec = body.get("spec") or {}
+    slim = {
+        "metadata": {"name": (body.get("metadata") or {}).get("name")},
+        "spec": {k: spec[k] for k in ("poolRef", "priority") if k in spec},
+    }
+    return {namespace or "": slim}
 
 
 def narrow_watches(settings: kopf.OperatorSettings) -> None:
@@ -89,7 +118,7 @@ def narrow_watches(settings: kopf.OperatorSettings) -> None:
 
 
 def register_indexes(registry: kopf.OperatorRegistry) -> None:
-    """Adds the three indexes to ``registry`` (see :func:`narrow_watches`)."""
+    """Adds the four indexes to ``registry`` (see :func:`narrow_watches`)."""
 
     @kopf.index("apps", "v1", "deployments", id=DEPLOYMENTS, registry=registry)
     def deployments(namespace: str | None, name: str | None, body: kopf.Body, **_: Any) -> Any:
@@ -106,3 +135,7 @@ def register_indexes(registry: kopf.OperatorRegistry) -> None:
             return None
         slim = {"metadata": dict(body.metadata), "status": dict(body.status)}
         return {(namespace or "", instance, component): slim}
+
+    @kopf.index(*OBJECTIVE_RESOURCE, id=OBJECTIVES, registry=registry)
+    def objectives(namespace: str | None, body: kopf.Body, **_: Any) -> Any:
+        return objective_entry(namespace, body)

@@ -267,7 +267,7 @@ class Reconciler:
             previous_addresses=previous,
             monitoring=self._monitoring_available(),
             inference_pools=pools,
-            objectives=self._objectives(owner) if pools else None,
+            objectives=self._objectives(owner, reader) if pools else None,
             policy=self.policy,
         )
         for child in objs:
@@ -517,12 +517,14 @@ class Reconciler:
         )
         return verdict
 
-    def _objectives(self, owner: Owner) -> dict[str, int]:
-        """The priorities of the InferenceObjectives of the resource's InferencePool
-        (one list per reconcile, where the cluster serves their API)."""
+    def _objectives(self, owner: Owner, reader: ChildReader) -> dict[str, int]:
+        """The priorities of the InferenceObjectives of the resource's InferencePool,
+        where the cluster serves their API: from kopf's index, else one list."""
         if not self._api_available(INFERENCE_OBJECTIVE_API, "inferenceobjectives"):
             return {}
-        items = self.kube.list("InferenceObjective", owner.namespace, {})
+        items = reader.objectives(owner.namespace)
+        if items is None:
+            items = self.kube.list("InferenceObjective", owner.namespace, {})
         return objective_priorities(items, owner.name)
 
     def _monitoring_available(self) -> bool:

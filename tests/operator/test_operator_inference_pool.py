@@ -17,6 +17,15 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+from dscache_operator.children import (
+    DEPLOYMENTS,
+    JOBS,
+    OBJECTIVES,
+    PODS,
+    ApiChildren,
+    IndexedChildren,
+    objective_entry,
+)
 from dscache_operator.desired import (
     EPP_POOL_KEY,
     children,
@@ -227,3 +236,28 @@ def test_the_pools_objectives_reach_the_pool_file_and_a_pool_without_any_is_unch
     objs = children(OWNER, spec, status_for(spec), STABLE, (), monitoring=False, objectives=found)
     (cm,) = [o for o in objs if o["kind"] == "ConfigMap"]
     assert json.loads(cm["data"][EPP_POOL_KEY])["objectives"] == found
+
+
+def test_the_operator_keeps_objectives_in_an_index_by_namespace_and_only_what_it_reads() -> None:
+    """The reconcile reads a pool's InferenceObjectives from kopf's index (a watch)
+    instead of listing them every tick: each entry is filed under its namespace and
+    keeps its name, pool and priority (not its labels, annotations or other fields),
+    enough for the same priorities; the API reader says it does not know (None), so
+    the reconcile lists them there."""
+    full = _objective("batch", OWNER.name, -2)
+    full["metadata"].update(namespace="team-a", labels={"a": "b"}, annotations={"x": "y" * 512})
+    full["spec"]["modelName"] = "m"
+    entry = objective_entry("team-a", full)
+    assert entry == {
+        "team-a": {
+            "metadata": {"name": "batch"},
+            "spec": {"poolRef": {"name": OWNER.name}, "priority": -2},
+        }
+    }
+    unset = objective_entry("team-a", _objective("chat", OWNER.name))["team-a"]
+    other = objective_entry("team-b", _objective("other", OWNER.name, -9))["team-b"]
+    index = {"team-a": [entry["team-a"], unset], "team-b": [other]}
+    reader = IndexedChildren({DEPLOYMENTS: {}, JOBS: {}, PODS: {}, OBJECTIVES: index})
+    assert objective_priorities(reader.objectives("team-a"), OWNER.name) == {"batch": -2, "chat": 0}
+    assert reader.objectives("team-c") == []
+    assert ApiChildren(None).objectives("team-a") is None  # type: ignore[arg-type]

@@ -95,10 +95,11 @@ app.kubernetes.io/component: operator
   resources: ["inferencepools"]
   verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["inference.networking.x-k8s.io"]
-  # Its InferenceObjectives' priorities (read only): a sheddable objective's requests get
-  # 429 from the endpoint picker when every pod is at its bound.
+  # Its InferenceObjectives' priorities (read only, kept in a kopf index from a watch): a
+  # sheddable objective's requests get 429 from the endpoint picker when every pod is at
+  # its bound.
   resources: ["inferenceobjectives"]
-  verbs: ["get", "list"]
+  verbs: ["get", "list", "watch"]
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
