@@ -15,8 +15,8 @@ Contract:
     * :class:`ChildReader` is what the reconciler reads through: ``get(kind,
       namespace, name)`` (a Deployment or a Job, or None) and ``pods(owner,
       component)`` (the pods carrying the owner's selector labels of that component)
-      and ``objectives(namespace)`` (the namespace's InferenceObjectives, or None:
-      unknown here, list them from the API).
+      and ``objectives(namespace)`` (the namespace's InferenceObjectives; asked only
+      where the cluster serves their API).
     * :class:`IndexedChildren` answers from kopf's indexes (:func:`register_indexes`),
       which kopf fills before any resource handler runs and keeps current from
       watch events: what it returns may be a watch event behind the API server,
@@ -58,7 +58,7 @@ class ChildReader(Protocol):
 
     def pods(self, owner: Owner, component: str) -> list[Obj]: ...
 
-    def objectives(self, namespace: str) -> list[Obj] | None: ...
+    def objectives(self, namespace: str) -> list[Obj]: ...
 
 
 class ApiChildren:
@@ -73,8 +73,8 @@ class ApiChildren:
     def pods(self, owner: Owner, component: str) -> list[Obj]:
         return self._kube.list("Pod", owner.namespace, selector_labels(owner, component))
 
-    def objectives(self, namespace: str) -> list[Obj] | None:
-        return None  # the reconciler lists them, where the cluster serves their API
+    def objectives(self, namespace: str) -> list[Obj]:
+        return self._kube.list("InferenceObjective", namespace, {})
 
 
 class IndexedChildren:
@@ -92,7 +92,7 @@ class IndexedChildren:
     def pods(self, owner: Owner, component: str) -> list[Obj]:
         return list(self._pods.get((owner.namespace, owner.name, component), ()))
 
-    def objectives(self, namespace: str) -> list[Obj] | None:
+    def objectives(self, namespace: str) -> list[Obj]:
         return list(self._objectives.get(namespace, ()))
 
 

@@ -519,13 +519,10 @@ class Reconciler:
 
     def _objectives(self, owner: Owner, reader: ChildReader) -> dict[str, int]:
         """The priorities of the InferenceObjectives of the resource's InferencePool,
-        where the cluster serves their API: from kopf's index, else one list."""
+        where the cluster serves their API (from kopf's index, or one list)."""
         if not self._api_available(INFERENCE_OBJECTIVE_API, "inferenceobjectives"):
             return {}
-        items = reader.objectives(owner.namespace)
-        if items is None:
-            items = self.kube.list("InferenceObjective", owner.namespace, {})
-        return objective_priorities(items, owner.name)
+        return objective_priorities(reader.objectives(owner.namespace), owner.name)
 
     def _monitoring_available(self) -> bool:
         return self._api_available("monitoring.coreos.com/v1", "servicemonitors")

@@ -22,7 +22,6 @@ from dscache_operator.children import (
     JOBS,
     OBJECTIVES,
     PODS,
-    ApiChildren,
     IndexedChildren,
     objective_entry,
 )
@@ -242,8 +241,7 @@ def test_the_operator_keeps_objectives_in_an_index_by_namespace_and_only_what_it
     """The reconcile reads a pool's InferenceObjectives from kopf's index (a watch)
     instead of listing them every tick: each entry is filed under its namespace and
     keeps its name, pool and priority (not its labels, annotations or other fields),
-    enough for the same priorities; the API reader says it does not know (None), so
-    the reconcile lists them there."""
+    enough for the same priorities."""
     full = _objective("batch", OWNER.name, -2)
     full["metadata"].update(namespace="team-a", labels={"a": "b"}, annotations={"x": "y" * 512})
     full["spec"]["modelName"] = "m"
@@ -260,4 +258,3 @@ def test_the_operator_keeps_objectives_in_an_index_by_namespace_and_only_what_it
     reader = IndexedChildren({DEPLOYMENTS: {}, JOBS: {}, PODS: {}, OBJECTIVES: index})
     assert objective_priorities(reader.objectives("team-a"), OWNER.name) == {"batch": -2, "chat": 0}
     assert reader.objectives("team-c") == []
-    assert ApiChildren(None).objectives("team-a") is None  # type: ignore[arg-type]
