@@ -176,7 +176,10 @@ build() {
 
 stage "setup"
 if [ "$fast" -eq 1 ]; then
-  bash scripts/setup.sh lua-check
+  # Two fast tests check configs with the real tools: `nginx -t` on the operator's
+  # router config, `promtool check rules` on the chart's alerts.
+  bash scripts/setup.sh lua-check nginx-light libnginx-mod-http-ndk libnginx-mod-http-lua \
+    prometheus
 else
   # Neither needs the Debian packages: they start at once.
   build dev-cluster scripts/build-dev-cluster.sh
