@@ -114,6 +114,9 @@ ROUTER_PICKS: Final = ROUTER_PREFIX + "picks"
 #: Counter: sessions this replica did not know, looked up on the pods, by result
 #: (found, unknown, failed).
 ROUTER_LOCATES: Final = ROUTER_PREFIX + "session_locates"
+#: Counter: requests no session placed, looked up by what the pods hold past their
+#: opening, by result (found, unknown, failed).
+ROUTER_HOLDERS: Final = ROUTER_PREFIX + "holder_lookups"
 #: Labels of the router's series.
 ROUTER_TRACK_LABEL: Final = "track"
 ROUTER_CODE_LABEL: Final = "code"

@@ -37,6 +37,11 @@ Contract:
       ``X-Dscache-Pick-Blocks`` headers. A body that is not a chat or completion
       request still gets an answer (by similarity on its text, else hash); a
       malformed ``pods`` is 400.
+    * ``POST /holder?pods=ADDR,...&lead=N``, body = the client's request: which of
+      ``pods`` (every live pod of every track) holds the request's conversation past
+      its first ``N`` chat messages (:meth:`Picker.holder`): 200 with the address,
+      404 when none does (a first turn, an opening alone, credentials, no chat),
+      400 for a malformed query.
     * Keys are computed only where they are public: a pod's ``/dscache/keyinfo``
       gives the root for requests without credentials when tenancy is off; a
       request with ``Authorization`` or a tenant's pod gets no prefix match
@@ -202,6 +207,44 @@ class PickQuery:
 
 
 @dataclass(frozen=True)
+class HolderQuery:
+    """Which pod holds a request's conversation (:meth:`Picker.holder`)."""
+
+    pods: tuple[str, ...]
+    lead_messages: int
+    body: bytes
+    credentials: bool
+
+    @classmethod
+    def parse(cls, args: Mapping[str, str], body: bytes, credentials: bool) -> HolderQuery:
+        """Parses ``pods=ADDR,...&lead=N``; raises :class:`PickError` for a malformed one."""
+        pods = tuple(filter(None, args.get("pods", "").split(",")))
+        if not pods or len(pods) > MAX_HOLDER_PODS:
+            raise PickError(f"pods must name 1 to {MAX_HOLDER_PODS} pods")
+        lead = args.get("lead", "2")
+        if not lead.isdigit() or not 1 <= int(lead) <= MAX_LEAD_MESSAGES:
+            raise PickError(f"lead {lead!r} is not a message count from 1 to {MAX_LEAD_MESSAGES}")
+        return cls(pods=pods, lead_messages=int(lead), body=body, credentials=credentials)
+
+
+#: Pods one holder query may name (every live pod of a deployment's tracks).
+MAX_HOLDER_PODS = 256
+#: The router's prompt key hashes at most this many leading messages.
+MAX_LEAD_MESSAGES = 64
+
+
+def _opening(body: Any, messages: int) -> dict[str, Any] | None:
+    """The request cut to its opening (its first ``messages`` chat messages), None when
+    it is no chat request or has nothing past its opening."""
+    if not isinstance(body, dict):
+        return None
+    chat = body.get("messages")
+    if not isinstance(chat, list) or len(chat) <= messages:
+        return None
+    return {"messages": chat[:messages]}
+
+
+@dataclass(frozen=True)
 class Pick:
     """The picker's answer."""
 
@@ -274,6 +317,16 @@ class PickerMetrics:
         )
         for result in ("found", "unknown", "failed"):
             self.locates.labels(result)
+        self.holders = Counter(
+            "dscache_picker_holders",
+            "Requests its router replica could not place by session, looked up by what "
+            "the pods hold: found (a pod holds the conversation past its opening), "
+            "unknown (none does) or failed (a bad query).",
+            ["result"],
+            registry=self.registry,
+        )
+        for result in ("found", "unknown", "failed"):
+            self.holders.labels(result)
         self.tiers = Counter(
             "dscache_picker_prefix_tier",
             "Prefix choices by where the match was: store (the pod's sidecar: filter, "
@@ -487,6 +540,44 @@ class Picker:
             self.metrics.tiers.labels(choice.tier).inc()
         self.metrics.seconds.observe(time.perf_counter() - started)
         return choice
+
+    def holder(self, q: HolderQuery) -> str | None:
+        """The pod holding this request's conversation: the longest cached prefix over
+        ``q.pods`` (every live pod of every track), if that prefix reaches past the
+        request's opening (its first ``q.lead_messages`` messages, what a prompt key
+        hashes). Past the opening the blocks are the conversation's own history (its
+        answers and later turns), which only the pods that served it hold; an opening
+        alone (a shared document, a first turn) names no holder, so new sessions keep
+        following the track weights. Ties: the first in ``q.pods``. The prompt's keys
+        count as held there from now on, as a pick's do."""
+        if q.credentials:
+            return None
+        try:
+            body = json.loads(q.body) if q.body else None
+        except (ValueError, UnicodeDecodeError):
+            return None
+        lead = _opening(body, q.lead_messages)
+        if lead is None:
+            return None
+        ids, lead_ids = self._token_ids(body), self._token_ids(lead)
+        if not ids or lead_ids is None or len(ids) <= len(lead_ids):
+            return None
+        self.know(q.pods)
+        with self._lock:
+            now = self.clock()
+            chains: dict[tuple[bytes, int], list[bytes]] = {}
+            best: tuple[int, str] | None = None
+            for address in q.pods:
+                pod = self._pods.get(address)
+                if pod is None:
+                    continue
+                held = self._held(pod, self._keys(address, ids, chains), now) * pod.block_tokens
+                if held > len(lead_ids) and (best is None or held > best[0]):
+                    best = (held, address)
+            if best is not None:
+                self._record(best[1], self._keys(best[1], ids, chains), "", None, now)
+        self.metrics.holders.labels("found" if best else "unknown").inc()
+        return best[1] if best else None
 
     def moved(self, key: str, picked: str, address: str, keys: Sequence[bytes]) -> None:
         """Another pod than the one picked served the request (a gateway's fallback):

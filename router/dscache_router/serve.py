@@ -4,7 +4,10 @@ Routes: ``POST /pick`` (the decision), ``GET /locate?key=K&pods=ADDR,...&budget_
 of the pods served session ``K``, asked of the pods themselves, so that router
 replicas agree: :mod:`dscache_router.locate`; 200 with the address, 404 when
 none did, 400 for a bad query; each pod is given ``budget_ms``, else
-``--locate-timeout``), ``GET /health``, ``GET /metrics``. The
+``--locate-timeout``), ``POST /holder?pods=ADDR,...&lead=N`` (body: the client's
+request; which pod holds the conversation past its first ``N`` messages, from what
+the pods hold: :meth:`~dscache_router.picker.Picker.holder`; 200 with the address,
+404 when none does, 400 for a bad query), ``GET /health``, ``GET /metrics``. The
 decision runs on a worker thread (tokenizing is CPU work); the filters are
 fetched by a background thread, with the internal token of
 ``DSCACHE_PICKER_INTERNAL_TOKEN`` (an environment variable, never a flag: flags
@@ -19,8 +22,9 @@ import json
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 import httpx
 from dscache_server.tokenizer import DeepSeekTokenizer
@@ -37,6 +41,7 @@ from dscache_router.locate import locate
 from dscache_router.picker import (
     BLOCKS_HEADER,
     REASON_HEADER,
+    HolderQuery,
     Picker,
     PickError,
     PickerSettings,
@@ -45,6 +50,8 @@ from dscache_router.picker import (
 )
 
 log = logging.getLogger(__name__)
+
+Q = TypeVar("Q")
 
 #: Largest body the picker reads (the router's own limit is the real one).
 MAX_BODY = 16 << 20
@@ -101,17 +108,22 @@ def create_app(
 
     @app.post("/pick")
     async def pick(request: Request) -> Response:
-        body = await _read_body(request, MAX_BODY)
-        if body is None:
-            return PlainTextResponse("body too large\n", status_code=413)
-        credentials = "authorization" in request.headers
-        try:
-            query = PickQuery.parse(dict(request.query_params), body, credentials)
-        except PickError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
+        query = await _query(request, PickQuery.parse)
+        if isinstance(query, Response):
+            return query
         choice = await run_in_threadpool(picker.pick, query)
         headers = {REASON_HEADER: choice.reason, BLOCKS_HEADER: str(choice.blocks)}
         return PlainTextResponse(choice.pod, headers=headers)
+
+    _placement_routes(app, picker, clients, token)
+    return app
+
+
+def _placement_routes(
+    app: FastAPI, picker: Picker, clients: list[httpx.AsyncClient], token: dict[str, str]
+) -> None:
+    """``GET /locate`` and ``POST /holder``: where a request the router cannot place by
+    its own memory belongs (see the module docstring)."""
 
     @app.get("/locate")
     async def locate_session(key: str = "", pods: str = "", budget_ms: int = 0) -> Response:
@@ -129,13 +141,44 @@ def create_app(
             return PlainTextResponse("", status_code=404)
         return PlainTextResponse(pod)
 
-    return app
+    @app.post("/holder")
+    async def holder(request: Request) -> Response:
+        query = await _query(request, _holder_query)
+        if isinstance(query, Response):
+            picker.metrics.holders.labels("failed").inc()
+            return query
+        pod = await run_in_threadpool(picker.holder, query)
+        if pod is None:
+            return PlainTextResponse("", status_code=404)
+        return PlainTextResponse(pod)
 
 
 #: A pod address the picker will ask (the router's own config names them).
 _ADDRESS = re.compile(r"[A-Za-z0-9.\-]{1,253}:\d{1,5}|\[[0-9A-Fa-f:.]{2,45}\]:\d{1,5}")
 #: Pods one lookup asks at most (every live pod of a deployment's tracks).
 MAX_LOCATE_PODS = 256
+
+
+async def _query(
+    request: Request, parse: Callable[[Mapping[str, str], bytes, bool], Q]
+) -> Q | Response:
+    """The query string parsed with the body (at most ``MAX_BODY``) and whether the
+    client sent credentials; a 413 or a 400 answer instead when it cannot be."""
+    body = await _read_body(request, MAX_BODY)
+    if body is None:
+        return PlainTextResponse("body too large\n", status_code=413)
+    try:
+        return parse(dict(request.query_params), body, "authorization" in request.headers)
+    except PickError as exc:
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+
+def _holder_query(args: Mapping[str, str], body: bytes, credentials: bool) -> HolderQuery:
+    query = HolderQuery.parse(args, body, credentials)
+    bad = [a for a in query.pods if not _ADDRESS.fullmatch(a)]
+    if bad:
+        raise PickError(f"not HOST:PORT: {bad[0]!r}")
+    return query
 
 
 async def _read_body(request: Request, limit: int) -> bytes | None:

@@ -10,7 +10,14 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import httpx
 import pytest
-from dscache_router.picker import Picker, PickError, PickerSettings, PickQuery, shingles
+from dscache_router.picker import (
+    HolderQuery,
+    Picker,
+    PickError,
+    PickerSettings,
+    PickQuery,
+    shingles,
+)
 from dscache_router.serve import create_app
 from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer
 from dscache_sidecar.holdings import HoldingsFilter
@@ -90,6 +97,61 @@ def test_the_pod_holding_the_longest_prefix_takes_the_request(
     choice = picker.pick(query(turn2))
     assert (choice.pod, choice.reason) == (C, "prefix")
     assert choice.blocks == len(keys_of(tokenizer, turn1)) > 2
+
+
+def holder_query(
+    messages: list[dict[str, str]], pods: str = f"{A},{B},{C}", *, credentials: bool = False
+) -> HolderQuery:
+    body = json.dumps({"messages": messages}).encode()
+    return HolderQuery.parse({"pods": pods, "lead": "2"}, body, credentials)
+
+
+def test_the_holder_is_the_pod_with_the_conversation_past_its_opening(
+    picker: Picker, tokenizer: DeepSeekTokenizer
+) -> None:
+    turn1 = chat(DOC, "What grew most?")
+    answer = "Segment 6 grew the most, six percent in fiscal 2006, ahead of all the others."
+    turn2 = chat(DOC, "What grew most?", answer, "And least?")
+    # A and B hold the opening (the document and first question: shared, prewarmed
+    # on every pod of both tracks); only C holds the conversation's answer and past.
+    opening = keys_of(tokenizer, turn1)
+    picker.set_holdings(A, HoldingsFilter.of(opening, 1000))
+    picker.set_holdings(B, HoldingsFilter.of(opening, 1000))
+    assert picker.holder(holder_query(turn2)) is None  # no pod holds more than the opening
+    # C served the first turn: it holds its prompt and answer (not the new question).
+    picker.set_holdings(C, HoldingsFilter.of(keys_of(tokenizer, turn2)[:-1], 1000))
+    assert picker.holder(holder_query(turn2)) == C
+    # It goes there from now on: its keys count as held on C (the picker's memory).
+    picker.set_holdings(C, HoldingsFilter.of([], 1000))
+    assert picker.holder(holder_query(turn2)) == C
+    assert picker.metrics.holders.labels("found")._value.get() == 2
+
+
+def test_an_opening_alone_names_no_holder_so_the_weights_place_it(
+    picker: Picker, tokenizer: DeepSeekTokenizer
+) -> None:
+    # A first turn (nothing past its opening), whoever holds it: the canary weight
+    # decides where a new conversation goes, not which pod was prewarmed with it.
+    first = chat(DOC, "What grew most?")
+    picker.set_holdings(A, HoldingsFilter.of(keys_of(tokenizer, first), 1000))
+    assert picker.holder(holder_query(first)) is None
+    # Nor does a request with credentials (its keys are its tenant's), nor one that
+    # is no chat.
+    later = chat(DOC, "What grew most?", "Segment 6.", "And least?")
+    picker.set_holdings(A, HoldingsFilter.of(keys_of(tokenizer, later), 1000))
+    assert picker.holder(holder_query(later, credentials=True)) is None
+    text = HolderQuery.parse({"pods": A}, json.dumps({"prompt": DOC}).encode(), False)
+    assert picker.holder(text) is None
+    assert picker.holder(holder_query(later)) == A
+
+
+@pytest.mark.parametrize(
+    "args",
+    [{"pods": ""}, {"pods": A, "lead": "0"}, {"pods": A, "lead": "x"}, {"pods": A, "lead": "65"}],
+)
+def test_a_malformed_holder_query_is_refused(args: dict[str, str]) -> None:
+    with pytest.raises(PickError):
+        HolderQuery.parse(args, b"{}", False)
 
 
 def test_a_pod_over_the_load_bound_is_passed_over_for_the_next_best(
@@ -188,6 +250,15 @@ async def test_the_http_app_answers_a_pod_or_400(picker: Picker) -> None:
         assert junk.status_code == 200 and junk.text == A
         metrics = await client.get("/metrics")
         assert 'dscache_picker_decisions_total{reason="hash"} 2.0' in metrics.text
+        # Which pod holds a conversation: none here (404), and a bad query is a 400.
+        later = json.dumps({"messages": chat(DOC, "Q?", "A.", "Q2?")})
+        none = await client.post("/holder", params={"pods": f"{A},{B}"}, content=later)
+        assert none.status_code == 404
+        bad = await client.post("/holder", params={"pods": "no pod"}, content=later)
+        assert bad.status_code == 400 and "HOST:PORT" in bad.json()["error"]
+        metrics = await client.get("/metrics")
+        assert 'dscache_picker_holders_total{result="unknown"} 1.0' in metrics.text
+        assert 'dscache_picker_holders_total{result="failed"} 1.0' in metrics.text
 
 
 def test_an_unchanged_holdings_filter_is_not_downloaded_again(

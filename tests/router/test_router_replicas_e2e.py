@@ -4,7 +4,8 @@ of the same real model servers, as two router pods behind one Service.
 What a user notices: whichever replica a conversation's next turn reaches, it goes to
 the pod that served the conversation (so its history is there), on the track it
 started on, even when that replica started after the conversation did, or never saw
-it and would have placed it elsewhere. (Each replica's load bound counting the
+it and would have placed it elsewhere; and so does a turn that lost its session id
+on the way (a gateway that drops the header), placed by what the pods hold. (Each replica's load bound counting the
 other replicas' requests: ``test_router_balance``.)
 """
 
@@ -17,6 +18,7 @@ import httpx
 import pytest
 from dscache_router.ring import Ring
 from dscache_tools.demo.stack import LocalStack, Router, StackOptions
+from dscache_tools.polling import poll
 from needs import need_nginx
 from router_helpers import scrape
 
@@ -38,8 +40,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     need_nginx()
     workdir: Path = tmp_path_factory.mktemp("replicas-e2e")
     with LocalStack(workdir, StackOptions(model="mini-gqa", threads=1)) as st:
-        stable = st.start_servers(2, cache=False)
-        canary = st.start_servers(1, cache=False)
+        # Each with its sidecar: the pickers learn what every pod holds from its filter.
+        stable = st.start_servers(2, cache=True)
+        canary = st.start_servers(1, cache=True)
         st.start_router(stable, canary, routing="kv", session_memory_s=600)
         st.start_router_replica()
         yield st
@@ -61,10 +64,15 @@ def _turn(
     return resp
 
 
-def _locates(router: Router) -> dict[str, float]:
+def _results(router: Router, counter: str) -> dict[str, float]:
+    """The router's ``counter`` by its ``result`` label."""
     samples = scrape(router.port)
-    family = names.ROUTER_LOCATES + "_total"
+    family = counter + "_total"
     return {dict(labels)["result"]: v for (name, labels), v in samples.items() if name == family}
+
+
+def _locates(router: Router) -> dict[str, float]:
+    return _results(router, names.ROUTER_LOCATES)
 
 
 def test_a_session_keeps_its_track_on_a_replica_started_after_the_weight_changed(
@@ -112,3 +120,64 @@ def test_a_session_placed_by_one_replicas_memory_stays_on_its_pod_through_the_ot
         resp = _turn(b, "Note. " + document(7) + f" Question {turn}?", session, key)
         assert resp.headers["X-Dscache-Upstream"] == similar_pod, turn
     assert _locates(b)["found"] == before + 1
+
+
+def _chat(router: Router, messages: list[dict[str, str]], session: str | None) -> httpx.Response:
+    body = {"messages": messages, "max_tokens": 2, "temperature": 0.0}
+    headers = {"X-Session-ID": session} if session else {}
+    resp = httpx.post(router.url + "/v1/chat/completions", json=body, headers=headers, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def _holders(router: Router) -> dict[str, float]:
+    return _results(router, names.ROUTER_HOLDERS)
+
+
+def test_a_turn_without_its_id_follows_its_conversation_through_another_replica(
+    stack: LocalStack,
+) -> None:
+    a, b = stack.router, stack.replicas[0]
+    assert a is not None and b.picker is not None
+    stack.set_canary_weight(0)
+    # Every conversation of this desk opens the same way (a shared document: what a
+    # prompt key stands for); this one went on past it on one replica, with its id.
+    opening = [
+        {"role": "system", "content": "Analyst desk 31."},
+        {"role": "user", "content": document(31)},
+    ]
+    history = [
+        *opening,
+        {"role": "assistant", "content": document(131, 150)},
+        {"role": "user", "content": "And the covenants? " + document(231, 150)},
+    ]
+    first = _chat(a, history, "desk-31")
+    assert first.headers["X-Dscache-Track"] == "stable"
+    pod = first.headers["X-Dscache-Upstream"]
+    nxt = [
+        *history,
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Which tranche is at risk?"},
+    ]
+    # Its pod's sidecar publishes the history's blocks; b's picker fetches the filter.
+    pods = ",".join(s.address for s in stack.servers)
+    picker = f"http://{b.picker}/holder"
+
+    def known() -> bool:
+        r = httpx.post(picker, params={"pods": pods, "lead": "2"}, json={"messages": nxt})
+        return r.status_code == 200 and r.text == pod
+
+    assert poll(known, timeout=60), "b's picker never learned where the history is"
+    stack.set_canary_weight(100)  # every new conversation now takes the canary
+    # A new conversation of the desk reaches b first: its opening is held on the
+    # stable pod, but nothing of it past the opening, so it follows the weight (and b
+    # now remembers the desk's opening on the canary).
+    fresh = [*opening, {"role": "user", "content": "Summarise the filing."}]
+    assert _chat(b, fresh, None).headers["X-Dscache-Track"] == "canary"
+    before = _holders(b).get("found", 0)
+    # The next turn reaches b without its id (a gateway dropped it): b keys it by its
+    # opening, which it remembers on the canary; it still goes where its history is.
+    resp = _chat(b, nxt, None)
+    assert resp.headers["X-Dscache-Key-Source"] == "prompt"
+    assert (resp.headers["X-Dscache-Track"], resp.headers["X-Dscache-Upstream"]) == ("stable", pod)
+    assert _holders(b)["found"] == before + 1

@@ -15,8 +15,9 @@ The files:
   the leading part of its prompt (``DSCACHE_SCAN``, ``DSCACHE_MAX_BYTES``,
   ``DSCACHE_MAX_MESSAGES``).
 * ``session_memory.lua`` (``access_by_lua``): the track each session is on
-  (``DSCACHE_LIVE``, ``DSCACHE_TTL``); section ``picker``: a session this replica
-  does not remember takes the track of the pod that served it
+  (``DSCACHE_LIVE``, ``DSCACHE_TTL``); sections ``picker``: a prompt-keyed request
+  first takes the track of the pod holding its conversation past the opening, and a
+  session this replica does not remember the track of the pod that served it
   (``dscache_router.locate``), so router replicas agree.
 * ``watch.lua`` (``init_worker_by_lua``): reloads NGINX when the mounted config's id
   changes (``DSCACHE_PATH``, ``DSCACHE_ID``, ``DSCACHE_INTERVAL``).
@@ -69,6 +70,17 @@ live pod of every track whether it served the session, through the internal
 session memory takes it) and its pin, so a session stays where its KV is
 whichever replica it reaches, across weight changes, replica restarts and
 scale-out. No answer in time, or no pod that knows it: placed as before.
+What no ledger can answer goes by what the pods hold: a prompt-keyed request (its
+key stands for an opening, the first ``lead_messages`` messages, that many
+conversations share, so this replica's memory of the key says little about this
+conversation) and a session no pod served (a client back under a new id) are
+looked up through the internal ``holder_path`` subrequest (the body forwarded):
+the picker names the pod holding the longest prefix of it when that prefix reaches
+past the opening, the conversation's own history, which only the pods that served
+it hold (:meth:`dscache_router.picker.Picker.holder`). That pod gives the request
+its track and, on that track, its pod; an opening alone (a first turn, a shared
+document every pod was prewarmed with) names none, so new conversations still
+follow the weights.
 ``report()`` (``header_filter_by_lua``) keeps each pod's own in-flight count,
 ``X-Dscache-Inflight`` on its answers, for ``report_ttl`` seconds as
 ``reported:<pod>``; a pod's load is the larger of this replica's count and the

@@ -36,6 +36,9 @@ PICKER_METRICS_PATH = names.PICKER_METRICS_PATH
 PICKER_PATH = "/_dscache/pick"
 #: The internal location through which the Lua asks the picker where a session lives.
 LOCATE_PATH = "/_dscache/locate"
+#: The internal location through which the Lua asks the picker which pod holds a
+#: conversation (by what the pods hold, for a request no session places).
+HOLDER_PATH = "/_dscache/holder"
 #: Seconds a pod's in-flight report counts in the load bound.
 REPORT_TTL_S = 5
 #: The picker's health, proxied by NGINX (the picker listens on the pod's loopback).
@@ -116,6 +119,7 @@ def _context(c: RouterConfig) -> dict[str, Any]:
         "metrics_path": METRICS_PATH,
         "picker_path": PICKER_PATH,
         "locate_path": LOCATE_PATH,
+        "holder_path": HOLDER_PATH,
         "picker_health_path": PICKER_HEALTH_PATH,
         "picker_metrics_path": PICKER_METRICS_PATH,
         "api_prefix": API_PREFIX,
@@ -149,6 +153,7 @@ def _router_lua(c: RouterConfig) -> str:
         "factor": names.ROUTER_BALANCE_FACTOR,
         "picks": names.ROUTER_PICKS + "_total",
         "locates": names.ROUTER_LOCATES + "_total",
+        "holders": names.ROUTER_HOLDERS + "_total",
     }
     table = (
         f"{{factor = {float(c.balance_factor)!r}, balanced = {str(c.balanced).lower()}, "
@@ -156,7 +161,8 @@ def _router_lua(c: RouterConfig) -> str:
         f"canary_weight = {float(c.effective_weight)!r}, "
         f"pods = {_lua_strings(c.all_pods)}, "
         f'picker = {str(c.picker is not None).lower()}, picker_path = "{PICKER_PATH}", '
-        f'locate_path = "{LOCATE_PATH}", report_ttl = {REPORT_TTL_S}, '
+        f'locate_path = "{LOCATE_PATH}", holder_path = "{HOLDER_PATH}", '
+        f"lead_messages = {c.prompt_key.max_messages}, report_ttl = {REPORT_TTL_S}, "
         # The picker's lookup must end before NGINX stops waiting for it.
         f"locate_budget_ms = {max(1, c.picker_timeout_ms * 3 // 5)}, "
         f"tracks = {_lua_strings(('stable', 'canary', 'previous'))}, "

@@ -3,7 +3,14 @@ local sessions = ngx.shared.dscache_sessions
 local key = ngx.var.dscache_key
 -- A fresh request id names no session: nothing to remember.
 local remember = ngx.var.dscache_key_source ~= "new"
-local track = remember and sessions:get(key) or nil
+local track
+-- {picker: a prompt key stands for an opening many conversations share: the pod
+-- holding this conversation's own history decides before the opening's memory
+if ngx.var.dscache_key_source == "prompt" then
+    track = require("dscache_router").locate(key)
+end
+-- picker}
+track = track or (remember and sessions:get(key)) or nil
 -- {picker: a session unknown here takes the track of the pod that served it
 if remember and not track then
     track = require("dscache_router").locate(key)
