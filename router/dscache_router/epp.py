@@ -48,7 +48,11 @@ Contract (the endpoint picker protocol of the inference extension, proposal 004)
       the configured weights (a hash of its key), and a known session keeps its
       track and its pod (``pinned``) while they are in the pool, so a weight
       change or a gateway's own split never moves a conversation off its KV.
-      Bounded: ``max_sessions`` entries, least recent dropped first.
+      Bounded: ``max_sessions`` entries, least recent dropped first. A request
+      keyed by its prompt (an opening many conversations share) or by an id this
+      picker has not placed first goes to the pod holding its conversation past the
+      opening, on that pod's track (reason ``pinned``), when one does
+      (:meth:`~dscache_router.picker.Picker.holder`).
     * In flight: counted per pod from the pick to the stream's end (the picker's
       load bound). Health: ``grpc.health.v1`` reports SERVING for ``""`` and the
       ext_proc service while the server runs.
@@ -77,7 +81,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Gauge
 
 from dscache.routing import MAX_SESSION_ID
-from dscache_router.picker import REASON_HEADER, Candidate, Picker, PickQuery
+from dscache_router.picker import REASON_HEADER, Candidate, HolderQuery, Picker, PickQuery
 from dscache_router.ring import Ring, prompt_key
 
 log = logging.getLogger(__name__)
@@ -330,14 +334,16 @@ class EndpointPicker:
         else:
             key = prompt_key(body, max_bytes=s.prompt_max_bytes, max_messages=s.prompt_max_messages)
             source = "prompt"
-        track = pool.track_of(key)
+        credentials = "authorization" in headers
+        held = self._holder(pool, key, source, body, credentials=credentials, subset=subset)
+        track = s.endpoints[held] if held else pool.track_of(key)
         if track is None:
             return Refusal(503, "unavailable", "the pool has no endpoint")
         cands = pool.candidates(track, key, subset)
         if not cands:
             return Refusal(503, "unavailable", "no endpoint of the pool is in the subset hint")
         addresses = [c.address for c in cands]
-        pinned = pool.pinned(key)
+        pinned = held or pool.pinned(key)
         query = PickQuery(
             pods=tuple(cands),
             cap=s.max_inflight,
@@ -345,7 +351,7 @@ class EndpointPicker:
             source=source,
             pinned=pinned if pinned in addresses else None,
             body=body,
-            credentials="authorization" in headers,
+            credentials=credentials,
         )
         choice = self.picker.pick(query)
         pod = choice.pod
@@ -359,6 +365,27 @@ class EndpointPicker:
         pool.place(key, track, pod)
         order = (pod, *(a for a in addresses if a != pod))
         return Decision(order, choice.reason, track, key, choice.keys)
+
+    def _holder(
+        self,
+        pool: Pool,
+        key: str,
+        source: str,
+        body: bytes,
+        *,
+        credentials: bool,
+        subset: Sequence[str] | None,
+    ) -> str | None:
+        """For a request no session of this picker places (keyed by its opening, or an
+        id it has not placed): the pod holding its conversation past the opening
+        (:meth:`~dscache_router.picker.Picker.holder`), whose track it then takes."""
+        if source == "header" and pool.pinned(key) is not None:
+            return None
+        pods = tuple(a for a in pool.settings.endpoints if subset is None or a in subset)
+        if not pods:
+            return None
+        lead = pool.settings.prompt_max_messages
+        return self.picker.holder(HolderQuery(pods, lead, body, credentials))
 
     def set_pool(
         self,

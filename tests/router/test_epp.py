@@ -241,6 +241,28 @@ def test_the_pod_holding_the_longest_prefix_takes_the_next_turn(
     assert picked(resps)[0] == holder and reason(resps) == "prefix"
 
 
+def test_a_turn_without_its_id_goes_where_its_conversation_is_whatever_the_weight(
+    tokenizer: DeepSeekTokenizer,
+) -> None:
+    endpoints = {A: "stable", B: "stable", CANARY: "canary"}
+    s = make(tokenizer, endpoints=endpoints, track_weights={"canary": 100})
+    try:
+        answer = "Segment 6 grew the most, six percent in fiscal 2006, ahead of all the others."
+        turn2 = chat(DOC, "What grew most?", answer, "And least?")
+        # B served the conversation's first turn (its answer included): every pod of
+        # both tracks holds the opening, only B what came after it.
+        opening = keys_of(tokenizer, chat(DOC, "What grew most?"))
+        for pod in endpoints:
+            s.epp.picker.set_holdings(pod, HoldingsFilter.of(opening, 1000))
+        s.epp.picker.set_holdings(B, HoldingsFilter.of(keys_of(tokenizer, turn2)[:-1], 1000))
+        resps = s.process(request(turn2))  # no session id: keyed by its opening
+        assert picked(resps)[0] == B
+        # A new conversation with the same opening follows the weight: the canary.
+        assert picked(s.process(request(chat(DOC, "What shrank?"))))[0] == CANARY
+    finally:
+        s.close()
+
+
 def test_the_subset_hint_limits_the_pick_and_an_empty_one_is_503(epp: Served) -> None:
     resps = epp.process(request(chat("Hi."), "s-3", subset=[C]))
     assert picked(resps) == [C]
