@@ -128,10 +128,10 @@ def _placement_routes(
     @app.get("/locate")
     async def locate_session(key: str = "", pods: str = "", budget_ms: int = 0) -> Response:
         addresses = [a for a in pods.split(",") if a]
-        bad = [a for a in addresses if not _ADDRESS.fullmatch(a)]
+        bad = _not_addresses(addresses)
         if not key or len(key) > MAX_SESSION_ID or not addresses or bad:
             picker.metrics.locates.labels("failed").inc()
-            why = f"not HOST:PORT: {bad[0]!r}" if bad else "key and pods are required"
+            why = bad or "key and pods are required"
             return JSONResponse({"error": why}, status_code=400)
         # The router's own wait for the picker bounds the lookup (budget_ms), else the flag.
         timeout = min(budget_ms, 10_000) / 1000 if budget_ms > 0 else None
@@ -175,10 +175,16 @@ async def _query(
 
 def _holder_query(args: Mapping[str, str], body: bytes, credentials: bool) -> HolderQuery:
     query = HolderQuery.parse(args, body, credentials)
-    bad = [a for a in query.pods if not _ADDRESS.fullmatch(a)]
+    bad = _not_addresses(query.pods)
     if bad:
-        raise PickError(f"not HOST:PORT: {bad[0]!r}")
+        raise PickError(bad)
     return query
+
+
+def _not_addresses(addresses: Sequence[str]) -> str:
+    """Why ``addresses`` are not all pod addresses the picker will ask ("" if they are)."""
+    bad = next((a for a in addresses if not _ADDRESS.fullmatch(a)), None)
+    return "" if bad is None else f"not HOST:PORT: {bad!r}"
 
 
 async def _read_body(request: Request, limit: int) -> bytes | None:
