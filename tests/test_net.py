@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
+import pytest
+from dscache_tools import net
 from dscache_tools.net import KUBERNETES_DEFAULTS, ephemeral_range, free_port
 
 
@@ -42,3 +49,52 @@ def test_the_ephemeral_range_is_read_from_the_kernel(tmp_path: Path) -> None:
     assert ephemeral_range(conf) == range(20000, 25001)
     conf.write_text("garbage")
     assert ephemeral_range(conf) == range(32768, 61000)  # the kernel's default
+
+
+def _narrow(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ports: range) -> None:
+    monkeypatch.setattr(net, "PICK_RANGE", ports)
+    monkeypatch.setattr(net, "_picked", {})
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_its_caller_binds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Seen in CI: two of a Redis Cluster's nodes given one port, the first node
+    # not yet bound when the second was picked.
+    _narrow(monkeypatch, tmp_path, range(15000, 15004))
+    picks = [free_port() for _ in range(4)]  # none bound by its caller
+    assert sorted(picks) == [15000, 15001, 15002, 15003]
+    assert free_port() not in picks  # the range is spent: port 0's pick instead
+    assert (tmp_path / "dscache-ports").exists()
+
+
+def test_another_process_sharing_the_temporary_directory_skips_the_ports_picked_here(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _narrow(monkeypatch, tmp_path, range(15000, 15003))
+    mine = {free_port() for _ in range(3)}  # the whole range, none bound
+    theirs = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import dscache_tools.net as n; n.PICK_RANGE = range(15000, 15003); print(n.free_port())",
+        ],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert mine == {15000, 15001, 15002}
+    assert int(theirs.stdout) not in mine  # it fell back to port 0's pick
+
+
+def test_a_pick_older_than_the_hold_is_free_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _narrow(monkeypatch, tmp_path, range(15000, 15001))
+    registry = tmp_path / "dscache-ports"
+    registry.write_text(f"15000 {time.time() - 1:.0f}\nnot a line\n")
+    assert free_port() == 15000
+    assert registry.read_text().split()[0] == "15000"  # the stale entry replaced
+    assert len(registry.read_text().splitlines()) == 1  # and the garbage dropped
