@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from dscache_tools.demo.kube.report import (
     format_table,
+    moves,
     phase_report,
     ratios,
     restore_started,
@@ -144,3 +145,33 @@ def test_a_session_moved_while_its_pod_served_is_counted_once_and_a_replaced_pod
     assert sessions_moved_by_key(dropped)["no_id"] == 1
     renamed = [replace(r, session_id="s1b") if r.turn >= 1 else r for r in results]
     assert sessions_moved_by_key(renamed)["new_id"] == 1
+
+
+def test_a_move_of_a_turn_no_router_could_tell_apart_is_named_so() -> None:
+    a, b = "10.0.0.1:8000", "10.0.0.2:8000"
+    h0, h1, other = "opening+q1", "opening+q1+a1", "opening+q7+a7"
+
+    def turn(session: str, n: int, at: float, pod: str, sid: str | None, history: str, left: str):
+        return replace(
+            _turn(session, n, at, pod), session_id=sid, history_digest=history, left_digest=left
+        )
+
+    results = [
+        # two conversations alike to their first answer, on two pods
+        turn("s1", 0, 0.0, a, "s1", h0, h1), turn("s2", 0, 1.0, b, "s2", h0, h1),
+        # s1's second turn lost its id and went to b, which held the same history
+        turn("s1", 1, 10.0, b, None, h1, "x"),
+        # s3's went to b too, but b held nothing like its history
+        turn("s3", 0, 2.0, a, "s3", "opening+q7", other), turn("s3", 1, 11.0, b, None, other, "y"),
+        turn("s2", 1, 12.0, a, "s2", h1, "z"),  # keyed by its own id: a move the router owns
+        turn("keep", 0, 13.0, b, "k", "k0", "k1"), turn("keep2", 0, 14.0, a, "k2", "k0", "k1"),
+    ]  # fmt: skip
+    found = {m.session: m for m in moves(results)}
+    assert set(found) == {"s1", "s2", "s3"}
+    assert found["s1"].indistinguishable and found["s1"].key == "no_id"
+    assert not found["s3"].indistinguishable
+    assert found["s2"].key == "session" and not found["s2"].indistinguishable
+    assert (found["s1"].before, found["s1"].after) == (a, b)
+    # Without the digests (a load generator that records none) nothing is called so.
+    bare = [replace(r, history_digest="", left_digest="") for r in results]
+    assert not any(m.indistinguishable for m in moves(bare))

@@ -79,6 +79,22 @@ def test_a_chat_client_sends_back_the_answers_it_was_served(
             assert s.answers[-1] == ANSWER
 
 
+def test_each_turn_records_the_history_it_sent_and_the_one_it_left(fake: FakeChatServer) -> None:
+    # What the Kubernetes demo tells a router's move from a move no router could avoid by.
+    workload = _workload(4)
+    cfg = LoadConfig(target=fake.url, concurrency=2, progress=False, answers="served")
+    report = _run(cfg, workload)
+    results = {(r.session, r.turn): r for r in report.results}
+    for (session, turn), r in results.items():
+        assert r.history_digest and r.left_digest
+        if turn:  # the next turn's history is what the one before left on its pod
+            assert r.history_digest == results[(session, turn - 1)].left_digest
+        assert r.history_digest != r.left_digest
+    firsts = {r.history_digest for (_, turn), r in results.items() if turn == 0}
+    seconds = {r.history_digest for (_, turn), r in results.items() if turn == 1}
+    assert not firsts & seconds
+
+
 def test_spread_sends_each_turn_to_one_replica_seeded_by_session_and_turn() -> None:
     replicas = [FakeChatServer(), FakeChatServer()]
     try:

@@ -38,7 +38,13 @@ from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import TYPE_CHECKING, Any, Literal
 
-from dscache_tools.loadgen.report import LoadReport, RequestResult, build_report, scrape
+from dscache_tools.loadgen.report import (
+    LoadReport,
+    RequestResult,
+    build_report,
+    conversation_digest,
+    scrape,
+)
 from dscache_tools.workload import ChatRequest, sessions_of
 
 if TYPE_CHECKING:
@@ -138,9 +144,9 @@ def with_answers(messages: list[dict[str, str]], served: dict[int, str]) -> list
     return out
 
 
-def _body(cfg: LoadConfig, req: ChatRequest, served: dict[int, str]) -> bytes:
+def _body(cfg: LoadConfig, req: ChatRequest, messages: list[dict[str, str]]) -> bytes:
     body: dict[str, Any] = {
-        "messages": with_answers(req.messages, served) if served else req.messages,
+        "messages": messages,
         "max_tokens": req.max_tokens,
         "temperature": 0.0,
         "stream": cfg.stream,
@@ -241,13 +247,15 @@ async def _one(
         ttft_s=None,
         e2e_s=0.0,
     )
+    messages = with_answers(req.messages, served) if served else req.messages
+    res.history_digest = conversation_digest(messages[:-1])
     done = False
     answer: list[str] = []
     try:
         async with client.stream(
             "POST",
             cfg.url_for(req.session, req.turn),
-            content=_body(cfg, req, served),
+            content=_body(cfg, req, messages),
             headers=headers,
         ) as resp:
             res.status = resp.status_code
@@ -264,7 +272,10 @@ async def _one(
         res.error = f"{type(exc).__name__}: {exc}"
     res.e2e_s = time.perf_counter() - started
     res.ok = done and res.error is None
-    return res, "".join(answer)
+    text = "".join(answer)
+    if res.ok:
+        res.left_digest = conversation_digest([*messages, {"role": "assistant", "content": text}])
+    return res, text
 
 
 async def run_load(

@@ -13,6 +13,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -61,6 +62,20 @@ class RequestResult:
     set_cookie: bool = False
     error: str | None = None
     timings: dict[str, float] = field(default_factory=dict)  # the server's, per phase
+    #: :func:`conversation_digest` of the messages before this turn's question (the
+    #: history it carried) and of its messages plus the answer it got (the history
+    #: the pod that served it now holds): tells apart conversations whose text differs
+    history_digest: str = ""
+    left_digest: str = ""
+
+
+def conversation_digest(messages: Sequence[Mapping[str, Any]]) -> str:
+    """A short digest of ``messages``' roles and texts (other keys ignored): two
+    conversations with the same digest sent a router the same history."""
+    canon = json.dumps(
+        [[str(m.get("role")), str(m.get("content"))] for m in messages], ensure_ascii=False
+    )
+    return hashlib.blake2b(canon.encode(), digest_size=12).hexdigest()
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dscache_tools.demo.kube.watch import Phase
@@ -50,27 +51,68 @@ def served_by(res: RequestResult) -> str | None:
 MOVE_KEYS = ("session", "new_id", "no_id")
 
 
-def sessions_moved_by_key(results: Sequence[RequestResult]) -> dict[str, int]:
+@dataclass(frozen=True)
+class Move:
+    """A session's first turn on another pod while its pod still served.
+
+    ``indistinguishable``: the turn carried no id its old pod's router knew (none, or a
+    new one) and the pod it went to held its whole history from another conversation
+    (that conversation's turn, served there before, left the same messages and answer):
+    its request named nothing that told the two conversations apart.
+    """
+
+    session: str
+    turn: int
+    key: str  # one of MOVE_KEYS
+    before: str
+    after: str
+    indistinguishable: bool
+
+
+def moves(results: Sequence[RequestResult]) -> list[Move]:
     """Sessions whose pod changed from one turn to the next while the old pod kept
     serving (it answered a request that started at or after the moved turn): the
-    router placed them anew, not a pod going away; counted once, by how their first
-    such turn was keyed (:data:`MOVE_KEYS`). Needs the router's debug headers."""
+    router placed them anew, not a pod going away; one :class:`Move` per session, its
+    first such turn. Needs the router's debug headers."""
     last_seen: dict[str, float] = {}
-    turns: dict[str, list[tuple[float, str, str | None]]] = {}  # (started, pod, id) per turn
+    turns: dict[str, list[RequestResult]] = {}
+    left: dict[tuple[str, str], list[tuple[float, str]]] = {}  # (pod, digest) -> (started, session)
     for r in results:
         pod = served_by(r)
         if pod is not None:
             last_seen[pod] = max(last_seen.get(pod, r.started_s), r.started_s)
-            turns.setdefault(r.session, []).append((r.started_s, pod, r.session_id))
-    moved = dict.fromkeys(MOVE_KEYS, 0)
+            turns.setdefault(r.session, []).append(r)
+            if r.left_digest:
+                left.setdefault((pod, r.left_digest), []).append((r.started_s, r.session))
+    found = []
     for served in turns.values():
-        served.sort()
-        for (_, before, old_id), (started, now, new_id) in itertools.pairwise(served):
-            if before != now and last_seen[before] >= started:
-                key = "no_id" if new_id is None else "session" if new_id == old_id else "new_id"
-                moved[key] += 1
-                break
-    return moved
+        served.sort(key=lambda r: r.started_s)
+        for old, new in itertools.pairwise(served):
+            before, after = served_by(old), served_by(new)
+            assert before is not None and after is not None
+            if before == after or last_seen[before] < new.started_s:
+                continue
+            key = (
+                "no_id"
+                if new.session_id is None
+                else "session"
+                if new.session_id == old.session_id
+                else "new_id"
+            )
+            twins = left.get((after, new.history_digest), [])
+            same = any(s != new.session and t < new.started_s for t, s in twins)
+            found.append(Move(new.session, new.turn, key, before, after, key != "session" and same))
+            break
+    return found
+
+
+def sessions_moved_by_key(results: Sequence[RequestResult]) -> dict[str, int]:
+    """How many sessions :func:`moves` finds, by how their moved turn was keyed
+    (:data:`MOVE_KEYS`)."""
+    counts = dict.fromkeys(MOVE_KEYS, 0)
+    for move in moves(results):
+        counts[move.key] += 1
+    return counts
 
 
 def sessions_moved(results: Sequence[RequestResult]) -> int:
@@ -250,6 +292,11 @@ def format_table(report: dict[str, Any]) -> str:
         + "".join(
             f"; {n} by a turn keyed {key}"
             for key, n in (report.get("sessions_moved_by_router_by_key") or {}).items()
+        )
+        + (
+            ""
+            if (twins := report.get("sessions_moved_by_router_indistinguishable")) is None
+            else f"; {twins} indistinguishable from another conversation"
         )
     )
     for key, goal in TARGETS.items():

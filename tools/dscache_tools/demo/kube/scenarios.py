@@ -14,7 +14,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,12 @@ from dscache_tools.demo.kube.cluster import (
 from dscache_tools.demo.kube.options import NAME, KubeDemoOptions, options_report
 from dscache_tools.demo.kube.plot import write_png
 from dscache_tools.demo.kube.report import (
+    MOVE_KEYS,
     format_table,
+    moves,
     phase_report,
     ratios,
     restore_started,
-    sessions_moved_by_key,
     timeline,
 )
 from dscache_tools.demo.kube.watch import LoadThread, Phase, Watcher
@@ -56,6 +57,9 @@ from dscache_tools.workload import (
 
 #: Rollout waits poll the API once a second (a probe makes up to three GETs).
 wait_for = functools.partial(wait_until, interval=1.0)
+
+#: moved sessions the JSON lists, whole (``sessions_moved_by_router_samples``)
+MOVE_SAMPLES = 20
 
 
 def run_kubernetes_demo(opts: KubeDemoOptions, say: Callable[[str], None]) -> dict[str, Any]:
@@ -133,6 +137,8 @@ def _scenarios(
     out["sessions_moved_by_router"] = sum(run.moved.values())
     out["sessions_moved_by_router_by_part"] = dict(run.moved)
     out["sessions_moved_by_router_by_key"] = dict(run.moved_by_key)
+    out["sessions_moved_by_router_indistinguishable"] = run.indistinguishable
+    out["sessions_moved_by_router_samples"] = run.move_samples
     out["timeline"] = {
         "warm_canary": timeline(canary),
         "blind_rolling": timeline(blind),
@@ -156,6 +162,10 @@ class _Scenarios:
     moved: dict[str, int] = field(default_factory=dict)
     #: the same sessions, by how the turn that moved them was keyed (every part)
     moved_by_key: Counter[str] = field(default_factory=Counter)
+    #: of those, the ones whose turn no router could tell from another conversation's
+    indistinguishable: int = 0
+    #: the first MOVE_SAMPLES of them, for a person to look into
+    move_samples: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ns(self) -> str:
@@ -173,9 +183,14 @@ class _Scenarios:
     def _stop(self, load: LoadThread, part: str) -> None:
         """Stops ``part``'s load and counts the sessions the router moved in it."""
         load.stop()
-        by_key = sessions_moved_by_key([r for _, r in load.results])
-        self.moved[part] = sum(by_key.values())
-        self.moved_by_key.update(by_key)
+        found = moves([r for _, r in load.results])
+        self.moved[part] = len(found)
+        self.moved_by_key.update(dict.fromkeys(MOVE_KEYS, 0))
+        self.moved_by_key.update(m.key for m in found)
+        self.indistinguishable += sum(m.indistinguishable for m in found)
+        self.move_samples += [
+            {"part": part, **asdict(m)} for m in found[: MOVE_SAMPLES - len(self.move_samples)]
+        ]
 
     def _status(self) -> dict[str, Any]:
         return self.api.dscd(self.ns).get("status") or {}
