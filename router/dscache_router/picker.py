@@ -274,7 +274,29 @@ class _Pod:
     #: (:mod:`dscache_router.eventfeed`); None: the filter answers.
     events: set[bytes] | None = None
     recent: OrderedDict[bytes, float] = field(default_factory=OrderedDict)
+    #: How many requests the picker sent here whose prompt held each key of
+    #: ``recent`` (kept as long as the key is): where conversations alike to a
+    #: point went, which breaks the holder's ties.
+    placed: dict[bytes, int] = field(default_factory=dict)
     seen_at: float = 0.0  # when a pick last named it
+
+
+def _most_placed(tied: Sequence[tuple[_Pod, Sequence[bytes], int]]) -> str | None:
+    """Of pods holding an equally long prefix (each with its held keys and the index
+    of the first past the request's opening), the one the picker sent the most
+    requests through the keys past the opening (their most-used one: every
+    conversation alike to this one passed the first of them, only some the deeper
+    ones), then through the opening's last key; the first on a tie."""
+    best: tuple[tuple[int, int], str] | None = None
+    for pod, keys, past in tied:
+        placed = pod.placed
+        count = (
+            max((placed.get(k, 0) for k in keys[past:]), default=0),
+            placed.get(keys[past - 1], 0) if past > 0 else 0,
+        )
+        if best is None or count > best[0]:
+            best = (count, pod.address)
+    return best[1] if best else None
 
 
 class PickerMetrics:
@@ -548,8 +570,11 @@ class Picker:
         hashes). Past the opening the blocks are the conversation's own history (its
         answers and later turns), which only the pods that served it hold; an opening
         alone (a shared document, a first turn) names no holder, so new sessions keep
-        following the track weights. Ties: the first in ``q.pods``. The prompt's keys
-        count as held there from now on, as a pick's do."""
+        following the track weights. Ties (conversations alike up to a point, so
+        several pods hold the same prefix): the pod this picker sent more of them
+        to past the opening (the likelier home of a conversation nothing else tells
+        apart), then the first in ``q.pods``. The prompt's keys count as held there
+        from now on, as a pick's do."""
         if q.credentials:
             return None
         try:
@@ -566,18 +591,23 @@ class Picker:
         with self._lock:
             now = self.clock()
             chains: dict[tuple[bytes, int], list[bytes]] = {}
-            best: tuple[int, str] | None = None
+            tied: list[tuple[_Pod, list[bytes], int]] = []
+            most = len(lead_ids)
             for address in q.pods:
                 pod = self._pods.get(address)
                 if pod is None:
                     continue
-                held = self._held(pod, self._keys(address, ids, chains), now) * pod.block_tokens
-                if held > len(lead_ids) and (best is None or held > best[0]):
-                    best = (held, address)
+                keys = self._keys(address, ids, chains)
+                held = self._held(pod, keys, now)
+                if held * pod.block_tokens > most:
+                    most, tied = held * pod.block_tokens, []
+                if held * pod.block_tokens == most and most > len(lead_ids):
+                    tied.append((pod, keys[:held], len(lead_ids) // pod.block_tokens))
+            best = _most_placed(tied)
             if best is not None:
-                self._record(best[1], self._keys(best[1], ids, chains), "", None, now)
+                self._record(best, self._keys(best, ids, chains), "", None, now)
         self.metrics.holders.labels("found" if best else "unknown").inc()
-        return best[1] if best else None
+        return best
 
     def moved(self, key: str, picked: str, address: str, keys: Sequence[bytes]) -> None:
         """Another pod than the one picked served the request (a gateway's fallback):
@@ -589,6 +619,7 @@ class Picker:
             if was is not None:
                 for k in keys:
                     was.recent.pop(k, None)
+                    was.placed.pop(k, None)
             self._record(address, keys, "", None, self.clock())
             entry = self._sessions.get(key)
             if entry is not None:
@@ -708,11 +739,13 @@ class Picker:
         pod = self._pods.get(address)
         if pod is not None and keys:
             expiry = now + self.settings.memory_s
+            placed = pod.placed
             for k in keys:
                 pod.recent[k] = expiry
                 pod.recent.move_to_end(k)
+                placed[k] = placed.get(k, 0) + 1
             while len(pod.recent) > self.settings.max_memory_keys:
-                pod.recent.popitem(last=False)
+                placed.pop(pod.recent.popitem(last=False)[0], None)
         if minhash is None or self._lsh is None or not key:
             return
         if key in self._sessions:

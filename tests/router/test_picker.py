@@ -127,6 +127,41 @@ def test_the_holder_is_the_pod_with_the_conversation_past_its_opening(
     assert picker.metrics.holders.labels("found")._value.get() == 2
 
 
+@pytest.mark.parametrize(
+    ("placed", "pods", "home"),
+    [
+        ({A: 1, B: 2}, f"{A},{B}", B),  # B is the likelier home; a blind tie-break takes A
+        ({A: 2, B: 2}, f"{B},{A}", B),  # a true tie: the first in the list
+        ({A: 3, B: 2}, f"{B},{A}", A),
+        ({A: 1, B: 2, "other": 5}, f"{A},{B}", B),  # A's other 5 share only the opening
+    ],
+)
+def test_pods_holding_the_same_conversation_tie_to_the_one_more_of_them_went_to(
+    tokenizer: DeepSeekTokenizer, clock: Clock, placed: dict[str, int], pods: str, home: str
+) -> None:
+    # Conversations alike to their first answer (same opening, question and greedy
+    # answer) were placed on A and B; a second turn without its id names none of
+    # them, and both pods hold its whole history.
+    picker = Picker(PickerSettings(memory_s=60.0), tokenizer, clock=clock)
+    for pod in (A, B):
+        picker.set_keyinfo(pod, ROOT, BT)
+
+    def turn(*texts: str) -> list[dict[str, str]]:  # the opening: two system messages
+        said = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(texts)]
+        return [{"role": "system", "content": "You are an analyst."}, chat(DOC)[0], *said]
+
+    question = "What grew most over the forty years, and by how much in each fiscal year?"
+    answer = "Segment 6 grew the most, six percent in fiscal 2006, ahead of all the others."
+    for pod, n in placed.items():
+        first = turn(question) if pod != "other" else turn("Which one shrank, and when?")
+        for _ in range(n):
+            picker.pick(query(first, pods=f"{A}/0,{B}/0", pinned=pod if pod != "other" else A))
+    turn2 = turn(question, answer, "And least?")
+    for pod in (A, B):
+        picker.set_holdings(pod, HoldingsFilter.of(keys_of(tokenizer, turn2)[:-1], 1000))
+    assert picker.holder(holder_query(turn2, pods=pods)) == home
+
+
 def test_an_opening_alone_names_no_holder_so_the_weights_place_it(
     picker: Picker, tokenizer: DeepSeekTokenizer
 ) -> None:
