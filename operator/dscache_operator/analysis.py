@@ -31,8 +31,11 @@ Verdict rules (:func:`judge`), like against like: the canary's hit rate must be
 at least ``minHitRateRatio x`` the stable track's hit rate (same window, else
 the window before the step, said so in the message), and at least
 ``minHitRate`` when that optional floor is set; the canary's P99 TTFT at most
-``stable P99 x maxTtftP99Ratio`` (same fallback; skipped, and said so, without
-any stable TTFT) and at most ``maxTtftP99Seconds`` when set. A missing or NaN
+``stable P99 x maxTtftP99Ratio`` unless it is no more than
+``minTtftP99IncreaseSeconds`` above stable's (a P99 over one step's window at low
+latencies rests on a few requests and one histogram bucket; same fallback;
+skipped, and said so, without any stable TTFT) and at most ``maxTtftP99Seconds``
+when set. A missing or NaN
 canary figure is ``NoData`` (hold; never promote blind), and so is a missing
 stable hit rate when no ``minHitRate`` floor could judge the canary alone; an
 unreachable Prometheus is also ``NoData`` with the error in the message.
@@ -238,6 +241,37 @@ def _pick(now: float | None, before: float | None) -> tuple[float | None, str]:
     return None, ""
 
 
+def _judge_ttft(
+    spec: AnalysisSpec,
+    p99: float,
+    stable_p99: float | None,
+    when: str,
+    *,
+    parts: list[str],
+    failures: list[str],
+) -> None:
+    """The latency half of :func:`judge`: adds what it read to ``parts`` and what
+    failed to ``failures``."""
+    parts.append(f"P99 TTFT {p99:.3f}s")
+    if spec.max_ttft_p99_seconds is not None and p99 > spec.max_ttft_p99_seconds:
+        failures.append(f"P99 TTFT above {spec.max_ttft_p99_seconds}s")
+    if stable_p99 is None:
+        parts.append("no stable TTFT data, ratio not checked")
+        return
+    limit = stable_p99 * spec.max_ttft_p99_ratio
+    parts.append(f"stable {stable_p99:.3f}s x {spec.max_ttft_p99_ratio} = {limit:.3f}s{when}")
+    if p99 <= limit:
+        return
+    slack = spec.min_ttft_p99_increase_seconds
+    if p99 - stable_p99 > slack:
+        failures.append(f"P99 TTFT > stable {stable_p99:.3f}s x {spec.max_ttft_p99_ratio}")
+    else:
+        parts.append(
+            f"above it by ratio, but only {p99 - stable_p99:.3f}s over stable's "
+            f"(<= {slack}s, minTtftP99IncreaseSeconds)"
+        )
+
+
 def judge(spec: AnalysisSpec, figures: Figures) -> Verdict:
     """The verdict on ``figures`` under ``spec``'s thresholds (pure)."""
     hr, p99 = figures.hit_rate, figures.ttft_p99_seconds
@@ -275,18 +309,7 @@ def judge(spec: AnalysisSpec, figures: Figures) -> Verdict:
         parts.append(f"floor {floor}")
         if hr < floor:
             failures.append(f"hit rate below the floor {floor}")
-    parts.append(f"P99 TTFT {p99:.3f}s")
-    if spec.max_ttft_p99_seconds is not None and p99 > spec.max_ttft_p99_seconds:
-        failures.append(f"P99 TTFT above {spec.max_ttft_p99_seconds}s")
-    if stable_p99 is None:
-        parts.append("no stable TTFT data, ratio not checked")
-    else:
-        limit = stable_p99 * spec.max_ttft_p99_ratio
-        parts.append(
-            f"stable {stable_p99:.3f}s x {spec.max_ttft_p99_ratio} = {limit:.3f}s{p99_when}"
-        )
-        if p99 > limit:
-            failures.append(f"P99 TTFT > stable {stable_p99:.3f}s x {spec.max_ttft_p99_ratio}")
+    _judge_ttft(spec, p99, stable_p99, p99_when, parts=parts, failures=failures)
     text = "; ".join(parts)
     if failures:
         return Verdict("Fail", f"{text}: {', '.join(failures)}", **base)

@@ -324,6 +324,16 @@ class AnalysisSpec(SpecModel):
         le=100.0,
         description="Canary's P99 TTFT must be at most stable's P99 TTFT times this.",
     )
+    min_ttft_p99_increase_seconds: float = Field(
+        default=0.15,
+        ge=0.0,
+        le=60.0,
+        description="A canary P99 TTFT above stable's times maxTtftP99Ratio fails only when it "
+        "is also more than this many seconds above stable's: at low latencies a P99 over one "
+        "step's window rests on a few requests and one histogram bucket (0.1-0.25 s in both "
+        "engines' TTFT histograms), so a smaller increase is not told apart from noise. "
+        "0: the ratio alone.",
+    )
     max_ttft_p99_seconds: float | None = Field(
         default=None, ge=0.0, description="Optional absolute ceiling on the canary's P99 TTFT."
     )
