@@ -12,6 +12,7 @@ of process still running.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import subprocess
 import sys
@@ -95,6 +96,19 @@ def _mounts_netns_cgroups() -> list[str]:
     return out
 
 
+def _ledger() -> list[str]:
+    """The dev cluster's host ledger (which cluster holds the host), if any: a test
+    must not leave one behind, nor overwrite a live cluster's."""
+    ledger = Path("/run/dscache-devcluster/ledger.json")
+    if not ledger.exists():
+        return []
+    try:
+        held_by = json.loads(ledger.read_text()).get("state_dir")
+    except (OSError, ValueError, AttributeError):
+        held_by = "unreadable"
+    return [f"ledger {held_by}"]
+
+
 def _processes() -> list[str]:
     out: list[str] = []
     for proc in Path("/proc").glob("[0-9]*"):
@@ -114,6 +128,7 @@ def snapshot() -> list[str]:
             *_iptables(),
             *_ipsets(),
             *_mounts_netns_cgroups(),
+            *_ledger(),
             *_processes(),
         ]
     )
