@@ -63,6 +63,7 @@ class Move:
 
     session: str
     turn: int
+    started_s: float  # the moved turn's start, seconds into the part's load
     key: str  # one of MOVE_KEYS
     before: str
     after: str
@@ -101,7 +102,10 @@ def moves(results: Sequence[RequestResult]) -> list[Move]:
             )
             twins = left.get((after, new.history_digest), [])
             same = any(s != new.session and t < new.started_s for t, s in twins)
-            found.append(Move(new.session, new.turn, key, before, after, key != "session" and same))
+            started = round(new.started_s, 1)
+            found.append(
+                Move(new.session, new.turn, started, key, before, after, key != "session" and same)
+            )
             break
     return found
 
