@@ -599,9 +599,10 @@ class Picker:
                     continue
                 keys = self._keys(address, ids, chains)
                 held = self._held(pod, keys, now)
-                if held * pod.block_tokens > most:
-                    most, tied = held * pod.block_tokens, []
-                if held * pod.block_tokens == most and most > len(lead_ids):
+                tokens = held * pod.block_tokens
+                if tokens > most:
+                    most, tied = tokens, []
+                if tokens == most and most > len(lead_ids):
                     tied.append((pod, keys[:held], len(lead_ids) // pod.block_tokens))
             best = _most_placed(tied)
             if best is not None:

@@ -76,21 +76,19 @@ def moves(results: Sequence[RequestResult]) -> list[Move]:
     router placed them anew, not a pod going away; one :class:`Move` per session, its
     first such turn. Needs the router's debug headers."""
     last_seen: dict[str, float] = {}
-    turns: dict[str, list[RequestResult]] = {}
+    turns: dict[str, list[tuple[RequestResult, str]]] = {}  # (turn, pod that served it)
     left: dict[tuple[str, str], list[tuple[float, str]]] = {}  # (pod, digest) -> (started, session)
     for r in results:
         pod = served_by(r)
         if pod is not None:
             last_seen[pod] = max(last_seen.get(pod, r.started_s), r.started_s)
-            turns.setdefault(r.session, []).append(r)
+            turns.setdefault(r.session, []).append((r, pod))
             if r.left_digest:
                 left.setdefault((pod, r.left_digest), []).append((r.started_s, r.session))
     found = []
     for served in turns.values():
-        served.sort(key=lambda r: r.started_s)
-        for old, new in itertools.pairwise(served):
-            before, after = served_by(old), served_by(new)
-            assert before is not None and after is not None
+        served.sort(key=lambda turn: turn[0].started_s)
+        for (old, before), (new, after) in itertools.pairwise(served):
             if before == after or last_seen[before] < new.started_s:
                 continue
             key = (
@@ -110,13 +108,18 @@ def moves(results: Sequence[RequestResult]) -> list[Move]:
     return found
 
 
+def count_by_key(found: Sequence[Move]) -> dict[str, int]:
+    """How many of ``found`` each key of :data:`MOVE_KEYS` moved (0 for none)."""
+    counts = dict.fromkeys(MOVE_KEYS, 0)
+    for move in found:
+        counts[move.key] += 1
+    return counts
+
+
 def sessions_moved_by_key(results: Sequence[RequestResult]) -> dict[str, int]:
     """How many sessions :func:`moves` finds, by how their moved turn was keyed
     (:data:`MOVE_KEYS`)."""
-    counts = dict.fromkeys(MOVE_KEYS, 0)
-    for move in moves(results):
-        counts[move.key] += 1
-    return counts
+    return count_by_key(moves(results))
 
 
 def sessions_moved(results: Sequence[RequestResult]) -> int:

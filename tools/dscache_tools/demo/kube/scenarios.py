@@ -34,7 +34,7 @@ from dscache_tools.demo.kube.cluster import (
 from dscache_tools.demo.kube.options import NAME, KubeDemoOptions, options_report
 from dscache_tools.demo.kube.plot import write_png
 from dscache_tools.demo.kube.report import (
-    MOVE_KEYS,
+    count_by_key,
     format_table,
     moves,
     phase_report,
@@ -185,8 +185,7 @@ class _Scenarios:
         load.stop()
         found = moves([r for _, r in load.results])
         self.moved[part] = len(found)
-        self.moved_by_key.update(dict.fromkeys(MOVE_KEYS, 0))
-        self.moved_by_key.update(m.key for m in found)
+        self.moved_by_key.update(count_by_key(found))
         self.indistinguishable += sum(m.indistinguishable for m in found)
         self.move_samples += [
             {"part": part, **asdict(m)} for m in found[: MOVE_SAMPLES - len(self.move_samples)]
