@@ -17,13 +17,24 @@ Contract:
       ``age(id)`` is the seconds since, or None. Bounded: ``max_sessions`` entries
       (least recent dropped first), each forgotten ``ttl_s`` after its last request;
       an id over :data:`MAX_SESSION_ID` characters is not recorded.
+    * A turn that reaches the router without its session id can still be placed
+      where its conversation's previous turn went: a pod also records the
+      :func:`conversation_key` of each chat request it serves without credentials
+      (the public tenant's; a second ledger), answered at ``CONVERSATIONS_PATH +
+      key`` as the session route answers, and the picker asks for
+      :func:`previous_turn_key` of the turn it places: the key of the same
+      messages up to its last assistant message, which a chat client sends back
+      as it was given. The key is a digest of each message's role and content (as
+      JSON, canonical), nothing else: the same conversation from any client.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from cachetools import TTLCache
@@ -35,8 +46,38 @@ SESSIONS_PATH = "/dscache/sessions/"
 #: Where a model pod answers the key facts the picker keys a request with (its
 #: block size and chain root), to route it to the pod holding its longest prefix.
 KEYINFO_PATH = "/dscache/keyinfo"
+#: Where a model pod answers whether it served a chat request with these messages
+#: (followed by their :func:`conversation_key`).
+CONVERSATIONS_PATH = "/dscache/conversations/"
 #: Longest session id a ledger records (the router's own limit is shorter).
 MAX_SESSION_ID = 256
+
+
+def conversation_key(messages: Sequence[Any]) -> str | None:
+    """The hex digest of a chat request's messages (each one's role and content), or
+    None when they are not a list of JSON objects."""
+    h = hashlib.blake2b(digest_size=16, person=b"dscache-conv")
+    for m in messages:
+        if not isinstance(m, dict):
+            return None
+        item = json.dumps(
+            [m.get("role"), m.get("content")],
+            ensure_ascii=False,
+            separators=(",", ":"),
+            sort_keys=True,
+        ).encode("utf-8", "surrogatepass")
+        h.update(len(item).to_bytes(8, "little") + item)
+    return h.hexdigest()
+
+
+def previous_turn_key(messages: Sequence[Any]) -> str | None:
+    """The :func:`conversation_key` of the turn before this one (its messages up to
+    the last assistant message), or None when there was none."""
+    last = max(
+        (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+        default=0,
+    )
+    return conversation_key(messages[:last]) if last > 0 else None
 
 
 class SessionLedger:

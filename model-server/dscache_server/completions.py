@@ -22,7 +22,10 @@ Contract:
       wait for a slot first tells the sidecar its prefix is ``queued``.
     * The session header is read, logged and echoed on every answer, errors included;
       an authenticated request records its session in the pod's ledger
-      (``AppState.sessions``: router replicas ask it where the session lives), and
+      (``AppState.sessions``: router replicas ask it where the session lives), a
+      valid chat request of the public tenant records its messages' key
+      (``AppState.conversations``: where a turn without its id finds its
+      conversation's last pod, ``dscache.routing.conversation_key``), and
       every answer carries the pod's in-flight count (``X-Dscache-Inflight``);
       every answer is counted in ``requests_total{endpoint, code, tenant}`` once the
       model is loaded (a bug counts as 500; a refused request as tenant ``other``).
@@ -39,8 +42,8 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from dscache.routing import INFLIGHT_HEADER
-from dscache_server.auth import OTHER_LABEL, Principal
+from dscache.routing import INFLIGHT_HEADER, SessionLedger, conversation_key
+from dscache_server.auth import DEFAULT_TENANT, OTHER_LABEL, Principal
 from dscache_server.errors import APIError
 from dscache_server.parse import ParsedRequest, parse_request, read_json
 from dscache_server.schemas import Endpoint, completion_body
@@ -72,7 +75,13 @@ async def handle_completion(request: Request, endpoint: Endpoint, state: AppStat
         tenant = principal.label
         state.sessions.seen(session_id)  # a refused caller places no session
         response = await _answer(
-            request, endpoint, serving, principal=principal, session_id=session_id, started=started
+            request,
+            endpoint,
+            serving,
+            principal=principal,
+            session_id=session_id,
+            started=started,
+            conversations=state.conversations,
         )
         code = "200"
     except APIError as exc:
@@ -116,6 +125,7 @@ async def _answer(
     principal: Principal,
     session_id: str | None,
     started: float,
+    conversations: SessionLedger,
 ) -> Response:
     rt, slots, parsers = serving
     settings = rt.settings
@@ -133,6 +143,9 @@ async def _answer(
         return parsed
 
     parsed = await anyio.to_thread.run_sync(parse, limiter=parsers)
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if endpoint == "chat" and principal.tenant == DEFAULT_TENANT and isinstance(messages, list):
+        conversations.seen(conversation_key(messages))
     request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
     log.info(
         "request %s endpoint=%s session=%s prompt_tokens=%d",

@@ -19,6 +19,9 @@ Contract:
       replicas share placements through it, :mod:`dscache_router.locate`): 200
       ``{"age_s", "inflight"}`` or 404 ``{"inflight"}``; the internal token as for
       the key info; 503 until the model is loaded.
+    * ``GET /dscache/conversations/<key>``: the same for a conversation's last turn
+      served here (``dscache.routing.conversation_key`` of its messages; only the
+      public tenant's are recorded).
     * ``GET /dscache/templates?top=N&tenant=T``: the live template miner's top ``N``
       (default 100, 1 to 1000) templates, of tenant id ``T`` or all, best first:
       ``{"model", "block_tokens", "fingerprint", "templates": [{"tenant", "key",
@@ -50,7 +53,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dscache.routing import KEYINFO_PATH, SESSIONS_PATH
+from dscache.routing import CONVERSATIONS_PATH, KEYINFO_PATH, SESSIONS_PATH, SessionLedger
 from dscache_server.auth import DEFAULT_TENANT, GATEWAY_TOKEN_HEADER
 from dscache_server.completions import handle_completion
 from dscache_server.errors import APIError
@@ -113,11 +116,23 @@ async def keyinfo(request: Request, state: StateDep) -> JSONResponse:
 @probes.get(SESSIONS_PATH + "{session_id:path}")
 async def session(session_id: str, request: Request, state: StateDep) -> JSONResponse:
     """Whether this pod served ``session_id`` (see the module contract)."""
+    return _ledger_answer(state, state.sessions, session_id, request, "the session ledger")
+
+
+@probes.get(CONVERSATIONS_PATH + "{key}")
+async def conversation(key: str, request: Request, state: StateDep) -> JSONResponse:
+    """Whether this pod served a chat request with these messages (the module contract)."""
+    return _ledger_answer(state, state.conversations, key, request, "the conversation ledger")
+
+
+def _ledger_answer(
+    state: AppState, ledger: SessionLedger, key: str, request: Request, what: str
+) -> JSONResponse:
     rt = state.runtime
     if rt is None:
         return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "1"})
-    _internal_only(rt, request.headers, "the session ledger")
-    age = state.sessions.age(session_id)
+    _internal_only(rt, request.headers, what)
+    age = ledger.age(key)
     if age is None:
         return JSONResponse({"inflight": state.inflight()}, status_code=404)
     return JSONResponse({"age_s": round(age, 3), "inflight": state.inflight()})

@@ -56,6 +56,9 @@ class AppState:
         load_error: why loading failed, if it did.
         sessions: the sessions this pod served (router replicas ask it where a
             session lives: :mod:`dscache_router.locate`).
+        conversations: the keys of the public tenant's chat requests this pod
+            served (``dscache.routing.conversation_key``: where a turn without its
+            session id finds its conversation's previous turn).
     """
 
     runtime: Runtime | None = None
@@ -65,6 +68,7 @@ class AppState:
     draining: bool = False
     load_error: str | None = None
     sessions: SessionLedger = field(default_factory=SessionLedger)
+    conversations: SessionLedger = field(default_factory=SessionLedger)
 
     def inflight(self) -> int:
         """Requests holding or waiting for a generation slot (0 before the first)."""

@@ -20,7 +20,10 @@ Contract:
     * ``locate(client, pods, session_id)`` (the picker) asks every pod at once and
       returns the one that served the session most recently, or None: no pod
       knows it, or none answered within the client's timeout. Never an exception
-      for a pod that fails: that pod simply does not know.
+      for a pod that fails: that pod simply does not know. With ``path=
+      CONVERSATIONS_PATH`` it asks the same of the pods' conversation ledgers (the
+      id is a ``dscache.routing.conversation_key``): which pod served a turn
+      without its session id's previous turn.
     * The ledger is per pod and in memory: a restarted pod knows no session, and
       neither does its cache (which is what the placement follows).
 """
@@ -46,13 +49,15 @@ async def locate(
     session_id: str,
     headers: Mapping[str, str] | None = None,
     timeout_s: float | None = None,
+    *,
+    path: str = SESSIONS_PATH,
 ) -> tuple[str | None, dict[str, int]]:
     """Which of ``pods`` served ``session_id`` most recently, and each answering pod's
     in-flight count (see the module contract); ``timeout_s``: per pod (default: the
-    client's)."""
-    path = SESSIONS_PATH + quote(session_id, safe="")
+    client's); ``path``: which ledger."""
+    route = path + quote(session_id, safe="")
     answers = await asyncio.gather(
-        *(_ask(client, f"http://{pod}{path}", headers or {}, timeout_s) for pod in pods)
+        *(_ask(client, f"http://{pod}{route}", headers or {}, timeout_s) for pod in pods)
     )
     best: tuple[float, str] | None = None
     inflight: dict[str, int] = {}

@@ -8,7 +8,9 @@ fails or is slow. The picker decides, in this order:
 1. ``pinned``: the router already keeps this session on a pod (its KV is there);
    the picker only records it.
 2. ``prefix``: the pod holding the longest prefix of the request's block keys,
-   among the pods under the router's load bound (ties: the hash order). What a
+   among the pods under the router's load bound (ties: for a chat, the pod its
+   messages' digest ranks highest, so alike conversations meet on one pod
+   whichever replica places them; else the hash order). What a
    pod holds is its sidecar's published filter
    (:mod:`dscache_sidecar.holdings`, fetched every ``refresh_s``; a filter
    unchanged since the last fetch is a 304 without a body) joined with
@@ -66,7 +68,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +85,7 @@ from dscache_sidecar.holdings import (
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dscache.keys import block_keys
-from dscache.routing import KEYINFO_PATH
+from dscache.routing import KEYINFO_PATH, conversation_key, previous_turn_key
 from dscache_router.gputier import GpuTier, root
 
 log = logging.getLogger(__name__)
@@ -214,17 +216,29 @@ class HolderQuery:
     lead_messages: int
     body: bytes
     credentials: bool
+    #: what the pods' ledgers may take to answer, per pod (0: the picker's flag)
+    budget_ms: int = 0
 
     @classmethod
     def parse(cls, args: Mapping[str, str], body: bytes, credentials: bool) -> HolderQuery:
-        """Parses ``pods=ADDR,...&lead=N``; raises :class:`PickError` for a malformed one."""
+        """Parses ``pods=ADDR,...&lead=N[&budget_ms=M]``; raises :class:`PickError` for a
+        malformed one."""
         pods = tuple(filter(None, args.get("pods", "").split(",")))
         if not pods or len(pods) > MAX_HOLDER_PODS:
             raise PickError(f"pods must name 1 to {MAX_HOLDER_PODS} pods")
         lead = args.get("lead", "2")
         if not lead.isdigit() or not 1 <= int(lead) <= MAX_LEAD_MESSAGES:
             raise PickError(f"lead {lead!r} is not a message count from 1 to {MAX_LEAD_MESSAGES}")
-        return cls(pods=pods, lead_messages=int(lead), body=body, credentials=credentials)
+        budget = args.get("budget_ms", "0")
+        if not budget.isdigit() or int(budget) > 10_000:
+            raise PickError(f"budget_ms {budget!r} is not a count of milliseconds up to 10000")
+        return cls(
+            pods=pods,
+            lead_messages=int(lead),
+            body=body,
+            credentials=credentials,
+            budget_ms=int(budget),
+        )
 
 
 #: Pods one holder query may name (every live pod of a deployment's tracks).
@@ -279,6 +293,18 @@ class _Pod:
     #: point went, which breaks the holder's ties.
     placed: dict[bytes, int] = field(default_factory=dict)
     seen_at: float = 0.0  # when a pick last named it
+
+
+def _affinity(body: Any) -> str:
+    """What breaks a tie between pods holding the same longest prefix of a chat: its
+    messages' :func:`~dscache.routing.conversation_key`. Conversations alike so far
+    (the same opening and question, often all a first turn is) then go to one pod
+    whichever router replica places them, so that a later turn that lost its id finds
+    them all in one place; different ones spread over the tied pods as a hash would
+    spread them. "" (the ring order decides) for anything else."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    key = conversation_key(messages) if isinstance(messages, list) else None
+    return key or ""
 
 
 def _most_placed(tied: Sequence[tuple[_Pod, Sequence[bytes], int]]) -> str | None:
@@ -349,6 +375,16 @@ class PickerMetrics:
         )
         for result in ("found", "unknown", "failed"):
             self.holders.labels(result)
+        self.conversations = Counter(
+            "dscache_picker_conversations",
+            "Holder lookups the blocks could not settle (nothing past the opening, or a "
+            "tie), asked of the pods' conversation ledgers: found (a candidate pod served "
+            "the conversation's previous turn) or unknown.",
+            ["result"],
+            registry=self.registry,
+        )
+        for result in ("found", "unknown"):
+            self.conversations.labels(result)
         self.tiers = Counter(
             "dscache_picker_prefix_tier",
             "Prefix choices by where the match was: store (the pod's sidecar: filter, "
@@ -552,7 +588,9 @@ class Picker:
             now = self.clock()
             chains: dict[tuple[bytes, int], list[bytes]] = {}  # pods of a track share one
             keys = {c.address: self._keys(c.address, ids, chains) for c in q.pods}
-            choice = self._choose(q, keys, gpu, minhash, now)
+            choice = self._choose(
+                q, keys, gpu, minhash, now, affinity=_affinity(body) if ids else ""
+            )
             chosen = keys.get(choice.pod, [])
             self._record(choice.pod, chosen, q.key, minhash, now)
             choice = Pick(choice.pod, choice.reason, choice.blocks, choice.tier, tuple(chosen))
@@ -563,18 +601,27 @@ class Picker:
         self.metrics.seconds.observe(time.perf_counter() - started)
         return choice
 
-    def holder(self, q: HolderQuery) -> str | None:
+    def holder(
+        self, q: HolderQuery, last_served: Callable[[str], str | None] | None = None
+    ) -> str | None:
         """The pod holding this request's conversation: the longest cached prefix over
         ``q.pods`` (every live pod of every track), if that prefix reaches past the
         request's opening (its first ``q.lead_messages`` messages, what a prompt key
         hashes). Past the opening the blocks are the conversation's own history (its
         answers and later turns), which only the pods that served it hold; an opening
         alone (a shared document, a first turn) names no holder, so new sessions keep
-        following the track weights. Ties (conversations alike up to a point, so
-        several pods hold the same prefix): the pod this picker sent more of them
-        to past the opening (the likelier home of a conversation nothing else tells
-        apart), then the first in ``q.pods``. The prompt's keys count as held there
-        from now on, as a pick's do."""
+        following the track weights.
+
+        Where the blocks cannot tell (no pod holds a block past the opening: a short
+        answer and question fit in the last block, which is not stored whole; or
+        several pods hold the same longest prefix: conversations alike up to a point),
+        ``last_served`` is asked for the pod that served the conversation's previous
+        turn (its :func:`~dscache.routing.previous_turn_key`; the pods' conversation
+        ledgers, :mod:`dscache_router.locate`), and that pod takes it when it is one
+        of the tied (or, with none, of ``q.pods``). Otherwise ties go to the pod this
+        picker sent more such conversations to past the opening (the likelier home
+        of one nothing else tells apart), then the first in ``q.pods``. The prompt's
+        keys count as held there from now on, as a pick's do."""
         if q.credentials:
             return None
         try:
@@ -588,9 +635,9 @@ class Picker:
         if not ids or lead_ids is None or len(ids) <= len(lead_ids):
             return None
         self.know(q.pods)
+        chains: dict[tuple[bytes, int], list[bytes]] = {}
         with self._lock:
             now = self.clock()
-            chains: dict[tuple[bytes, int], list[bytes]] = {}
             tied: list[tuple[_Pod, list[bytes], int]] = []
             most = len(lead_ids)
             for address in q.pods:
@@ -604,11 +651,29 @@ class Picker:
                     most, tied = tokens, []
                 if tokens == most and most > len(lead_ids):
                     tied.append((pod, keys[:held], len(lead_ids) // pod.block_tokens))
-            best = _most_placed(tied)
-            if best is not None:
-                self._record(best, self._keys(best, ids, chains), "", None, now)
+        best = tied[0][0].address if len(tied) == 1 else None
+        if best is None and last_served is not None:
+            best = self._last_served(body, last_served, [p.address for p, _, _ in tied] or q.pods)
+        with self._lock:
+            if best is None:
+                best = _most_placed(tied)
+            if best is not None and best in self._pods:
+                self._record(best, self._keys(best, ids, chains), "", None, self.clock())
         self.metrics.holders.labels("found" if best else "unknown").inc()
         return best
+
+    def _last_served(
+        self, body: Any, last_served: Callable[[str], str | None], among: Sequence[str]
+    ) -> str | None:
+        """The pod of ``among`` that served this conversation's previous turn, by the
+        pods' conversation ledgers (None: none of them, or no previous turn)."""
+        key = previous_turn_key(body["messages"])
+        if key is None:
+            return None
+        pod = last_served(key)
+        found = pod is not None and pod in among
+        self.metrics.conversations.labels("found" if found else "unknown").inc()
+        return pod if found else None
 
     def moved(self, key: str, picked: str, address: str, keys: Sequence[bytes]) -> None:
         """Another pod than the one picked served the request (a gateway's fallback):
@@ -690,22 +755,28 @@ class Picker:
         gpu: Mapping[str, int],
         minhash: MinHash | None,
         now: float,
+        *,
+        affinity: str = "",
     ) -> Pick:
         """Pinned, else the longest prefix in tokens over both tiers (a tie: the GPU,
-        where a hit costs no load; then the ring order), else similar, else hash."""
+        where a hit costs no load; then, with an ``affinity``, the pod it hashes
+        highest with (:func:`_affinity`), else the ring order), else similar, else
+        hash."""
         addresses = {c.address for c in q.pods}
         if q.pinned and q.pinned in addresses:
             return Pick(q.pinned, "pinned")
         eligible = [c for c in q.pods if q.eligible(c)]
         best: tuple[int, int] | None = None  # (tokens, 1 for the GPU tier)
         choice: Pick | None = None
+        rank = -1  # the store tier's tied pods: the affinity's highest rank wins
         for c in eligible:
             pod = self._pods[c.address]
             held = self._held(pod, keys.get(c.address, []), now)
             if held >= self.settings.min_blocks:
                 score = (held * max(pod.block_tokens, 1), 0)
-                if best is None or score > best:
-                    best, choice = score, Pick(c.address, "prefix", held)
+                mine = xxhash.xxh64_intdigest(f"{affinity} {c.address}".encode()) if affinity else 0
+                if best is None or score > best or (score == best and mine > rank):
+                    best, choice, rank = score, Pick(c.address, "prefix", held), mine
             tokens = gpu.get(c.address, 0)
             if tokens >= self.settings.gpu_min_tokens and tokens > 0:
                 score = (tokens, 1)

@@ -4,9 +4,11 @@ Routes: ``POST /pick`` (the decision), ``GET /locate?key=K&pods=ADDR,...&budget_
 of the pods served session ``K``, asked of the pods themselves, so that router
 replicas agree: :mod:`dscache_router.locate`; 200 with the address, 404 when
 none did, 400 for a bad query; each pod is given ``budget_ms``, else
-``--locate-timeout``), ``POST /holder?pods=ADDR,...&lead=N`` (body: the client's
+``--locate-timeout``), ``POST /holder?pods=ADDR,...&lead=N&budget_ms=M`` (body: the client's
 request; which pod holds the conversation past its first ``N`` messages, from what
-the pods hold: :meth:`~dscache_router.picker.Picker.holder`; 200 with the address,
+the pods hold, and where the blocks cannot tell, from the pods' conversation
+ledgers, each pod given ``budget_ms``, else ``--locate-timeout``:
+:meth:`~dscache_router.picker.Picker.holder`; 200 with the address,
 404 when none does, 400 for a bad query), ``GET /health``, ``GET /metrics``. The
 decision runs on a worker thread (tokenizing is CPU work); the filters are
 fetched by a background thread, with the internal token of
@@ -18,6 +20,7 @@ further (413).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -26,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+import anyio.from_thread
 import httpx
 from dscache_server.tokenizer import DeepSeekTokenizer
 from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER
@@ -34,7 +38,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from dscache.routing import MAX_SESSION_ID
+from dscache.routing import CONVERSATIONS_PATH, MAX_SESSION_ID
 from dscache_router.epp import EndpointPicker, EppSettings, PoolFileWatcher, serve
 from dscache_router.eventfeed import EventFeed
 from dscache_router.locate import locate
@@ -147,7 +151,21 @@ def _placement_routes(
         if isinstance(query, Response):
             picker.metrics.holders.labels("failed").inc()
             return query
-        pod = await run_in_threadpool(picker.holder, query)
+        timeout = query.budget_ms / 1000 if query.budget_ms > 0 else None
+        pods = query.pods[:MAX_LOCATE_PODS]
+
+        def last_served(key: str) -> str | None:
+            if not clients:  # the app is not running (no lifespan): nobody to ask
+                return None
+            # picker.holder runs on a worker thread; the lookup on the event loop.
+            found = anyio.from_thread.run(
+                functools.partial(
+                    locate, clients[0], pods, key, token, timeout, path=CONVERSATIONS_PATH
+                )
+            )
+            return found[0]
+
+        pod = await run_in_threadpool(picker.holder, query, last_served)
         if pod is None:
             return PlainTextResponse("", status_code=404)
         return PlainTextResponse(pod)

@@ -25,6 +25,7 @@ from dscache_sidecar.holdings_publisher import Holdings
 from dscache_sidecar.probes import holdings_app
 
 from dscache.keys import block_keys
+from dscache.routing import conversation_key, previous_turn_key
 
 BT = 16  # small blocks: a few sentences make several
 ROOT = bytes(range(32))
@@ -99,6 +100,37 @@ def test_the_pod_holding_the_longest_prefix_takes_the_request(
     assert choice.blocks == len(keys_of(tokenizer, turn1)) > 2
 
 
+def test_alike_first_turns_tied_on_a_prefix_meet_on_one_pod_whichever_replica_places_them(
+    tokenizer: DeepSeekTokenizer, clock: Clock
+) -> None:
+    # Every pod holds the shared document (prewarmed); the question fits in the last,
+    # unstored block. Two router replicas' pickers, each session with its own id
+    # (its own ring order): the same first turn goes to one pod from both, so that a
+    # later turn that lost its id finds every conversation alike to it in one place.
+    replicas = [Picker(PickerSettings(memory_s=60.0), tokenizer, clock=clock) for _ in "ab"]
+    doc = keys_of(tokenizer, chat(DOC, "?"))
+    for p in replicas:
+        for pod in (A, B, C):
+            p.set_keyinfo(pod, ROOT, BT)
+            p.set_holdings(pod, HoldingsFilter.of(doc, 1000))
+    orders = [f"{A}/0,{B}/0,{C}/0", f"{C}/0,{B}/0,{A}/0", f"{B}/0,{A}/0,{C}/0"]
+    first = chat(DOC, "What grew most?")
+    chosen = {
+        p.pick(query(first, order, key=f"session-{i}-{j}")).pod
+        for i, p in enumerate(replicas)
+        for j, order in enumerate(orders)
+    }
+    assert len(chosen) == 1
+    # Different first turns spread over the tied pods, as the ring would spread them
+    # (each after the last is forgotten: the picker's own memory is not the point).
+    spread = set()
+    for y in range(2000, 2030):
+        clock.now += 61
+        question = chat(DOC, f"What grew in fiscal {y}?")
+        spread.add(replicas[0].pick(query(question, orders[0], key=str(y))).pod)
+    assert spread == {A, B, C}
+
+
 def holder_query(
     messages: list[dict[str, str]], pods: str = f"{A},{B},{C}", *, credentials: bool = False
 ) -> HolderQuery:
@@ -160,6 +192,56 @@ def test_pods_holding_the_same_conversation_tie_to_the_one_more_of_them_went_to(
     for pod in (A, B):
         picker.set_holdings(pod, HoldingsFilter.of(keys_of(tokenizer, turn2)[:-1], 1000))
     assert picker.holder(holder_query(turn2, pods=pods)) == home
+
+
+def test_where_the_blocks_cannot_tell_the_pod_that_served_the_previous_turn_takes_it(
+    picker: Picker, tokenizer: DeepSeekTokenizer
+) -> None:
+    # A short answer and question fit in a block no pod stores whole: every pod holds
+    # the opening and nothing past it, so the blocks name no holder. The pods'
+    # conversation ledgers know which one served the turn before.
+    answer = "Segment 6."
+    turn2 = chat(DOC, "What grew most?", answer, "And least?")
+    opening = keys_of(tokenizer, chat(DOC, "What grew most?"))
+    for pod in (A, B, C):
+        picker.set_holdings(pod, HoldingsFilter.of(opening, 1000))
+    asked: list[str] = []
+
+    def served(key: str) -> str | None:
+        asked.append(key)
+        return B
+
+    assert picker.holder(holder_query(turn2)) is None  # without the ledgers: the weights
+    assert picker.holder(holder_query(turn2), served) == B
+    assert asked == [previous_turn_key(turn2)] == [conversation_key(turn2[:2])]
+    assert picker.metrics.conversations.labels("found")._value.get() == 1
+    # A ledger naming a pod the router did not list (gone, another deployment's): no.
+    assert picker.holder(holder_query(turn2, pods=f"{A},{C}"), served) is None
+    assert picker.metrics.conversations.labels("unknown")._value.get() == 1
+
+
+def test_the_ledgers_break_a_tie_but_never_overrule_a_longer_prefix(
+    picker: Picker, tokenizer: DeepSeekTokenizer
+) -> None:
+    answer = "Segment 6 grew the most, six percent in fiscal 2006, ahead of all the others."
+    turn2 = chat(DOC, "What grew most?", answer, "And least?")
+    history = keys_of(tokenizer, turn2)  # its blocks but the last, partial one
+    # Only A holds the whole history (C the opening and part of the answer): A, and
+    # the ledgers are not asked (a lookup saved).
+    picker.set_holdings(A, HoldingsFilter.of(history, 1000))
+    picker.set_holdings(C, HoldingsFilter.of(history[:-1], 1000))
+
+    def never(_key: str) -> str | None:
+        raise AssertionError("the blocks settled it")
+
+    assert picker.holder(holder_query(turn2), never) == A
+    # A and C hold the same history (conversations alike to their first answer):
+    # the pod that served this one's previous turn.
+    picker.set_holdings(C, HoldingsFilter.of(history, 1000))
+    again = chat(DOC, "What grew most?", answer, "Which one shrank the most, and in which year?")
+    assert picker.holder(holder_query(again), lambda _key: C) == C
+    # And C from now on: the turn counts as held there (the picker's memory).
+    assert picker.holder(holder_query(again), never) == C
 
 
 def test_an_opening_alone_names_no_holder_so_the_weights_place_it(

@@ -181,3 +181,39 @@ def test_a_turn_without_its_id_follows_its_conversation_through_another_replica(
     assert resp.headers["X-Dscache-Key-Source"] == "prompt"
     assert (resp.headers["X-Dscache-Track"], resp.headers["X-Dscache-Upstream"]) == ("stable", pod)
     assert _holders(b)["found"] == before + 1
+
+
+def test_a_short_turn_without_its_id_goes_where_its_previous_turn_went(
+    stack: LocalStack,
+) -> None:
+    # A conversation of short turns: its answer and next question fit in the last
+    # block, which no pod stores whole, so past the shared opening the pods hold
+    # nothing that tells where it went. The pods' conversation ledgers do.
+    a, b = stack.router, stack.replicas[0]
+    assert a is not None and b.picker is not None
+    stack.set_canary_weight(0)
+    opening = [
+        {"role": "system", "content": "Analyst desk 47."},
+        {"role": "user", "content": document(47)},
+    ]
+    first = _chat(a, opening, None)  # no id, a first turn: the weight places it
+    assert first.headers["X-Dscache-Track"] == "stable"
+    pod = first.headers["X-Dscache-Upstream"]
+    stack.set_canary_weight(100)  # a new conversation would now take the canary
+    nxt = [
+        *opening,
+        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "Why?"},
+    ]
+    picker_metrics = f"http://{b.picker}/metrics"
+
+    def found() -> float:
+        text = httpx.get(picker_metrics).text
+        line = 'dscache_picker_conversations_total{result="found"}'
+        return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+    before = found()
+    resp = _chat(b, nxt, None)  # through the other replica, without its id
+    assert resp.headers["X-Dscache-Key-Source"] == "prompt"
+    assert (resp.headers["X-Dscache-Track"], resp.headers["X-Dscache-Upstream"]) == ("stable", pod)
+    assert found() == before + 1  # the ledgers placed it, not the blocks

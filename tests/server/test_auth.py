@@ -22,6 +22,7 @@ from srv_helpers import LiveServer, random_text
 
 from dscache.cli import main
 from dscache.keys import KeyChain, tenant_salt
+from dscache.routing import conversation_key, previous_turn_key
 
 KEYS = {"sk-alpha-1": "alpha", "sk-beta-1": "beta"}
 GATEWAY = "gw-secret-1"
@@ -308,3 +309,41 @@ def test_the_session_ledger_tells_the_picker_which_sessions_this_pod_served(
     assert known.status_code == 200
     assert known.json()["inflight"] == 0 and 0 <= known.json()["age_s"] < 60
     assert httpx.get(url + "conv/2", headers=shown).status_code == 404
+
+
+def test_the_conversation_ledger_knows_the_public_chats_this_pod_served(
+    live_server: Callable[..., LiveServer], key_file: Path
+) -> None:
+    # A turn that lost its session id is placed where its previous turn went: the pod
+    # records each public chat request's messages by their digest, for the picker.
+    srv = live_server(internal_token="picker-1")
+    shown = {"X-Dscache-Internal-Token": "picker-1"}
+    url = srv.url + "/dscache/conversations/"
+    messages = [{"role": "user", "content": "hello there"}]
+    key = conversation_key(messages)
+    assert key is not None
+    assert_refused(httpx.get(url + key), 401, "invalid_internal_token")
+    assert httpx.get(url + key, headers=shown).status_code == 404
+    answer = chat(srv, "hello there")
+    nxt = [
+        *messages,
+        {"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]},
+    ]
+    known = httpx.get(url + key, headers=shown)
+    assert known.status_code == 200 and 0 <= known.json()["age_s"] < 60
+    # The next turn's key for its previous turn is the same (what the picker asks).
+    assert previous_turn_key([*nxt, {"role": "user", "content": "and then?"}]) == key
+    # A malformed request records nothing.
+    bad = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "robot"}]})
+    assert bad.status_code == 400
+    assert (
+        httpx.get(url + str(conversation_key([{"role": "robot"}])), headers=shown).status_code
+        == 404
+    )
+    # A tenant's chats are its own: not recorded for the picker, which keys only the
+    # public tenant's.
+    tenanted = live_server(internal_token="picker-1", api_keys_file=key_file)
+    assert chat(tenanted, "hello there", "sk-alpha-1").status_code == 200
+    assert (
+        httpx.get(tenanted.url + "/dscache/conversations/" + key, headers=shown).status_code == 404
+    )

@@ -13,7 +13,7 @@ from dscache_router.serve import create_app
 from dscache_server.tokenizer import DeepSeekTokenizer
 from fastapi.testclient import TestClient
 
-from dscache.routing import SessionLedger
+from dscache.routing import SessionLedger, conversation_key, previous_turn_key
 
 
 class Clock:
@@ -81,3 +81,29 @@ def test_the_pickers_locate_route_refuses_a_bad_query_and_answers_404_when_no_po
         text = client.get("/metrics").text
     assert 'dscache_picker_locates_total{result="failed"} 4.0' in text
     assert 'dscache_picker_locates_total{result="unknown"} 1.0' in text
+
+
+def test_a_conversation_key_is_its_messages_roles_and_contents_and_nothing_else() -> None:
+    turn = [
+        {"role": "system", "content": "Desk 3."},
+        {"role": "user", "content": "Revenue?"},
+        {"role": "assistant", "content": "Up 6%.", "refusal": None},
+        {"role": "user", "content": "Why?"},
+    ]
+    # The previous turn's key is that of the request that got the answer.
+    assert previous_turn_key(turn) == conversation_key(turn[:2])
+    # Other fields and key order do not matter; a role or a character does.
+    same = [{"content": m["content"], "role": m["role"], "name": "x"} for m in turn[:2]]
+    assert conversation_key(same) == conversation_key(turn[:2])
+    swapped = [{"role": "user", "content": "Desk 3."}, turn[1]]
+    assert conversation_key(swapped) != conversation_key(turn[:2])
+    assert conversation_key([turn[0], {"role": "user", "content": "Revenue!"}]) != (
+        conversation_key(turn[:2])
+    )
+    # Split differently, the same text is another conversation.
+    merged = [{"role": "system", "content": "Desk 3.Revenue?"}]
+    assert conversation_key(merged) != conversation_key(turn[:2])
+    # No previous turn (a first turn, or an assistant message first); not messages.
+    assert previous_turn_key(turn[:2]) is None
+    assert previous_turn_key([turn[2], turn[3]]) is None
+    assert conversation_key(["text"]) is None and previous_turn_key("text") is None

@@ -19,7 +19,15 @@ from dscache_vllm.ledger import SessionLedgerMiddleware, write_keyinfo
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 
-from dscache.routing import INFLIGHT_HEADER, KEYINFO_PATH, SESSIONS_PATH, SessionLedger
+from dscache.routing import (
+    CONVERSATIONS_PATH,
+    INFLIGHT_HEADER,
+    KEYINFO_PATH,
+    SESSIONS_PATH,
+    SessionLedger,
+    conversation_key,
+    previous_turn_key,
+)
 
 TOKEN = "internal-secret"
 
@@ -197,3 +205,44 @@ async def test_the_next_turn_header_reaches_the_connector_in_kv_transfer_params(
             headers={"X-Dscache-Next-Turn": "ended", "content-type": "application/json"},
         )
         assert raw.status_code == 422
+
+
+async def test_a_public_chat_is_in_the_conversation_ledger_and_a_tenants_is_not() -> None:
+    app = SessionLedgerMiddleware(vllm_like(), internal_token=TOKEN)
+    auth = {"X-Dscache-Internal-Token": TOKEN}
+    first = [{"role": "user", "content": "Revenue by segment?"}]
+    mine = [{"role": "user", "content": "My own question."}]
+    key, theirs = conversation_key(first), conversation_key(mine)
+    assert key is not None and theirs is not None
+    async with client(app) as c:
+        ok = await c.post("/v1/chat/completions", json={"model": "m", "messages": first})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "ok"
+        # With credentials (a tenant's; the picker keys only public requests): not
+        # recorded; refused by vLLM: not recorded.
+        await c.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": mine},
+            headers={"Authorization": "Bearer sk-1"},
+        )
+        refused = await c.post("/v1/chat/completions", json={"model": "x", "messages": mine})
+        assert refused.status_code == 404
+        assert (await c.get(CONVERSATIONS_PATH + key)).status_code == 401  # the picker's
+        assert (await c.get(CONVERSATIONS_PATH + key, headers=auth)).status_code == 200
+        assert (await c.get(CONVERSATIONS_PATH + theirs, headers=auth)).status_code == 404
+        # The next turn, sent back as it was given, asks for the same key.
+        nxt = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Why?"}]
+        pod, _ = await locate(
+            c, ["pod"], str(previous_turn_key(nxt)), auth, path=CONVERSATIONS_PATH
+        )
+        assert pod == "pod"
+        # The body reached vLLM whole, and with a next-turn header, changed as before.
+        r = await c.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": nxt},
+            headers={"X-Dscache-Next-Turn": "ended"},
+        )
+        assert r.status_code == 200
+        assert (
+            await c.get(CONVERSATIONS_PATH + str(conversation_key(nxt)), headers=auth)
+        ).status_code == 200
+        assert app.inflight == 0

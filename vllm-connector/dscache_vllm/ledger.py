@@ -20,6 +20,11 @@ Contract:
       sidecar's eviction policy when the request ends (:mod:`dscache_vllm.signals`);
       another value is a 400 (``invalid_next_turn``), as on the reference server. A
       body that is not a JSON object goes to vLLM unchanged (vLLM answers it).
+    * A chat completion request without ``Authorization`` (the public tenant's: the
+      only requests the picker keys) records its messages'
+      :func:`~dscache.routing.conversation_key` in the pod's conversation ledger
+      on the same terms, answered at ``CONVERSATIONS_PATH + key`` as sessions are:
+      where a turn that lost its session id finds its conversation's previous turn.
     * Every answer to a completion request carries ``INFLIGHT_HEADER``: the
       completion requests this server has started and not finished (a stream counts
       until its last byte), itself included, as the router's load bound reads it.
@@ -50,13 +55,21 @@ from typing import Any
 
 from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER, token_matches
 
-from dscache.routing import INFLIGHT_HEADER, KEYINFO_PATH, SESSIONS_PATH, SessionLedger
+from dscache.routing import (
+    CONVERSATIONS_PATH,
+    INFLIGHT_HEADER,
+    KEYINFO_PATH,
+    SESSIONS_PATH,
+    SessionLedger,
+    conversation_key,
+)
 from dscache_vllm.signals import NEXT_TURN_PARAM, NEXT_TURNS
 
 log = logging.getLogger("dscache_vllm.ledger")
 
 #: vLLM's completion routes whose sessions the ledger records.
-COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+CHAT_PATH = "/v1/chat/completions"
+COMPLETION_PATHS = frozenset({CHAT_PATH, "/v1/completions"})
 #: The header carrying the session id, as the router sends it (``routing`` upstream header).
 SESSION_HEADER_ENV = "DSCACHE_VLLM_SESSION_HEADER"
 DEFAULT_SESSION_HEADER = "X-Session-ID"
@@ -89,6 +102,7 @@ class SessionLedgerMiddleware:
     ) -> None:
         self.app = app
         self.ledger = ledger if ledger is not None else SessionLedger()
+        self.conversations = SessionLedger()
         header = session_header or os.environ.get(SESSION_HEADER_ENV) or DEFAULT_SESSION_HEADER
         self._session_header = header.lower().encode("latin-1")
         self._token_header = INTERNAL_TOKEN_HEADER.lower().encode("latin-1")
@@ -115,7 +129,10 @@ class SessionLedgerMiddleware:
         path, method = scope.get("path", ""), scope.get("method", "")
         if method == "GET" and path.startswith(SESSIONS_PATH):
             if await self._allowed(scope, send, "the session ledger"):
-                await self._answer(send, path[len(SESSIONS_PATH) :])
+                await self._answer(send, self.ledger, path[len(SESSIONS_PATH) :])
+        elif method == "GET" and path.startswith(CONVERSATIONS_PATH):
+            if await self._allowed(scope, send, "the conversation ledger"):
+                await self._answer(send, self.conversations, path[len(CONVERSATIONS_PATH) :])
         elif method == "GET" and path == KEYINFO_PATH:
             if await self._allowed(scope, send, "the key info"):
                 await self._answer_keyinfo(send)
@@ -136,13 +153,25 @@ class SessionLedgerMiddleware:
                 body = {"error": {"message": message, "code": "invalid_next_turn"}}
                 await _json(send, 400, body)
                 return
-            scope, receive = await _with_next_turn(scope, receive, kind)
+        public_chat = (
+            scope.get("path") == CHAT_PATH and self._header(scope, b"authorization") is None
+        )
+        chat_key = None
+        if turn is not None or public_chat:
+            data, read = await _json_body(receive)
+            if turn is not None:
+                scope, read = _with_next_turn(scope, read, data, turn.strip().lower())
+            receive = _replay(read, receive)
+            messages = data.get("messages") if isinstance(data, dict) else None
+            if public_chat and isinstance(messages, list):
+                chat_key = conversation_key(messages)
         self.inflight += 1
 
         async def started(message: Message) -> None:
             if message.get("type") == "http.response.start":
-                if session and int(message.get("status", 500)) < 400:
+                if int(message.get("status", 500)) < 400:
                     self.ledger.seen(session)
+                    self.conversations.seen(chat_key)
                 headers = [*message.get("headers", ())]
                 headers.append((INFLIGHT_HEADER.lower().encode(), str(self.inflight).encode()))
                 message = {**message, "headers": headers}
@@ -166,8 +195,8 @@ class SessionLedgerMiddleware:
         await _json(send, 401, body)
         return False
 
-    async def _answer(self, send: Send, session_id: str) -> None:
-        age = self.ledger.age(session_id)
+    async def _answer(self, send: Send, ledger: SessionLedger, key: str) -> None:
+        age = ledger.age(key)
         if age is None:
             await _json(send, 404, {"inflight": self.inflight})
         else:
@@ -191,14 +220,14 @@ class SessionLedgerMiddleware:
         return None
 
 
-async def _with_next_turn(scope: Scope, receive: Receive, kind: str) -> tuple[Scope, Receive]:
-    """The request with ``kv_transfer_params[NEXT_TURN_PARAM] = kind`` in its JSON body
-    (unchanged when the body is not a JSON object)."""
+async def _json_body(receive: Receive) -> tuple[Any, list[Message]]:
+    """The request's body parsed (None when it is not JSON, or the client left before
+    sending it whole) and the messages read, for vLLM to get again (``_replay``)."""
     chunks: list[bytes] = []
     while True:
         message = await receive()
         if message.get("type") != "http.request":  # the client left: let vLLM see it
-            return scope, _replay([message], receive)
+            return None, [message]
         chunks.append(bytes(message.get("body", b"")))
         if not message.get("more_body", False):
             break
@@ -207,14 +236,23 @@ async def _with_next_turn(scope: Scope, receive: Receive, kind: str) -> tuple[Sc
         data = json.loads(body)
     except ValueError:
         data = None
+    return data, [{"type": "http.request", "body": body, "more_body": False}]
+
+
+def _with_next_turn(
+    scope: Scope, read: list[Message], data: Any, kind: str
+) -> tuple[Scope, list[Message]]:
+    """The request with ``kv_transfer_params[NEXT_TURN_PARAM] = kind`` in its JSON body
+    ``data`` (unchanged when the body is not a JSON object)."""
     params = data.get("kv_transfer_params") if isinstance(data, dict) else None
     if isinstance(data, dict) and (params is None or isinstance(params, dict)):
-        data["kv_transfer_params"] = {**(params or {}), NEXT_TURN_PARAM: kind}
-        body = json.dumps(data).encode()
+        params = {**(params or {}), NEXT_TURN_PARAM: kind}
+        body = json.dumps({**data, "kv_transfer_params": params}).encode()
         headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
         scope = {**scope, "headers": headers}
-    return scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
+        return scope, [{"type": "http.request", "body": body, "more_body": False}]
+    return scope, read
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:
