@@ -52,7 +52,10 @@ Contract (the endpoint picker protocol of the inference extension, proposal 004)
       keyed by its prompt (an opening many conversations share) or by an id this
       picker has not placed first goes to the pod holding its conversation past the
       opening, on that pod's track (reason ``pinned``), when one does
-      (:meth:`~dscache_router.picker.Picker.holder`).
+      (:meth:`~dscache_router.picker.Picker.holder`); where the blocks cannot
+      tell, the pool's pods are asked which one served its previous turn (their
+      conversation ledgers, ``dscache.routing.CONVERSATIONS_PATH``, within the
+      picker's ``locate_timeout_s``).
     * In flight: counted per pod from the pick to the stream's end (the picker's
       load bound). Health: ``grpc.health.v1`` reports SERVING for ``""`` and the
       ext_proc service while the server runs.
@@ -61,16 +64,19 @@ Contract (the endpoint picker protocol of the inference extension, proposal 004)
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
+import httpx
+from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -80,8 +86,16 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Gauge
 
-from dscache.routing import MAX_SESSION_ID
-from dscache_router.picker import REASON_HEADER, Candidate, HolderQuery, Picker, PickQuery
+from dscache.routing import CONVERSATIONS_PATH, MAX_SESSION_ID
+from dscache_router.locate import locate
+from dscache_router.picker import (
+    MAX_HOLDER_PODS,
+    REASON_HEADER,
+    Candidate,
+    HolderQuery,
+    Picker,
+    PickQuery,
+)
 from dscache_router.ring import Ring, prompt_key
 
 log = logging.getLogger(__name__)
@@ -314,6 +328,7 @@ class EndpointPicker:
         self.metrics = EppMetrics(picker)
         self.metrics.endpoints.set(len(settings.endpoints))
         picker.know(settings.endpoints)
+        self._client: httpx.AsyncClient | None = None  # made on the serving loop
 
     @property
     def settings(self) -> EppSettings:
@@ -323,7 +338,11 @@ class EndpointPicker:
     # -- the decision (a worker thread: tokenizing is CPU work) --------------------
 
     def decide(
-        self, headers: Mapping[str, str], body: bytes, subset: Sequence[str] | None
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        subset: Sequence[str] | None,
+        last_served: Callable[[str], str | None] | None = None,
     ) -> Decision | Refusal:
         """Picks the pods for one request, or says why not."""
         pool = self.pool  # one pool for the whole decision, even if the file changes
@@ -335,7 +354,9 @@ class EndpointPicker:
             key = prompt_key(body, max_bytes=s.prompt_max_bytes, max_messages=s.prompt_max_messages)
             source = "prompt"
         credentials = "authorization" in headers
-        held = self._holder(pool, key, source, body, credentials=credentials, subset=subset)
+        held = self._holder(
+            pool, key, source, body, credentials=credentials, subset=subset, last_served=last_served
+        )
         track = s.endpoints[held] if held else pool.track_of(key)
         if track is None:
             return Refusal(503, "unavailable", "the pool has no endpoint")
@@ -375,6 +396,7 @@ class EndpointPicker:
         *,
         credentials: bool,
         subset: Sequence[str] | None,
+        last_served: Callable[[str], str | None] | None,
     ) -> str | None:
         """For a request no session of this picker places (keyed by its opening, or an
         id it has not placed): the pod holding its conversation past the opening
@@ -385,7 +407,34 @@ class EndpointPicker:
         if not pods:
             return None
         lead = pool.settings.prompt_max_messages
-        return self.picker.holder(HolderQuery(pods, lead, body, credentials))
+        return self.picker.holder(HolderQuery(pods, lead, body, credentials), last_served)
+
+    def _ledgers(self, loop: asyncio.AbstractEventLoop) -> Callable[[str], str | None]:
+        """Which pool pod served a conversation's previous turn, asked from the
+        decision's worker thread of the pods' conversation ledgers on ``loop``."""
+        s = self.picker.settings
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=s.locate_timeout_s)
+        client = self._client
+        token = {INTERNAL_TOKEN_HEADER: s.internal_token} if s.internal_token else {}
+        pods = tuple(self.pool.settings.endpoints)[:MAX_HOLDER_PODS]
+
+        def last_served(key: str) -> str | None:
+            asked = locate(client, pods, key, token, path=CONVERSATIONS_PATH)
+            future = asyncio.run_coroutine_threadsafe(asked, loop)
+            try:
+                return future.result(timeout=s.locate_timeout_s + 1.0)[0]
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                return None
+
+        return last_served
+
+    async def aclose(self) -> None:
+        """Closes the client the ledger lookups use."""
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
     def set_pool(
         self,
@@ -488,7 +537,9 @@ class EndpointPicker:
 
     async def _answer(self, st: _Stream, at_headers: bool) -> list[pb.ProcessingResponse]:
         loop = asyncio.get_running_loop()
-        got = await loop.run_in_executor(None, self.decide, st.headers, bytes(st.body), st.subset)
+        got = await loop.run_in_executor(
+            None, self.decide, st.headers, bytes(st.body), st.subset, self._ledgers(loop)
+        )
         if isinstance(got, Refusal):
             st.refused = True
             self.metrics.requests.labels(got.outcome).inc()

@@ -94,6 +94,8 @@ def create_app(
                 pool_file.stop()
             if grpc_server is not None:
                 await grpc_server[0].stop(grace=5)
+            if epp is not None:
+                await epp[0].aclose()
             await clients.pop().aclose()
             if refresher is not None:
                 refresher.stop()

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format, struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_picker import BT, DOC, ROOT, A, B, C, chat, keys_of
+from test_picker import BT, DOC, ROOT, A, B, C, _serve_wsgi, chat, keys_of
+
+from dscache.routing import CONVERSATIONS_PATH, SessionLedger, conversation_key
 
 CANARY = "10.0.1.1:8000"
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -261,6 +263,57 @@ def test_a_turn_without_its_id_goes_where_its_conversation_is_whatever_the_weigh
         assert picked(s.process(request(chat(DOC, "What shrank?"))))[0] == CANARY
     finally:
         s.close()
+
+
+def ledger_pod(ledger: SessionLedger) -> tuple[str, Callable[[], None]]:
+    """A stand-in for a pod's conversation ledger route (the model server's own is
+    tested in ``tests/server/test_auth.py``): a real ledger behind a WSGI server."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        path = str(environ["PATH_INFO"])
+        age = ledger.age(path.removeprefix(CONVERSATIONS_PATH))
+        if not path.startswith(CONVERSATIONS_PATH) or age is None:
+            start_response("404 Not Found", [("Content-Type", "application/json")])
+            return [b'{"inflight": 0}']
+        start_response("200 OK", [("Content-Type", "application/json")])
+        return [json.dumps({"age_s": age, "inflight": 0}).encode()]
+
+    url, stop = _serve_wsgi(app)
+    return url.removeprefix("http://"), stop
+
+
+def test_where_the_blocks_cannot_tell_the_pods_ledgers_place_a_turn_without_its_id(
+    tokenizer: DeepSeekTokenizer,
+) -> None:
+    # A short answer and question fit in the block after the opening, which no pod
+    # stores whole: every pod holds the opening, none anything past it. The pod that
+    # served the first turn knows it; the canary weight would send the turn away.
+    ledgers = [SessionLedger() for _ in range(3)]
+    pods = [ledger_pod(ledger) for ledger in ledgers]
+    stable_a, stable_b, canary = (address for address, _ in pods)
+    endpoints = {stable_a: "stable", stable_b: "stable", canary: "canary"}
+    s = make(tokenizer, endpoints=endpoints, track_weights={"canary": 100})
+    try:
+        for question, served in (("What grew most?", None), ("What shrank most?", 1)):
+            first = chat(DOC, question)
+            for pod in endpoints:
+                s.epp.picker.set_holdings(pod, HoldingsFilter.of(keys_of(tokenizer, first), 1000))
+            if served is not None:  # stable_b served this conversation's first turn
+                ledgers[served].seen(conversation_key(first))
+            turn2 = [
+                *first,
+                {"role": "assistant", "content": "Segment 6."},
+                {"role": "user", "content": "And least?"},
+            ]
+            # No session id: keyed by its opening, placed by the pods' ledgers, else
+            # by the weight.
+            want = canary if served is None else stable_b
+            assert picked(s.process(request(turn2)))[0] == want, question
+        assert s.epp.picker.metrics.conversations.labels("found")._value.get() == 1
+    finally:
+        s.close()
+        for _, stop in pods:
+            stop()
 
 
 def test_the_subset_hint_limits_the_pick_and_an_empty_one_is_503(epp: Served) -> None:
