@@ -53,9 +53,12 @@ CONVERSATIONS_PATH = "/dscache/conversations/"
 MAX_SESSION_ID = 256
 
 
-def conversation_key(messages: Sequence[Any]) -> str | None:
+def conversation_key(messages: Any) -> str | None:
     """The hex digest of a chat request's messages (each one's role and content), or
-    None when they are not a list of JSON objects."""
+    None when they are not a list of JSON objects (a request's ``messages`` as parsed,
+    whatever it holds)."""
+    if not isinstance(messages, list):
+        return None
     h = hashlib.blake2b(digest_size=16, person=b"dscache-conv")
     for m in messages:
         if not isinstance(m, dict):

@@ -143,9 +143,8 @@ async def _answer(
         return parsed
 
     parsed = await anyio.to_thread.run_sync(parse, limiter=parsers)
-    messages = body.get("messages") if isinstance(body, dict) else None
-    if endpoint == "chat" and principal.tenant == DEFAULT_TENANT and isinstance(messages, list):
-        conversations.seen(conversation_key(messages))
+    if endpoint == "chat" and principal.tenant == DEFAULT_TENANT and isinstance(body, dict):
+        conversations.seen(conversation_key(body.get("messages")))
     request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
     log.info(
         "request %s endpoint=%s session=%s prompt_tokens=%d",

@@ -302,8 +302,7 @@ def _affinity(body: Any) -> str:
     whichever router replica places them, so that a later turn that lost its id finds
     them all in one place; different ones spread over the tied pods as a hash would
     spread them. "" (the ring order decides) for anything else."""
-    messages = body.get("messages") if isinstance(body, dict) else None
-    key = conversation_key(messages) if isinstance(messages, list) else None
+    key = conversation_key(body.get("messages")) if isinstance(body, dict) else None
     return key or ""
 
 

@@ -162,9 +162,8 @@ class SessionLedgerMiddleware:
             if turn is not None:
                 scope, read = _with_next_turn(scope, read, data, turn.strip().lower())
             receive = _replay(read, receive)
-            messages = data.get("messages") if isinstance(data, dict) else None
-            if public_chat and isinstance(messages, list):
-                chat_key = conversation_key(messages)
+            if public_chat and isinstance(data, dict):
+                chat_key = conversation_key(data.get("messages"))
         self.inflight += 1
 
         async def started(message: Message) -> None:
