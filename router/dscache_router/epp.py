@@ -64,7 +64,6 @@ Contract (the endpoint picker protocol of the inference extension, proposal 004)
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import threading
@@ -86,8 +85,8 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Gauge
 
-from dscache.routing import CONVERSATIONS_PATH, MAX_SESSION_ID
-from dscache_router.locate import locate
+from dscache.routing import MAX_SESSION_ID
+from dscache_router.locate import previous_pod
 from dscache_router.picker import (
     MAX_HOLDER_PODS,
     REASON_HEADER,
@@ -417,16 +416,12 @@ class EndpointPicker:
             self._client = httpx.AsyncClient(timeout=s.locate_timeout_s)
         client = self._client
         token = {INTERNAL_TOKEN_HEADER: s.internal_token} if s.internal_token else {}
-        pods = tuple(self.pool.settings.endpoints)[:MAX_HOLDER_PODS]
 
         def last_served(key: str) -> str | None:
-            asked = locate(client, pods, key, token, path=CONVERSATIONS_PATH)
-            future = asyncio.run_coroutine_threadsafe(asked, loop)
-            try:
-                return future.result(timeout=s.locate_timeout_s + 1.0)[0]
-            except concurrent.futures.TimeoutError:
-                future.cancel()
-                return None
+            pods = tuple(self.pool.settings.endpoints)[:MAX_HOLDER_PODS]  # only when asked
+            return previous_pod(
+                loop, client, pods, key, headers=token, timeout_s=s.locate_timeout_s
+            )
 
         return last_served
 

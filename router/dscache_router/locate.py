@@ -23,7 +23,9 @@ Contract:
       for a pod that fails: that pod simply does not know. With ``path=
       CONVERSATIONS_PATH`` it asks the same of the pods' conversation ledgers (the
       id is a ``dscache.routing.conversation_key``): which pod served a turn
-      without its session id's previous turn.
+      without its session id's previous turn. ``previous_pod`` asks it from a
+      worker thread (where the picker's holder runs) on the event loop that owns
+      the client, and gives up a second after the per-pod timeout.
     * The ledger is per pod and in memory: a restarted pod knows no session, and
       neither does its cache (which is what the placement follows).
 """
@@ -31,13 +33,14 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 from collections.abc import Mapping, Sequence
 from urllib.parse import quote
 
 import httpx
 
-from dscache.routing import SESSIONS_PATH
+from dscache.routing import CONVERSATIONS_PATH, SESSIONS_PATH
 
 #: Largest answer the picker reads from a pod's session route.
 MAX_ANSWER_BYTES = 4096
@@ -67,6 +70,27 @@ async def locate(
         if age is not None and (best is None or age < best[0]):
             best = (age, pod)
     return (best[1] if best else None), inflight
+
+
+def previous_pod(
+    loop: asyncio.AbstractEventLoop,
+    client: httpx.AsyncClient,
+    pods: Sequence[str],
+    key: str,
+    *,
+    headers: Mapping[str, str],
+    timeout_s: float,
+) -> str | None:
+    """From a worker thread: which of ``pods`` served the chat request whose
+    ``conversation_key`` is ``key`` most recently (their conversation ledgers, asked
+    on ``loop``, ``timeout_s`` per pod); None when none did or none answered in time."""
+    asked = locate(client, pods, key, headers, timeout_s, path=CONVERSATIONS_PATH)
+    future = asyncio.run_coroutine_threadsafe(asked, loop)
+    try:
+        return future.result(timeout=timeout_s + 1.0)[0]
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        return None
 
 
 async def _ask(

@@ -20,6 +20,7 @@ further (413).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import logging
@@ -29,7 +30,6 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
-import anyio.from_thread
 import httpx
 from dscache_server.tokenizer import DeepSeekTokenizer
 from dscache_sidecar.holdings import INTERNAL_TOKEN_HEADER
@@ -38,10 +38,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from dscache.routing import CONVERSATIONS_PATH, MAX_SESSION_ID
+from dscache.routing import MAX_SESSION_ID
 from dscache_router.epp import EndpointPicker, EppSettings, PoolFileWatcher, serve
 from dscache_router.eventfeed import EventFeed
-from dscache_router.locate import locate
+from dscache_router.locate import locate, previous_pod
 from dscache_router.picker import (
     BLOCKS_HEADER,
     REASON_HEADER,
@@ -153,20 +153,15 @@ def _placement_routes(
         if isinstance(query, Response):
             picker.metrics.holders.labels("failed").inc()
             return query
-        timeout = query.budget_ms / 1000 if query.budget_ms > 0 else None
+        budget = query.budget_ms / 1000 if query.budget_ms > 0 else picker.settings.locate_timeout_s
         pods = query.pods[:MAX_LOCATE_PODS]
-
-        def last_served(key: str) -> str | None:
-            if not clients:  # the app is not running (no lifespan): nobody to ask
-                return None
-            # picker.holder runs on a worker thread; the lookup on the event loop.
-            found = anyio.from_thread.run(
-                functools.partial(
-                    locate, clients[0], pods, key, token, timeout, path=CONVERSATIONS_PATH
-                )
-            )
-            return found[0]
-
+        loop = asyncio.get_running_loop()
+        # None while the app is not running (no lifespan): nobody to ask.
+        last_served = (
+            functools.partial(previous_pod, loop, clients[0], pods, headers=token, timeout_s=budget)
+            if clients
+            else None
+        )
         pod = await run_in_threadpool(picker.holder, query, last_served)
         if pod is None:
             return PlainTextResponse("", status_code=404)
