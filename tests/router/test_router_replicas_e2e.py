@@ -20,6 +20,7 @@ from dscache_router.ring import Ring
 from dscache_tools.demo.stack import LocalStack, Router, StackOptions
 from dscache_tools.polling import poll
 from needs import need_nginx
+from prometheus_client.parser import text_string_to_metric_families
 from router_helpers import scrape
 
 from dscache import metricnames as names
@@ -134,6 +135,26 @@ def _holders(router: Router) -> dict[str, float]:
     return _results(router, names.ROUTER_HOLDERS)
 
 
+def _opening(desk: int) -> list[dict[str, str]]:
+    """How every conversation of a desk opens (a shared document)."""
+    return [
+        {"role": "system", "content": f"Analyst desk {desk}."},
+        {"role": "user", "content": document(desk)},
+    ]
+
+
+def _next_turn(
+    history: list[dict[str, str]], answer: httpx.Response, question: str
+) -> list[dict[str, str]]:
+    """The conversation's next turn, its answer sent back as it was given."""
+    content = answer.json()["choices"][0]["message"]["content"]
+    return [
+        *history,
+        {"role": "assistant", "content": content},
+        {"role": "user", "content": question},
+    ]
+
+
 def test_a_turn_without_its_id_follows_its_conversation_through_another_replica(
     stack: LocalStack,
 ) -> None:
@@ -142,10 +163,7 @@ def test_a_turn_without_its_id_follows_its_conversation_through_another_replica(
     stack.set_canary_weight(0)
     # Every conversation of this desk opens the same way (a shared document: what a
     # prompt key stands for); this one went on past it on one replica, with its id.
-    opening = [
-        {"role": "system", "content": "Analyst desk 31."},
-        {"role": "user", "content": document(31)},
-    ]
+    opening = _opening(31)
     history = [
         *opening,
         {"role": "assistant", "content": document(131, 150)},
@@ -154,11 +172,7 @@ def test_a_turn_without_its_id_follows_its_conversation_through_another_replica(
     first = _chat(a, history, "desk-31")
     assert first.headers["X-Dscache-Track"] == "stable"
     pod = first.headers["X-Dscache-Upstream"]
-    nxt = [
-        *history,
-        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-        {"role": "user", "content": "Which tranche is at risk?"},
-    ]
+    nxt = _next_turn(history, first, "Which tranche is at risk?")
     # Its pod's sidecar publishes the history's blocks; b's picker fetches the filter.
     pods = ",".join(s.address for s in stack.servers)
     picker = f"http://{b.picker}/holder"
@@ -192,25 +206,22 @@ def test_a_short_turn_without_its_id_goes_where_its_previous_turn_went(
     a, b = stack.router, stack.replicas[0]
     assert a is not None and b.picker is not None
     stack.set_canary_weight(0)
-    opening = [
-        {"role": "system", "content": "Analyst desk 47."},
-        {"role": "user", "content": document(47)},
-    ]
+    opening = _opening(47)
     first = _chat(a, opening, None)  # no id, a first turn: the weight places it
     assert first.headers["X-Dscache-Track"] == "stable"
     pod = first.headers["X-Dscache-Upstream"]
     stack.set_canary_weight(100)  # a new conversation would now take the canary
-    nxt = [
-        *opening,
-        {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
-        {"role": "user", "content": "Why?"},
-    ]
-    picker_metrics = f"http://{b.picker}/metrics"
+    nxt = _next_turn(opening, first, "Why?")
 
     def found() -> float:
-        text = httpx.get(picker_metrics).text
-        line = 'dscache_picker_conversations_total{result="found"}'
-        return next(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+        families = text_string_to_metric_families(httpx.get(f"http://{b.picker}/metrics").text)
+        return next(
+            sample.value
+            for family in families
+            for sample in family.samples
+            if sample.name == "dscache_picker_conversations_total"
+            and sample.labels == {"result": "found"}
+        )
 
     before = found()
     resp = _chat(b, nxt, None)  # through the other replica, without its id
