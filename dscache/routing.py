@@ -22,10 +22,16 @@ Contract:
       :func:`conversation_key` of each chat request it serves without credentials
       (the public tenant's; a second ledger), answered at ``CONVERSATIONS_PATH +
       key`` as the session route answers, and the picker asks for
-      :func:`previous_turn_key` of the turn it places: the key of the same
-      messages up to its last assistant message, which a chat client sends back
-      as it was given. The key is a digest of each message's role and content (as
-      JSON, canonical), nothing else: the same conversation from any client.
+      :func:`previous_turn_keys` of the turn it places. A pod records two keys of
+      a turn: its request's messages, when it has parsed them, and those messages
+      followed by the answer it gave (:func:`answered_key`), once the answer ran to
+      its end, before its last byte is sent; a chat client sends the answer back
+      as it was given, so the next turn's messages up to and including their last
+      assistant message make the second key. That one tells apart conversations
+      alike up to their last question (two users' same opening question, answered
+      differently), the first does not; it serves where the client changed the
+      answer. The key is a digest of each message's role and content (as JSON,
+      canonical), nothing else: the same conversation from any client.
 """
 
 from __future__ import annotations
@@ -73,14 +79,28 @@ def conversation_key(messages: Any) -> str | None:
     return h.hexdigest()
 
 
-def previous_turn_key(messages: Sequence[Any]) -> str | None:
-    """The :func:`conversation_key` of the turn before this one (its messages up to
-    the last assistant message), or None when there was none."""
+def answered_key(messages: Any, answer: str) -> str | None:
+    """The :func:`conversation_key` of a chat request's messages followed by the
+    assistant's ``answer`` to them: the key its next turn finds it by first (None for
+    messages that are not a list of JSON objects)."""
+    if not isinstance(messages, list):
+        return None
+    return conversation_key([*messages, {"role": "assistant", "content": answer}])
+
+
+def previous_turn_keys(messages: Sequence[Any]) -> tuple[str, ...]:
+    """The keys a pod recorded the turn before this one under, the surer first: its
+    messages with the answer it got (up to and including this request's last
+    assistant message: :func:`answered_key` as the pod computed it), then its
+    messages alone (up to the last assistant message). Empty when there was none."""
     last = max(
         (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
         default=0,
     )
-    return conversation_key(messages[:last]) if last > 0 else None
+    if last == 0:
+        return ()
+    keys = (conversation_key(list(messages[: last + 1])), conversation_key(list(messages[:last])))
+    return tuple(k for k in keys if k is not None)
 
 
 class SessionLedger:

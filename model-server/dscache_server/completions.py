@@ -25,7 +25,10 @@ Contract:
       (``AppState.sessions``: router replicas ask it where the session lives), a
       valid chat request of the public tenant records its messages' key
       (``AppState.conversations``: where a turn without its id finds its
-      conversation's last pod, ``dscache.routing.conversation_key``), and
+      conversation's last pod, ``dscache.routing.conversation_key``) and, once
+      its answer ran to its end (stop or length) and before the answer's last
+      byte is sent, the key of its messages with that answer
+      (``dscache.routing.answered_key``), and
       every answer carries the pod's in-flight count (``X-Dscache-Inflight``);
       every answer is counted in ``requests_total{endpoint, code, tenant}`` once the
       model is loaded (a bug counts as 500; a refused request as tenant ``other``).
@@ -36,15 +39,17 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from dscache.routing import INFLIGHT_HEADER, SessionLedger, conversation_key
+from dscache.routing import INFLIGHT_HEADER, SessionLedger, answered_key, conversation_key
 from dscache_server.auth import DEFAULT_TENANT, OTHER_LABEL, Principal
 from dscache_server.errors import APIError
+from dscache_server.generate import COMPLETED, GenerationResult
 from dscache_server.parse import ParsedRequest, parse_request, read_json
 from dscache_server.schemas import Endpoint, completion_body
 from dscache_server.slots import QueueFullError, tenant_session
@@ -143,8 +148,15 @@ async def _answer(
         return parsed
 
     parsed = await anyio.to_thread.run_sync(parse, limiter=parsers)
+    remember: Callable[[GenerationResult], None] | None = None
     if endpoint == "chat" and principal.tenant == DEFAULT_TENANT and isinstance(body, dict):
-        conversations.seen(conversation_key(body.get("messages")))
+        messages = body.get("messages")
+        conversations.seen(conversation_key(messages))
+
+        def remember(result: GenerationResult) -> None:
+            if result.finish_reason in COMPLETED:
+                conversations.seen(answered_key(messages, result.text))
+
     request_id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
     log.info(
         "request %s endpoint=%s session=%s prompt_tokens=%d",
@@ -179,9 +191,12 @@ async def _answer(
                 req=parsed.generation,
                 include_usage=parsed.include_usage,
                 started=started,
+                on_answer=remember,
             )
             return SlotStreamingResponse(events, slot=slot.pop_all(), headers=headers)
         result = await rt.generate(parsed.generation)
+    if remember is not None:
+        remember(result)
     log.info(
         "done %s cached_tokens=%d completion_tokens=%d waited=%.3fs fallback=%s",
         request_id,

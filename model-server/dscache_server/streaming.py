@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
@@ -136,8 +136,10 @@ async def stream_completion(
     req: GenerationRequest,
     include_usage: bool,
     started: float,
+    on_answer: Callable[[GenerationResult], None] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The events of one streamed completion (see the module's contract)."""
+    """The events of one streamed completion (see the module's contract);
+    ``on_answer`` gets the result before the chunk with the finish reason is sent."""
     chunks = ChunkMaker(request_id, rt.settings.model_name, chat=endpoint == "chat")
     generation = _Generation(rt, req)
     try:
@@ -152,6 +154,8 @@ async def stream_completion(
             yield sse(INTERNAL_ERROR.body())
             yield DONE
             return
+        if on_answer is not None:
+            on_answer(result)
         yield sse(chunks.last(result))
         if include_usage:
             yield sse(chunks.usage(result))

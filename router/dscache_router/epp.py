@@ -341,7 +341,7 @@ class EndpointPicker:
         headers: Mapping[str, str],
         body: bytes,
         subset: Sequence[str] | None,
-        last_served: Callable[[str], str | None] | None = None,
+        last_served: Callable[[Sequence[str]], str | None] | None = None,
     ) -> Decision | Refusal:
         """Picks the pods for one request, or says why not."""
         pool = self.pool  # one pool for the whole decision, even if the file changes
@@ -395,7 +395,7 @@ class EndpointPicker:
         *,
         credentials: bool,
         subset: Sequence[str] | None,
-        last_served: Callable[[str], str | None] | None,
+        last_served: Callable[[Sequence[str]], str | None] | None,
     ) -> str | None:
         """For a request no session of this picker places (keyed by its opening, or an
         id it has not placed): the pod holding its conversation past the opening
@@ -408,7 +408,7 @@ class EndpointPicker:
         lead = pool.settings.prompt_max_messages
         return self.picker.holder(HolderQuery(pods, lead, body, credentials), last_served)
 
-    def _ledgers(self, loop: asyncio.AbstractEventLoop) -> Callable[[str], str | None]:
+    def _ledgers(self, loop: asyncio.AbstractEventLoop) -> Callable[[Sequence[str]], str | None]:
         """Which pool pod served a conversation's previous turn, asked from the
         decision's worker thread of the pods' conversation ledgers on ``loop``."""
         s = self.picker.settings
@@ -417,10 +417,10 @@ class EndpointPicker:
         client = self._client
         token = {INTERNAL_TOKEN_HEADER: s.internal_token} if s.internal_token else {}
 
-        def last_served(key: str) -> str | None:
+        def last_served(keys: Sequence[str]) -> str | None:
             pods = tuple(self.pool.settings.endpoints)[:MAX_HOLDER_PODS]  # only when asked
             return previous_pod(
-                loop, client, pods, key, headers=token, timeout_s=s.locate_timeout_s
+                loop, client, pods, keys, headers=token, timeout_s=s.locate_timeout_s
             )
 
         return last_served

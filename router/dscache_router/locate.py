@@ -25,7 +25,9 @@ Contract:
       id is a ``dscache.routing.conversation_key``): which pod served a turn
       without its session id's previous turn. ``previous_pod`` asks it from a
       worker thread (where the picker's holder runs) on the event loop that owns
-      the client, and gives up a second after the per-pod timeout.
+      the client, for each of the previous turn's keys at once (the surer first:
+      ``dscache.routing.previous_turn_keys``), and gives up a second after the
+      per-pod timeout.
     * The ledger is per pod and in memory: a restarted pod knows no session, and
       neither does its cache (which is what the placement follows).
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from urllib.parse import quote
@@ -76,18 +79,24 @@ def previous_pod(
     loop: asyncio.AbstractEventLoop,
     client: httpx.AsyncClient,
     pods: Sequence[str],
-    key: str,
+    keys: Sequence[str],
     *,
     headers: Mapping[str, str],
     timeout_s: float,
 ) -> str | None:
-    """From a worker thread: which of ``pods`` served the chat request whose
-    ``conversation_key`` is ``key`` most recently (their conversation ledgers, asked
-    on ``loop``, ``timeout_s`` per pod); None when none did or none answered in time."""
-    asked = locate(client, pods, key, headers, timeout_s, path=CONVERSATIONS_PATH)
-    future = asyncio.run_coroutine_threadsafe(asked, loop)
+    """From a worker thread: which of ``pods`` served the chat request recorded under
+    the first of ``keys`` (each a ``conversation_key``, the surer first) that any pod
+    knows, most recently (their conversation ledgers, every key asked at once on
+    ``loop``, ``timeout_s`` per pod); None when none did or none answered in time."""
+
+    async def asked() -> str | None:
+        ask = functools.partial(locate, client, pods, headers=headers, timeout_s=timeout_s)
+        found = await asyncio.gather(*(ask(key, path=CONVERSATIONS_PATH) for key in keys))
+        return next((pod for pod, _ in found if pod is not None), None)
+
+    future = asyncio.run_coroutine_threadsafe(asked(), loop)
     try:
-        return future.result(timeout=timeout_s + 1.0)[0]
+        return future.result(timeout=timeout_s + 1.0)
     except concurrent.futures.TimeoutError:
         future.cancel()
         return None

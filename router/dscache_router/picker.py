@@ -85,7 +85,7 @@ from dscache_sidecar.holdings import (
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dscache.keys import block_keys
-from dscache.routing import KEYINFO_PATH, conversation_key, previous_turn_key
+from dscache.routing import KEYINFO_PATH, conversation_key, previous_turn_keys
 from dscache_router.gputier import GpuTier, root
 
 log = logging.getLogger(__name__)
@@ -601,7 +601,7 @@ class Picker:
         return choice
 
     def holder(
-        self, q: HolderQuery, last_served: Callable[[str], str | None] | None = None
+        self, q: HolderQuery, last_served: Callable[[Sequence[str]], str | None] | None = None
     ) -> str | None:
         """The pod holding this request's conversation: the longest cached prefix over
         ``q.pods`` (every live pod of every track), if that prefix reaches past the
@@ -615,8 +615,9 @@ class Picker:
         answer and question fit in the last block, which is not stored whole; or
         several pods hold the same longest prefix: conversations alike up to a point),
         ``last_served`` is asked for the pod that served the conversation's previous
-        turn (its :func:`~dscache.routing.previous_turn_key`; the pods' conversation
-        ledgers, :mod:`dscache_router.locate`), and that pod takes it when it is one
+        turn (by its :func:`~dscache.routing.previous_turn_keys`, the surer first; the
+        pods' conversation ledgers, :mod:`dscache_router.locate`), and that pod takes
+        it when it is one
         of the tied (or, with none, of ``q.pods``). Otherwise ties go to the pod this
         picker sent more such conversations to past the opening (the likelier home
         of one nothing else tells apart), then the first in ``q.pods``. The prompt's
@@ -662,14 +663,14 @@ class Picker:
         return best
 
     def _last_served(
-        self, body: Any, last_served: Callable[[str], str | None], among: Sequence[str]
+        self, body: Any, last_served: Callable[[Sequence[str]], str | None], among: Sequence[str]
     ) -> str | None:
         """The pod of ``among`` that served this conversation's previous turn, by the
         pods' conversation ledgers (None: none of them, or no previous turn)."""
-        key = previous_turn_key(body["messages"])
-        if key is None:
+        keys = previous_turn_keys(body["messages"])
+        if not keys:
             return None
-        pod = last_served(key)
+        pod = last_served(keys)
         found = pod is not None and pod in among
         self.metrics.conversations.labels("found" if found else "unknown").inc()
         return pod if found else None

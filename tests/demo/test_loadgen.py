@@ -115,6 +115,25 @@ def test_spread_sends_each_turn_to_one_replica_seeded_by_session_and_turn() -> N
 def test_answers_must_be_workload_or_served() -> None:
     with pytest.raises(ValueError, match="answers"):
         LoadConfig(target="http://127.0.0.1:1", answers="mine")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="temperature"):
+        LoadConfig(target="http://127.0.0.1:1", temperature=2.5)
+
+
+def test_a_sampling_client_seeds_each_turn_so_sessions_differ_and_replays_repeat(
+    fake: FakeChatServer,
+) -> None:
+    workload = _workload(3)
+    _run(LoadConfig(target=fake.url, concurrency=3, progress=False), workload)
+    assert {s.sampling for s in fake.seen} == {(0.0, None)}  # greedy: no seed
+    runs = []
+    for _ in range(2):
+        fake.seen.clear()
+        cfg = LoadConfig(target=fake.url, concurrency=3, progress=False, temperature=0.8)
+        _run(cfg, workload)
+        runs.append(sorted((s.user_text, s.n_messages, s.sampling) for s in fake.seen))
+    assert runs[0] == runs[1]  # the same seeds again
+    seeds = [seed for _, _, (temperature, seed) in runs[0] if temperature == 0.8]
+    assert len(seeds) == len(workload) == len(set(seeds))  # one per session and turn
 
 
 @pytest.mark.slow

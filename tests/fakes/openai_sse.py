@@ -32,6 +32,7 @@ class Seen:
     start: float
     end: float = 0.0
     answers: list[str] = field(default_factory=list)  # the history's assistant messages
+    sampling: tuple[Any, Any] = (None, None)  # the body's temperature and seed
 
 
 @dataclass
@@ -99,6 +100,7 @@ class FakeChatServer:
                     n_messages=len(msgs),
                     start=time.monotonic(),
                     answers=[m["content"] for m in msgs if m["role"] == "assistant"],
+                    sampling=(body.get("temperature"), body.get("seed")),
                 )
                 with fake.lock:
                     fake.seen.append(rec)

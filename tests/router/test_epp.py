@@ -52,7 +52,7 @@ from google.protobuf import json_format, struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_picker import BT, DOC, ROOT, A, B, C, _serve_wsgi, chat, keys_of
 
-from dscache.routing import CONVERSATIONS_PATH, SessionLedger, conversation_key
+from dscache.routing import CONVERSATIONS_PATH, SessionLedger, answered_key, conversation_key
 
 CANARY = "10.0.1.1:8000"
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -294,12 +294,19 @@ def test_where_the_blocks_cannot_tell_the_pods_ledgers_place_a_turn_without_its_
     endpoints = {stable_a: "stable", stable_b: "stable", canary: "canary"}
     s = make(tokenizer, endpoints=endpoints, track_weights={"canary": 100})
     try:
-        for question, served in (("What grew most?", None), ("What shrank most?", 1)):
+        cases = (("What grew most?", None), ("What shrank most?", 1), ("What held?", 1))
+        for question, served in cases:
             first = chat(DOC, question)
             for pod in endpoints:
                 s.epp.picker.set_holdings(pod, HoldingsFilter.of(keys_of(tokenizer, first), 1000))
             if served is not None:  # stable_b served this conversation's first turn
                 ledgers[served].seen(conversation_key(first))
+            if question == "What held?":
+                # ... and answered it; stable_a answered another user's alike first
+                # turn since, differently: the answer tells them apart.
+                ledgers[served].seen(answered_key(first, "Segment 6."))
+                ledgers[0].seen(conversation_key(first))
+                ledgers[0].seen(answered_key(first, "Segment 2."))
             turn2 = [
                 *first,
                 {"role": "assistant", "content": "Segment 6."},
@@ -309,7 +316,7 @@ def test_where_the_blocks_cannot_tell_the_pods_ledgers_place_a_turn_without_its_
             # by the weight.
             want = canary if served is None else stable_b
             assert picked(s.process(request(turn2)))[0] == want, question
-        assert s.epp.picker.metrics.conversations.labels("found")._value.get() == 1
+        assert s.epp.picker.metrics.conversations.labels("found")._value.get() == 2
     finally:
         s.close()
         for _, stop in pods:

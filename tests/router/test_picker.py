@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -25,7 +25,7 @@ from dscache_sidecar.holdings_publisher import Holdings
 from dscache_sidecar.probes import holdings_app
 
 from dscache.keys import block_keys
-from dscache.routing import conversation_key, previous_turn_key
+from dscache.routing import conversation_key, previous_turn_keys
 
 BT = 16  # small blocks: a few sentences make several
 ROOT = bytes(range(32))
@@ -205,15 +205,17 @@ def test_where_the_blocks_cannot_tell_the_pod_that_served_the_previous_turn_take
     opening = keys_of(tokenizer, chat(DOC, "What grew most?"))
     for pod in (A, B, C):
         picker.set_holdings(pod, HoldingsFilter.of(opening, 1000))
-    asked: list[str] = []
+    asked: list[Sequence[str]] = []
 
-    def served(key: str) -> str | None:
-        asked.append(key)
+    def served(keys: Sequence[str]) -> str | None:
+        asked.append(keys)
         return B
 
     assert picker.holder(holder_query(turn2)) is None  # without the ledgers: the weights
     assert picker.holder(holder_query(turn2), served) == B
-    assert asked == [previous_turn_key(turn2)] == [conversation_key(turn2[:2])]
+    # Asked by the previous turn's messages with its answer, then without.
+    assert asked == [previous_turn_keys(turn2)]
+    assert asked == [(conversation_key(turn2[:3]), conversation_key(turn2[:2]))]
     assert picker.metrics.conversations.labels("found")._value.get() == 1
     # A ledger naming a pod the router did not list (gone, another deployment's): no.
     assert picker.holder(holder_query(turn2, pods=f"{A},{C}"), served) is None
@@ -231,7 +233,7 @@ def test_the_ledgers_break_a_tie_but_never_overrule_a_longer_prefix(
     picker.set_holdings(A, HoldingsFilter.of(history, 1000))
     picker.set_holdings(C, HoldingsFilter.of(history[:-1], 1000))
 
-    def never(_key: str) -> str | None:
+    def never(_keys: Sequence[str]) -> str | None:
         raise AssertionError("the blocks settled it")
 
     assert picker.holder(holder_query(turn2), never) == A
@@ -239,7 +241,7 @@ def test_the_ledgers_break_a_tie_but_never_overrule_a_longer_prefix(
     # the pod that served this one's previous turn.
     picker.set_holdings(C, HoldingsFilter.of(history, 1000))
     again = chat(DOC, "What grew most?", answer, "Which one shrank the most, and in which year?")
-    assert picker.holder(holder_query(again), lambda _key: C) == C
+    assert picker.holder(holder_query(again), lambda _keys: C) == C
     # And C from now on: the turn counts as held there (the picker's memory).
     assert picker.holder(holder_query(again), never) == C
 

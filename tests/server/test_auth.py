@@ -22,7 +22,7 @@ from srv_helpers import LiveServer, random_text
 
 from dscache.cli import main
 from dscache.keys import KeyChain, tenant_salt
-from dscache.routing import conversation_key, previous_turn_key
+from dscache.routing import answered_key, conversation_key, previous_turn_keys
 
 KEYS = {"sk-alpha-1": "alpha", "sk-beta-1": "beta"}
 GATEWAY = "gw-secret-1"
@@ -325,14 +325,31 @@ def test_the_conversation_ledger_knows_the_public_chats_this_pod_served(
     assert_refused(httpx.get(url + key), 401, "invalid_internal_token")
     assert httpx.get(url + key, headers=shown).status_code == 404
     answer = chat(srv, "hello there")
-    nxt = [
-        *messages,
-        {"role": "assistant", "content": answer.json()["choices"][0]["message"]["content"]},
-    ]
+    said = answer.json()["choices"][0]["message"]["content"]
+    nxt = [*messages, {"role": "assistant", "content": said}, {"role": "user", "content": "?"}]
     known = httpx.get(url + key, headers=shown)
     assert known.status_code == 200 and 0 <= known.json()["age_s"] < 60
-    # The next turn's key for its previous turn is the same (what the picker asks).
-    assert previous_turn_key([*nxt, {"role": "user", "content": "and then?"}]) == key
+    # What the picker asks for the next turn: the messages with the answer they got
+    # (what tells this conversation from one that opened alike), then without it.
+    with_answer, alone = previous_turn_keys(nxt)
+    assert alone == key and with_answer == answered_key(messages, said) != key
+    assert httpx.get(url + with_answer, headers=shown).status_code == 200
+    # Another answer to the same messages is another conversation.
+    other = answered_key(messages, said + " more")
+    assert httpx.get(url + str(other), headers=shown).status_code == 404
+    # A streamed answer too: the key of the text its chunks carried, known before the
+    # stream ends.
+    body = {"messages": [{"role": "user", "content": "stream it"}], "max_tokens": 3}
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+        text, finished = "", 0
+        for line in r.iter_lines():
+            for choice in json.loads(line[6:])["choices"] if line.startswith("data: {") else ():
+                if choice["finish_reason"] is not None:
+                    streamed = answered_key(body["messages"], text)
+                    assert httpx.get(url + str(streamed), headers=shown).status_code == 200
+                    finished += 1
+                text += choice["delta"].get("content", "")
+    assert text and finished == 1
     # A malformed request records nothing.
     bad = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "robot"}]})
     assert bad.status_code == 400

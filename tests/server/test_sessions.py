@@ -13,7 +13,7 @@ from dscache_router.serve import create_app
 from dscache_server.tokenizer import DeepSeekTokenizer
 from fastapi.testclient import TestClient
 
-from dscache.routing import SessionLedger, conversation_key, previous_turn_key
+from dscache.routing import SessionLedger, answered_key, conversation_key, previous_turn_keys
 
 
 class Clock:
@@ -90,8 +90,15 @@ def test_a_conversation_key_is_its_messages_roles_and_contents_and_nothing_else(
         {"role": "assistant", "content": "Up 6%.", "refusal": None},
         {"role": "user", "content": "Why?"},
     ]
-    # The previous turn's key is that of the request that got the answer.
-    assert previous_turn_key(turn) == conversation_key(turn[:2])
+    # The previous turn's keys: its messages with the answer they got (as the pod
+    # that answered records them; the answer's other fields do not matter), then the
+    # request alone.
+    assert previous_turn_keys(turn) == (
+        answered_key(turn[:2], "Up 6%."),
+        conversation_key(turn[:2]),
+    )
+    assert answered_key(turn[:2], "Up 6%.") == conversation_key(turn[:3])
+    assert answered_key(turn[:2], "Up 7%.") != conversation_key(turn[:3])
     # Other fields and key order do not matter; a role or a character does.
     same = [{"content": m["content"], "role": m["role"], "name": "x"} for m in turn[:2]]
     assert conversation_key(same) == conversation_key(turn[:2])
@@ -104,6 +111,7 @@ def test_a_conversation_key_is_its_messages_roles_and_contents_and_nothing_else(
     merged = [{"role": "system", "content": "Desk 3.Revenue?"}]
     assert conversation_key(merged) != conversation_key(turn[:2])
     # No previous turn (a first turn, or an assistant message first); not messages.
-    assert previous_turn_key(turn[:2]) is None
-    assert previous_turn_key([turn[2], turn[3]]) is None
-    assert conversation_key(["text"]) is None and previous_turn_key("text") is None
+    assert previous_turn_keys(turn[:2]) == ()
+    assert previous_turn_keys([turn[2], turn[3]]) == ()
+    assert conversation_key(["text"]) is None and previous_turn_keys("text") == ()
+    assert answered_key("text", "Up 6%.") is None

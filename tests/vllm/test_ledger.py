@@ -9,13 +9,15 @@ real ``dscache vllm serve``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, MutableMapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from dscache_router.locate import locate
-from dscache_vllm.ledger import SessionLedgerMiddleware, write_keyinfo
+from dscache_vllm.ledger import CHAT_PATH, SessionLedgerMiddleware, write_keyinfo
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 
@@ -25,8 +27,9 @@ from dscache.routing import (
     KEYINFO_PATH,
     SESSIONS_PATH,
     SessionLedger,
+    answered_key,
     conversation_key,
-    previous_turn_key,
+    previous_turn_keys,
 )
 
 TOKEN = "internal-secret"
@@ -41,16 +44,25 @@ def vllm_like(release: asyncio.Event | None = None) -> FastAPI:
     async def chat(body: dict[str, object]) -> object:
         if body.get("model") != "m":
             raise HTTPException(404, "no such model")
+        finish = str(body.get("finish", "stop"))  # what the answer ends with
         if body.get("stream"):
 
             async def chunks() -> AsyncIterator[bytes]:
-                yield b"data: {}\n\n"
+                # As vLLM streams: the role first, two deltas in one write, an event
+                # split over two writes, the finish reason in a chunk of its own.
+                yield chunk({"role": "assistant", "content": ""}, None)
+                yield chunk({"content": "o"}, None) + chunk({"content": "k"}, None)
+                split = chunk({"content": " then"}, None)
+                yield split[:20]
+                yield split[20:]
                 if release is not None:
                     await release.wait()
+                yield chunk({}, finish)
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(chunks(), media_type="text/event-stream")
-        return {"choices": [{"message": {"role": "assistant", "content": "ok"}}]}
+        message = {"role": "assistant", "content": "ok"}
+        return {"choices": [{"index": 0, "message": message, "finish_reason": finish}]}
 
     @app.post("/v1/completions")
     async def completions(body: dict[str, object]) -> dict[str, object]:
@@ -61,6 +73,16 @@ def vllm_like(release: asyncio.Event | None = None) -> FastAPI:
         return {"status": "ok"}
 
     return app
+
+
+def chunk(delta: dict[str, str], finish: str | None) -> bytes:
+    """One event of a chat completion stream, as vLLM writes it."""
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return (
+        b"data: "
+        + json.dumps({"object": "chat.completion.chunk", "choices": [choice]}).encode()
+        + b"\n\n"
+    )
 
 
 def client(app: object) -> httpx.AsyncClient:
@@ -229,12 +251,14 @@ async def test_a_public_chat_is_in_the_conversation_ledger_and_a_tenants_is_not(
         assert (await c.get(CONVERSATIONS_PATH + key)).status_code == 401  # the picker's
         assert (await c.get(CONVERSATIONS_PATH + key, headers=auth)).status_code == 200
         assert (await c.get(CONVERSATIONS_PATH + theirs, headers=auth)).status_code == 404
-        # The next turn, sent back as it was given, asks for the same key.
+        # The next turn, its answer sent back as it was given, finds this pod by both
+        # keys the picker asks: the messages with the answer, and without.
         nxt = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Why?"}]
-        pod, _ = await locate(
-            c, ["pod"], str(previous_turn_key(nxt)), auth, path=CONVERSATIONS_PATH
-        )
-        assert pod == "pod"
+        keys = previous_turn_keys(nxt)
+        assert keys == (answered_key(first, "ok"), key)
+        for asked in keys:
+            pod, _ = await locate(c, ["pod"], asked, auth, path=CONVERSATIONS_PATH)
+            assert pod == "pod"
         # The body reached vLLM whole, and with a next-turn header, changed as before.
         r = await c.post(
             "/v1/chat/completions",
@@ -246,3 +270,68 @@ async def test_a_public_chat_is_in_the_conversation_ledger_and_a_tenants_is_not(
             await c.get(CONVERSATIONS_PATH + str(conversation_key(nxt)), headers=auth)
         ).status_code == 200
         assert app.inflight == 0
+
+
+async def sent(app: SessionLedgerMiddleware, body: dict[str, Any], key: str | None) -> list[bool]:
+    """Calls ``app`` (ASGI, as a server would) with a public chat request: for each
+    piece of the answer's body as it is sent, whether ``key`` was in the pod's
+    conversation ledger by then, and its bytes."""
+    pieces: list[tuple[bytes, bool]] = []
+    raw = json.dumps(body).encode()
+    delivered = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if not delivered.is_set():
+            delivered.set()
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.Event().wait()  # the client stays until the answer ends
+        raise AssertionError("unreachable")
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.body":
+            known = key is not None and app.conversations.age(key) is not None
+            pieces.append((bytes(message.get("body", b"")), known))
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": CHAT_PATH,
+        "raw_path": CHAT_PATH.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 1),
+        "server": ("pod", 80),
+    }
+    await app(scope, receive, send)
+    return [known for data, known in pieces if data]
+
+
+async def test_an_answer_is_recorded_with_its_messages_before_it_finishes_reaching_the_client() -> (
+    None
+):
+    # Two users open alike; only the answers they got tell their next turns apart.
+    app = SessionLedgerMiddleware(vllm_like(), internal_token="")
+    opening = [{"role": "user", "content": "Revenue by segment?"}]
+    streamed = {"model": "m", "messages": opening, "stream": True}
+    # Unknown while the answer streams (a client that stopped reading has no answer
+    # to send back), known from the piece that ends it, before [DONE].
+    known = await sent(app, streamed, answered_key(opening, "ok then"))
+    assert known == [False, False, False, False, True, True]
+    assert app.conversations.age(str(answered_key(opening, "ok"))) is None
+    # A JSON answer: known before its body is sent, with the message's content.
+    again = [{"role": "user", "content": "And costs?"}]
+    assert await sent(app, {"model": "m", "messages": again}, answered_key(again, "ok")) == [True]
+    # An answer cut short (aborted, failed) is no answer the client sends back: only
+    # the request's own key is known.
+    cut = [{"role": "user", "content": "Margins?"}]
+    for finish in ("abort", "error"):
+        body = {"model": "m", "messages": cut, "finish": finish}
+        assert set(await sent(app, {**body, "stream": True}, answered_key(cut, "ok then"))) == {
+            False
+        }
+        assert await sent(app, body, answered_key(cut, "ok")) == [False]
+    assert app.conversations.age(str(conversation_key(cut))) is not None

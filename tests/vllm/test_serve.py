@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from vllm_helpers import STORE_FLAGS
 
 from dscache.keys import block_keys, tenant_label, tenant_salt
-from dscache.routing import INFLIGHT_HEADER, SESSIONS_PATH
+from dscache.routing import CONVERSATIONS_PATH, INFLIGHT_HEADER, SESSIONS_PATH, answered_key
 
 pytestmark = pytest.mark.vllm
 
@@ -93,6 +93,16 @@ def test_a_restarted_vllm_server_answers_from_the_stored_prefix(
         assert known.status_code == 200 and known.json()["inflight"] == 0
         assert session_age(first, "conv-2").status_code == 404
         assert session_age(first, "conv-1", token=None).status_code == 401
+        # And the conversation, by its messages with the answer vLLM gave: where its
+        # next turn goes when it reaches a router pod without its session id.
+        said = cold["choices"][0]["message"]["content"]
+        assert cold["choices"][0]["finish_reason"] in ("stop", "length")
+        conversation = httpx.get(
+            f"{first.url}{CONVERSATIONS_PATH}{answered_key(MESSAGES, said)}",
+            headers={"X-Dscache-Internal-Token": TOKEN},
+            timeout=10,
+        )
+        assert conversation.status_code == 200
         with SidecarClient(sidecar.socket) as client:
             wait_until("the prefix stored", lambda: client.stats().blocks >= 2, timeout=60)
             held, keys, ids = picker_view(first, client)

@@ -290,6 +290,13 @@ def _add_kube_demo(kinds: Commands) -> None:
         help="router pods; the load spreads every request over them, as a Service does "
         "(default 2; they agree on each session's track and pod through the pods)",
     )
+    k.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="the users' sampling temperature, seeded per turn (default 1, OpenAI's; "
+        "0: greedy, alike openings get the same answer)",
+    )
     k.set_defaults(handler=_run_kube_demo)
 
 

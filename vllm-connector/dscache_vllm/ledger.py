@@ -25,6 +25,12 @@ Contract:
       :func:`~dscache.routing.conversation_key` in the pod's conversation ledger
       on the same terms, answered at ``CONVERSATIONS_PATH + key`` as sessions are:
       where a turn that lost its session id finds its conversation's previous turn.
+      Once vLLM's answer to it ran to its end (finish reason ``stop`` or
+      ``length``, read from the JSON body or the event stream as it is sent), the
+      :func:`~dscache.routing.answered_key` of its messages with that answer too,
+      before the bytes that finish it reach the client: the key its next turn is
+      found by first. The answer read is its first choice's; a body over
+      :data:`MAX_ANSWER_BYTES` is passed on without being read.
     * Every answer to a completion request carries ``INFLIGHT_HEADER``: the
       completion requests this server has started and not finished (a stream counts
       until its last byte), itself included, as the router's load bound reads it.
@@ -61,6 +67,7 @@ from dscache.routing import (
     KEYINFO_PATH,
     SESSIONS_PATH,
     SessionLedger,
+    answered_key,
     conversation_key,
 )
 from dscache_vllm.signals import NEXT_TURN_PARAM, NEXT_TURNS
@@ -80,6 +87,10 @@ NEXT_TURN_HEADER_ENV = "DSCACHE_VLLM_NEXT_TURN_HEADER"
 DEFAULT_NEXT_TURN_HEADER = "X-Dscache-Next-Turn"
 #: Where the scheduler-side connector leaves the key facts for this server's route.
 KEYINFO_FILE_ENV = "DSCACHE_VLLM_KEYINFO_FILE"
+#: The longest answer body (or event stream) the conversation ledger reads.
+MAX_ANSWER_BYTES = 4 << 20
+#: Finish reasons of an answer that ran to its end (what the client sends back).
+FINISHED = frozenset({"stop", "length"})
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -156,14 +167,19 @@ class SessionLedgerMiddleware:
         public_chat = (
             scope.get("path") == CHAT_PATH and self._header(scope, b"authorization") is None
         )
-        chat_key = None
+        chat_key, tap = None, None
         if turn is not None or public_chat:
             data, read = await _json_body(receive)
             if turn is not None:
                 scope, read = _with_next_turn(scope, read, data, turn.strip().lower())
             receive = _replay(read, receive)
             if public_chat and isinstance(data, dict):
-                chat_key = conversation_key(data.get("messages"))
+                messages = data.get("messages")
+                chat_key = conversation_key(messages)
+                if chat_key is not None:
+                    tap = _AnswerTap(
+                        lambda answer: self.conversations.seen(answered_key(messages, answer))
+                    )
         self.inflight += 1
 
         async def started(message: Message) -> None:
@@ -171,9 +187,13 @@ class SessionLedgerMiddleware:
                 if int(message.get("status", 500)) < 400:
                     self.ledger.seen(session)
                     self.conversations.seen(chat_key)
+                    if tap is not None:
+                        tap.start(message)
                 headers = [*message.get("headers", ())]
                 headers.append((INFLIGHT_HEADER.lower().encode(), str(self.inflight).encode()))
                 message = {**message, "headers": headers}
+            elif message.get("type") == "http.response.body" and tap is not None:
+                tap.body(message)
             await send(message)
 
         try:
@@ -217,6 +237,81 @@ class SessionLedgerMiddleware:
             if key.lower() == name:
                 return str(value.decode("latin-1"))
         return None
+
+
+class _AnswerTap:
+    """Reads the first choice's answer out of a chat completion's response as vLLM
+    sends it (a JSON body, or an event stream of chunks), and hands it to
+    ``on_answer`` once it ran to its end (see the module contract)."""
+
+    def __init__(self, on_answer: Callable[[str], None]) -> None:
+        self._on_answer = on_answer
+        self._live = False
+        self._stream = False
+        self._pending = b""
+        self._read = 0
+        self._parts: list[str] = []
+
+    def start(self, message: Message) -> None:
+        """The response's start (a status below 400): what kind of body follows."""
+        for key, value in message.get("headers", ()):
+            if key.lower() == b"content-type":
+                self._stream = value.lower().startswith(b"text/event-stream")
+        self._live = True
+
+    def body(self, message: Message) -> None:
+        """One piece of the body, read before it is sent on."""
+        if not self._live:
+            return
+        chunk = bytes(message.get("body", b""))
+        self._read += len(chunk)
+        if self._read > MAX_ANSWER_BYTES:
+            self._live = False
+            return
+        self._pending += chunk
+        if self._stream:
+            *events, self._pending = self._pending.split(b"\n\n")
+            for event in events:
+                self._event(event)
+        elif not message.get("more_body", False):
+            choice = _first_choice(_loads(self._pending))
+            said = choice.get("message") if choice is not None else None
+            if choice is not None and isinstance(said, dict):
+                self._finish(choice, said.get("content"))
+
+    def _event(self, event: bytes) -> None:
+        for line in event.splitlines():
+            if not line.startswith(b"data:") or not self._live:
+                continue
+            choice = _first_choice(_loads(line[5:].strip()))
+            if choice is None:
+                continue
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+                self._parts.append(delta["content"])
+            if choice.get("finish_reason") is not None:
+                self._finish(choice, "".join(self._parts))
+
+    def _finish(self, choice: dict[str, Any], answer: Any) -> None:
+        self._live = False
+        if choice.get("finish_reason") in FINISHED and isinstance(answer, str):
+            self._on_answer(answer)
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _first_choice(body: Any) -> dict[str, Any] | None:
+    """The choice with index 0 of a completion (or chunk) body, or None."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    for choice in choices if isinstance(choices, list) else ():
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            return choice
+    return None
 
 
 async def _json_body(receive: Receive) -> tuple[Any, list[Message]]:

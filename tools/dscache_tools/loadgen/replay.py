@@ -20,6 +20,11 @@ Contract:
       does: each earlier turn's assistant message in the history is replaced by the
       text that turn received (when it succeeded); ``"workload"`` (the default) sends
       the workload's canned answers unchanged.
+    * ``temperature`` 0 (the default) asks for greedy answers: the same messages get
+      the same answer from any pod, so two sessions that open alike stay alike.
+      Above 0 each request also sends a ``seed`` drawn from its session and turn:
+      answers differ from one session to the next as a chat client's do, and a
+      replay samples the same way every time.
     * ``requests`` caps how many requests start; ``duration_s`` stops starting new
       ones after that many seconds. In-flight requests always finish (bounded by
       ``timeout_s``), so a run ends by itself.
@@ -80,6 +85,8 @@ class LoadConfig:
             every request goes to one of ``target`` and these, drawn from a seed of
             its session and turn, as a Service spreads new connections; the
             ``/metrics`` scrape still goes to ``metrics_urls``.
+        temperature: sampling temperature sent (0: greedy; above 0 with a seed
+            per session and turn).
     """
 
     target: str
@@ -96,6 +103,7 @@ class LoadConfig:
     stream: bool = True
     answers: Literal["workload", "served"] = "workload"
     spread: tuple[str, ...] = ()
+    temperature: float = 0.0
 
     def url_for(self, session: str, turn: int) -> str:
         """The chat URL of one turn (``spread``: one of the replicas, seeded)."""
@@ -114,6 +122,8 @@ class LoadConfig:
             raise ValueError("think time must be >= 0")
         if self.answers not in ("workload", "served"):
             raise ValueError("answers must be 'workload' or 'served'")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError("temperature must be in [0, 2]")
 
 
 def think_times(session: str, turns: int, mean_s: float) -> list[float]:
@@ -148,9 +158,11 @@ def _body(cfg: LoadConfig, req: ChatRequest, messages: list[dict[str, str]]) -> 
     body: dict[str, Any] = {
         "messages": messages,
         "max_tokens": req.max_tokens,
-        "temperature": 0.0,
+        "temperature": cfg.temperature,
         "stream": cfg.stream,
     }
+    if cfg.temperature > 0:
+        body["seed"] = zlib.crc32(f"{req.session}/{req.turn}".encode())
     if cfg.stream:
         body["stream_options"] = {"include_usage": True}
     if cfg.model:

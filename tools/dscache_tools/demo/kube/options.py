@@ -78,6 +78,12 @@ class KubeDemoOptions:
             10% window.
         router_replicas: router pods (``spec.routing.replicas``); the load spreads
             each request over all of them, as a Service spreads connections.
+        temperature: the users' sampling temperature (OpenAI's default, 1): two
+            users who open alike get different answers, as chat users do, and
+            their next turns are two conversations a router can tell apart. 0:
+            greedy, the same answer to the same opening; a turn that lost its
+            session id is then the same request as its twin's, which no router
+            tells apart (the report counts those moves as indistinguishable).
     """
 
     quick: bool = False
@@ -95,10 +101,13 @@ class KubeDemoOptions:
     max_ttft_p99_ratio: float | None = None
     min_hit_rate_ratio: float | None = None
     router_replicas: int = 2
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.router_replicas <= 8:
             raise ValueError("router replicas must be between 1 and 8")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError("temperature must be between 0 and 2")
 
     @property
     def step_interval_s(self) -> int:
@@ -129,4 +138,5 @@ def options_report(opts: KubeDemoOptions) -> dict[str, Any]:
         "max_ttft_p99_ratio": opts.max_ttft_p99_ratio,
         "min_hit_rate_ratio": opts.min_hit_rate_ratio,
         "router_replicas": opts.router_replicas,
+        "temperature": opts.temperature,
     }

@@ -178,7 +178,10 @@ class _Scenarios:
         return 600 + 8 * self.opts.step_interval_s
 
     def _load(self, workload: Sequence[ChatRequest]) -> LoadThread:
-        return LoadThread(self.targets, workload, self.opts.concurrency, self.opts.think_s).start()
+        opts = self.opts
+        return LoadThread(
+            self.targets, workload, opts.concurrency, opts.think_s, opts.temperature
+        ).start()
 
     def _stop(self, load: LoadThread, part: str) -> None:
         """Stops ``part``'s load and counts the sessions the router moved in it."""

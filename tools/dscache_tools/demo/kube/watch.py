@@ -54,11 +54,13 @@ class LoadThread:
         workload: Sequence[ChatRequest],
         concurrency: int,
         think_s: float,
+        temperature: float,
     ) -> None:
         self.targets = tuple(targets)
         self.workload = list(workload)
         self.concurrency = concurrency
         self.think_s = think_s
+        self.temperature = temperature
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.results: list[tuple[float, RequestResult]] = []
@@ -82,6 +84,7 @@ class LoadThread:
             progress=False,
             think_s=self.think_s,
             answers="served",  # as a chat client: the next turn carries the answer it got
+            temperature=self.temperature,
         )
         try:
             asyncio.run(
