@@ -384,6 +384,14 @@ class PickerMetrics:
         )
         for result in ("found", "unknown"):
             self.conversations.labels(result)
+        self.holder_seconds = Histogram(
+            "dscache_picker_holder_seconds",
+            "Time to answer a holder lookup (tokenizing, matching and asking the pods' "
+            "conversation ledgers; not the HTTP round trip). The router waits its picker "
+            "timeout at most: a slower answer places the request by the weights.",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5),
+            registry=self.registry,
+        )
         self.tiers = Counter(
             "dscache_picker_prefix_tier",
             "Prefix choices by where the match was: store (the pod's sidecar: filter, "
@@ -622,6 +630,12 @@ class Picker:
         picker sent more such conversations to past the opening (the likelier home
         of one nothing else tells apart), then the first in ``q.pods``. The prompt's
         keys count as held there from now on, as a pick's do."""
+        with self.metrics.holder_seconds.time():
+            return self._holder(q, last_served)
+
+    def _holder(
+        self, q: HolderQuery, last_served: Callable[[Sequence[str]], str | None] | None
+    ) -> str | None:
         if q.credentials:
             return None
         try:

@@ -6,10 +6,14 @@ arithmetic of its report on requests made up here.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from dscache_router.picker import PickerMetrics
 from dscache_tools.demo.kube.report import (
     format_table,
+    lookups_line,
     moves,
     phase_report,
     ratios,
@@ -17,8 +21,12 @@ from dscache_tools.demo.kube.report import (
     sessions_moved,
     sessions_moved_by_key,
 )
-from dscache_tools.demo.kube.watch import Phase
+from dscache_tools.demo.kube.watch import Phase, router_lookups
 from dscache_tools.loadgen import RequestResult
+from dscache_tools.net import free_port
+from prometheus_client import generate_latest
+
+from dscache import metricnames as names
 
 
 def _req(t: float, prompt: int, cached: int, ttft: float = 0.2, ok: bool = True) -> tuple:
@@ -175,3 +183,57 @@ def test_a_move_of_a_turn_no_router_could_tell_apart_is_named_so() -> None:
     # Without the digests (a load generator that records none) nothing is called so.
     bare = [replace(r, history_digest="", left_digest="") for r in results]
     assert not any(m.indistinguishable for m in moves(bare))
+
+
+def test_the_router_pods_lookups_are_summed_and_a_silent_pod_counts_nothing() -> None:
+    # Two router pods' metrics as they serve them: the Lua's counters (the router's
+    # text) and the picker's registry (prometheus_client's own exposition).
+    pickers = [PickerMetrics(), PickerMetrics()]
+    for seconds in (0.01, 0.2, 0.4):  # one answer too slow for the router's 250 ms
+        pickers[0].holder_seconds.observe(seconds)
+    pickers[1].holder_seconds.observe(0.02)
+    pickers[0].conversations.labels("found").inc(2)
+    pickers[1].conversations.labels("unknown").inc()
+    holders = names.ROUTER_HOLDERS + "_total"
+    routers = [
+        f'# TYPE {holders} counter\n{holders}{{result="found"}} 3\n{holders}{{result="failed"}} 1\n',
+        f'# TYPE {holders} counter\n{holders}{{result="failed"}} 2\n',
+    ]
+    served = [
+        {
+            names.ROUTER_METRICS_PATH: r.encode(),
+            names.PICKER_METRICS_PATH: generate_latest(p.registry),
+        }
+        for r, p in zip(routers, pickers, strict=True)
+    ]
+    port = free_port()
+    # Two pod IPs on the router's port (loopback holds all of 127/8).
+    servers = [_metrics_server(f"127.0.0.{i + 1}", port, p) for i, p in enumerate(served)]
+    try:
+        seen = router_lookups(["127.0.0.1", "127.0.0.2", "127.0.0.3"], port=port)
+    finally:
+        for server in servers:
+            server.shutdown()
+    assert seen["holders/found"] == 3 and seen["holders/failed"] == 3
+    assert seen["holder_answers"] == 4 and seen["holder_answers_in_time"] == 3
+    assert seen["conversations/found"] == 2 and seen["conversations/unknown"] == 1
+    line = lookups_line(seen)
+    assert "sessions none; holders 3 found, 3 failed" in line
+    assert "picker answers: 4, 1 over 250 ms" in line
+    assert "conversation ledgers 2 found, 1 unknown" in line
+
+
+def _metrics_server(host: str, port: int, pages: dict[str, bytes]) -> ThreadingHTTPServer:
+    class Pages(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = pages.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer((host, port), Pages)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

@@ -220,6 +220,9 @@ def test_where_the_blocks_cannot_tell_the_pod_that_served_the_previous_turn_take
     # A ledger naming a pod the router did not list (gone, another deployment's): no.
     assert picker.holder(holder_query(turn2, pods=f"{A},{C}"), served) is None
     assert picker.metrics.conversations.labels("unknown")._value.get() == 1
+    # Each answer's time, the ledgers' round trip included, for the router's timeout.
+    answers = picker.metrics.registry.get_sample_value("dscache_picker_holder_seconds_count")
+    assert answers == 3
 
 
 def test_the_ledgers_break_a_tie_but_never_overrule_a_longer_prefix(

@@ -268,12 +268,22 @@ def prewarm_configmap(namespace: str, warm: Sequence[ChatRequest]) -> dict[str, 
     }
 
 
+#: The demo operator's ``reapplySeconds``: longer than the demo (see :func:`install`).
+DRIFT_REPAIR_S = 3600
+
+
 def install(cluster: Cluster, opts: KubeDemoOptions, say: Callable[[str], None]) -> None:
     """Helm install (or upgrade) of the operator, then the demo namespace's objects.
 
     An operator already installed keeps the values it was installed with (its
     admin's policy: host-path roots, Prometheus allow-list, ...); the demo sets
-    only its Prometheus URL and tick on top (``--reset-then-reuse-values``).
+    only its Prometheus URL, tick and drift repair on top
+    (``--reset-then-reuse-values``). The blind rolling update is a hand edit of a
+    model Deployment, which the operator puts back once its children's
+    ``reapplySeconds`` have passed (60 by default): within a second when the
+    Deployment was last applied longer ago than that, before Kubernetes replaced
+    a single pod. The demo's operator waits an hour, so the blind update runs as
+    it would without dscache.
     """
     say("helm install: the operator as a pod")
     cluster.run(
@@ -290,6 +300,8 @@ def install(cluster: Cluster, opts: KubeDemoOptions, say: Callable[[str], None])
         f"operator.prometheusUrl={cluster.prometheus_url}",
         "--set",
         "operator.tickSeconds=2",
+        "--set",
+        f"operator.reapplySeconds={DRIFT_REPAIR_S}",
         "--wait",
         "--timeout",
         "5m",

@@ -233,6 +233,22 @@ def restore_started(phase: Phase, label: str) -> float | None:
 TARGETS = {"recomputed_share": 0.3, "ttft_p99": 0.5}
 
 
+def lookups_line(seen: dict[str, float]) -> str:
+    """One part's router lookups (``watch.router_lookups``), as a person reads them."""
+
+    def results(kind: str) -> str:
+        found = {k.split("/", 1)[1]: int(v) for k, v in seen.items() if k.startswith(kind + "/")}
+        return ", ".join(f"{n} {result}" for result, n in found.items()) or "none"
+
+    answers = int(seen.get("holder_answers", 0))
+    late = answers - int(seen.get("holder_answers_in_time", 0))
+    return (
+        f"sessions {results('locates')}; holders {results('holders')} "
+        f"(picker answers: {answers}, {late} over 250 ms); "
+        f"conversation ledgers {results('conversations')}"
+    )
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The rollout comparison (markdown)."""
     a, b = report["warm_canary"], report["blind_rolling"]
@@ -306,6 +322,8 @@ def format_table(report: dict[str, Any]) -> str:
             else f"; {twins} indistinguishable from another conversation"
         )
     )
+    for part, seen in (report.get("router_lookups_by_part") or {}).items():
+        lines.append(f"router lookups in {part}: {lookups_line(seen)}")
     for key, goal in TARGETS.items():
         value = report["ratios"].get(key)
         met = value is not None and value <= goal

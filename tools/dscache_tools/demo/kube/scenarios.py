@@ -42,7 +42,7 @@ from dscache_tools.demo.kube.report import (
     restore_started,
     timeline,
 )
-from dscache_tools.demo.kube.watch import LoadThread, Phase, Watcher
+from dscache_tools.demo.kube.watch import LoadThread, Phase, Watcher, router_lookups
 from dscache_tools.demo.output import publish
 from dscache_tools.podlogs import save_pod_logs
 from dscache_tools.polling import wait_until
@@ -139,6 +139,7 @@ def _scenarios(
     out["sessions_moved_by_router_by_key"] = dict(run.moved_by_key)
     out["sessions_moved_by_router_indistinguishable"] = run.indistinguishable
     out["sessions_moved_by_router_samples"] = run.move_samples
+    out["router_lookups_by_part"] = run.lookups
     out["timeline"] = {
         "warm_canary": timeline(canary),
         "blind_rolling": timeline(blind),
@@ -166,6 +167,9 @@ class _Scenarios:
     indistinguishable: int = 0
     #: the first MOVE_SAMPLES of them, for a person to look into
     move_samples: list[dict[str, Any]] = field(default_factory=list)
+    #: the router pods' lookup counters over each part (``watch.router_lookups``)
+    lookups: dict[str, dict[str, float]] = field(default_factory=dict)
+    _lookups_at: dict[str, float] = field(default_factory=dict)
 
     @property
     def ns(self) -> str:
@@ -179,6 +183,7 @@ class _Scenarios:
 
     def _load(self, workload: Sequence[ChatRequest]) -> LoadThread:
         opts = self.opts
+        self._lookups_at = router_lookups(self.api.router_ips(self.ns))
         return LoadThread(
             self.targets, workload, opts.concurrency, opts.think_s, opts.temperature
         ).start()
@@ -186,6 +191,9 @@ class _Scenarios:
     def _stop(self, load: LoadThread, part: str) -> None:
         """Stops ``part``'s load and counts the sessions the router moved in it."""
         load.stop()
+        now, before = router_lookups(self.api.router_ips(self.ns)), self._lookups_at
+        # A router pod replaced during the part starts its counters anew: never below 0.
+        self.lookups[part] = {k: max(0.0, v - before.get(k, 0.0)) for k, v in sorted(now.items())}
         found = moves([r for _, r in load.results])
         self.moved[part] = len(found)
         self.moved_by_key.update(count_by_key(found))

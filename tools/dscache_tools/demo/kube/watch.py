@@ -7,6 +7,10 @@ Contract:
       revision, analysis, pods of each Deployment) as an event of its
       :class:`Phase`, and how long each recorded weight took to reach every
       router pod.
+    * :func:`router_lookups` sums the router pods' lookup counters (how each turn
+      the routers could not place by their own memory was looked up, and how
+      slowly the picker answered), so a part's moves can be told from its lookups
+      that failed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from dscache import metricnames as names
 from dscache_tools.demo.kube.cluster import Api
 from dscache_tools.demo.kube.options import NAME
 from dscache_tools.loadgen import LoadConfig, RequestResult, run_load
@@ -169,3 +176,47 @@ class Watcher:
             except Exception as exc:  # a poll that failed is retried on the next tick
                 log.debug("watch: %s", exc)
             self._stop.wait(0.25)
+
+
+#: The lookup counters :func:`router_lookups` keeps, by the short name it gives them.
+LOOKUP_COUNTERS = {
+    names.ROUTER_HOLDERS: "holders",  # the router's: found, unknown, failed (no answer in time)
+    names.ROUTER_LOCATES: "locates",
+    "dscache_picker_conversations": "conversations",  # the pods' conversation ledgers
+}
+#: The picker's holder answer times, and the router's default wait for them.
+HOLDER_SECONDS = "dscache_picker_holder_seconds"
+PICKER_TIMEOUT_S = 0.25
+
+
+def router_lookups(ips: Sequence[str], port: int = 8080) -> dict[str, float]:
+    """Summed over the router pods at ``ips`` (a pod that does not answer counts
+    nothing): each lookup counter by result (``"holders/failed"``), the picker's
+    holder answers (``"holder_answers"``) and those within the router's default
+    picker timeout (``"holder_answers_in_time"``)."""
+    out: dict[str, float] = {}
+    for ip in ips:
+        for path in (names.ROUTER_METRICS_PATH, names.PICKER_METRICS_PATH):
+            try:
+                url = f"http://{ip}:{port}{path}"
+                with urllib.request.urlopen(url, timeout=5) as reply:
+                    text = reply.read().decode()
+            except OSError:
+                continue
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    key = _lookup_key(family.name, sample.name, sample.labels)
+                    if key is not None:
+                        out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _lookup_key(family: str, sample: str, labels: dict[str, str]) -> str | None:
+    if family in LOOKUP_COUNTERS and sample.endswith("_total") and "result" in labels:
+        return f"{LOOKUP_COUNTERS[family]}/{labels['result']}"
+    if family == HOLDER_SECONDS and sample.endswith("_count"):
+        return "holder_answers"
+    within = float(labels.get("le", "nan")) == PICKER_TIMEOUT_S
+    if family == HOLDER_SECONDS and sample.endswith("_bucket") and within:
+        return "holder_answers_in_time"
+    return None
