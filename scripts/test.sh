@@ -190,6 +190,10 @@ else
     docker.io debootstrap)
   bash scripts/setup.sh lua-check nginx-light libnginx-mod-http-ndk libnginx-mod-http-lua \
     prometheus redis-server "${node_pkgs[@]}"
+  # A dev cluster killed before it could undo its host changes (a run cut short, with
+  # its TMPDIR) left them in the ledger: take them back first, else this run's check
+  # would count their undoing (the cluster tests' first start does it) as a change.
+  .venv/bin/dscache dev cluster reclaim
   # The host as the tests find it (the image build's private engine, which starts next,
   # removes whatever it changed before it ends).
   python3 scripts/host_snapshot.py >"$run_dir/host-before"

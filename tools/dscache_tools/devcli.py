@@ -106,6 +106,13 @@ def register(sub: Commands, bench: Commands) -> None:
     down.add_argument("--state-dir", type=Path, default=None, help=state_help)
     down.set_defaults(handler=_down)
 
+    reclaim = cluster_sub.add_parser(
+        "reclaim",
+        help="undo the host changes of a dead cluster with real nodes (one killed before "
+        "`down` could run); nothing when the host is free, an error when a live one holds it",
+    )
+    reclaim.set_defaults(handler=_reclaim)
+
     env = cluster_sub.add_parser(
         "env", help="print shell exports: KUBECONFIG, and PATH with matching kubectl and helm"
     )
@@ -226,6 +233,21 @@ def _down(args: argparse.Namespace) -> int:
         return 0
     cluster.stop()
     print(f"dev cluster stopped; removed {state_dir}", file=sys.stderr)
+    return 0
+
+
+def _reclaim(_args: argparse.Namespace) -> int:
+    from dscache_tools.devcluster.host import HostError, reclaim_dead
+
+    try:
+        reclaimed = reclaim_dead()
+    except HostError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if reclaimed is None:
+        print("the host holds no dead cluster's changes", file=sys.stderr)
+    else:
+        print(f"undid the host changes of the dead cluster in {reclaimed}", file=sys.stderr)
     return 0
 
 

@@ -81,6 +81,7 @@ __all__ = [
     "find",
     "keep_pods_local",
     "preflight",
+    "reclaim_dead",
     "refuse_if_held",
     "remember_ipsets",
     "remember_kube_chains",
@@ -114,7 +115,7 @@ def preflight(required: Iterable[tuple[str, str]]) -> None:
         raise HostError("this host cannot run real nodes: " + "; ".join(problems))
 
 
-def refuse_if_held(state_dir: Path) -> HostRecord | None:
+def refuse_if_held(state_dir: Path | None) -> HostRecord | None:
     """The record of a dead cluster still in the ledger, or None when the host is free.
 
     Cheap: ``dscache dev cluster up`` checks this before building images.
@@ -124,7 +125,7 @@ def refuse_if_held(state_dir: Path) -> HostRecord | None:
             ``state_dir``) holds the host.
     """
     previous = HostRecord.load(LEDGER)
-    if previous is None or previous.state_dir == str(state_dir):
+    if previous is None or (state_dir is not None and previous.state_dir == str(state_dir)):
         return None
     alive = [pid for pid, exe in previous.owners if process_running(pid, exe)]
     if alive:
@@ -136,16 +137,29 @@ def refuse_if_held(state_dir: Path) -> HostRecord | None:
     return previous
 
 
+def reclaim_dead(state_dir: Path | None = None) -> str | None:
+    """Undoes the host changes of a dead cluster still in the ledger (a run killed
+    before it could undo them); returns its state dir, or None when the host is free.
+
+    Raises:
+        HostError: a live cluster with real nodes (not the one in ``state_dir``)
+            holds the host.
+    """
+    previous = refuse_if_held(state_dir)
+    if previous is None:
+        return None
+    logger.warning("undoing the host changes of a dead cluster (%s)", previous.state_dir)
+    undo(previous)
+    return previous.state_dir
+
+
 def claim(state_dir: Path) -> HostRecord:
     """Takes the host for the cluster in ``state_dir``; cleans up after a dead owner.
 
     Raises:
         HostError: a live cluster with real nodes already holds the host.
     """
-    previous = refuse_if_held(state_dir)
-    if previous is not None:
-        logger.warning("undoing the host changes of a dead cluster (%s)", previous.state_dir)
-        undo(previous)
+    reclaim_dead(state_dir)
     record = HostRecord(state_dir=str(state_dir))
     record.save()
     return record

@@ -1,0 +1,77 @@
+"""`dscache dev cluster reclaim`: the host changes of a cluster killed before `down` ran
+(its ledger left behind) are undone; a live cluster's are refused and kept. Needs root,
+as the real nodes do; the bridge it makes is its own and gone when it ends."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from dscache_tools.devcluster import host, hostrecord
+from dscache_tools.devcluster.hostrecord import HostRecord, run
+from needs import missing, need_binary
+
+from dscache.cli import main
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A ledger of this test's own: a dev cluster may be running beside the tests."""
+    if os.geteuid() != 0:
+        missing("needs root, as the real nodes do")
+    need_binary("ip", "iproute2")
+    path = tmp_path / "ledger" / "ledger.json"
+    monkeypatch.setattr(hostrecord, "LEDGER_DIR", path.parent)
+    monkeypatch.setattr(hostrecord, "LEDGER", path)
+    monkeypatch.setattr(host, "LEDGER", path)
+    return path
+
+
+@pytest.fixture
+def bridge() -> Iterator[str]:
+    name = f"dsrc{uuid.uuid4().hex[:8]}"
+    run("ip", "link", "add", "name", name, "type", "bridge")
+    try:
+        yield name
+    finally:
+        run("ip", "link", "del", name, check=False)
+
+
+def _exists(link: str) -> bool:
+    return run("ip", "link", "show", link, check=False).returncode == 0
+
+
+def _record(tmp_path: Path, bridge: str, owner: tuple[int, str]) -> None:
+    state = tmp_path / "killed-cluster"
+    state.mkdir()
+    record = HostRecord(state_dir=str(state), bridges=[bridge], owners=[owner])
+    record.save()
+
+
+@pytest.mark.slow  # changes the host (a bridge), and undoes it
+def test_a_dead_clusters_changes_are_undone(
+    ledger: Path, bridge: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # pid 2**22 + 1 is above the kernel's pid_max: no process has it.
+    _record(tmp_path, bridge, (2**22 + 1, "/usr/bin/containerd"))
+    assert main(["dev", "cluster", "reclaim"]) == 0
+    assert "undid the host changes of the dead cluster" in capsys.readouterr().err
+    assert not _exists(bridge)
+    assert not ledger.exists()
+    # A free host: nothing to do, and it says so.
+    assert main(["dev", "cluster", "reclaim"]) == 0
+    assert "no dead cluster" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # changes the host (a bridge), and undoes it
+def test_a_live_clusters_changes_are_kept(
+    ledger: Path, bridge: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _record(tmp_path, bridge, (os.getpid(), os.readlink(f"/proc/{os.getpid()}/exe")))
+    assert main(["dev", "cluster", "reclaim"]) == 1
+    assert "already runs from" in capsys.readouterr().err
+    assert _exists(bridge)
+    assert ledger.exists()
