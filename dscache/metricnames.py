@@ -117,6 +117,13 @@ ROUTER_LOCATES: Final = ROUTER_PREFIX + "session_locates"
 #: Counter: requests no session placed, looked up by what the pods hold past their
 #: opening, by result (found, unknown, failed).
 ROUTER_HOLDERS: Final = ROUTER_PREFIX + "holder_lookups"
+#: Prefix of every picker metric (served at :data:`PICKER_METRICS_PATH`).
+PICKER_PREFIX: Final = "dscache_picker_"
+#: Counter: holder lookups the blocks could not settle, asked of the pods' conversation
+#: ledgers, by result (found, unknown).
+PICKER_CONVERSATIONS: Final = PICKER_PREFIX + "conversations"
+#: Histogram: seconds the picker took to answer a holder lookup.
+PICKER_HOLDER_SECONDS: Final = PICKER_PREFIX + "holder_seconds"
 #: Labels of the router's series.
 ROUTER_TRACK_LABEL: Final = "track"
 ROUTER_CODE_LABEL: Final = "code"

@@ -84,6 +84,7 @@ from dscache_sidecar.holdings import (
 )
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dscache import metricnames as names
 from dscache.keys import block_keys
 from dscache.routing import KEYINFO_PATH, conversation_key, previous_turn_keys
 from dscache_router.gputier import GpuTier, root
@@ -375,7 +376,7 @@ class PickerMetrics:
         for result in ("found", "unknown", "failed"):
             self.holders.labels(result)
         self.conversations = Counter(
-            "dscache_picker_conversations",
+            names.PICKER_CONVERSATIONS,
             "Holder lookups the blocks could not settle (nothing past the opening, or a "
             "tie), asked of the pods' conversation ledgers: found (a candidate pod served "
             "the conversation's previous turn) or unknown.",
@@ -385,7 +386,7 @@ class PickerMetrics:
         for result in ("found", "unknown"):
             self.conversations.labels(result)
         self.holder_seconds = Histogram(
-            "dscache_picker_holder_seconds",
+            names.PICKER_HOLDER_SECONDS,
             "Time to answer a holder lookup (tokenizing, matching and asking the pods' "
             "conversation ledgers; not the HTTP round trip). The router waits its picker "
             "timeout at most: a slower answer places the request by the weights.",

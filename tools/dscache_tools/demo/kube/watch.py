@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dscache_operator.schema import parse_duration
+from dscache_operator.spec import PickerSpec
 from prometheus_client.parser import text_string_to_metric_families
 
 from dscache import metricnames as names
@@ -182,11 +184,10 @@ class Watcher:
 LOOKUP_COUNTERS = {
     names.ROUTER_HOLDERS: "holders",  # the router's: found, unknown, failed (no answer in time)
     names.ROUTER_LOCATES: "locates",
-    "dscache_picker_conversations": "conversations",  # the pods' conversation ledgers
+    names.PICKER_CONVERSATIONS: "conversations",  # the pods' conversation ledgers
 }
-#: The picker's holder answer times, and the router's default wait for them.
-HOLDER_SECONDS = "dscache_picker_holder_seconds"
-PICKER_TIMEOUT_S = 0.25
+#: The router's default wait for its picker (the custom resource's default).
+PICKER_TIMEOUT_S = parse_duration(PickerSpec.model_fields["timeout"].get_default())
 
 
 def router_lookups(ips: Sequence[str], port: int = 8080) -> dict[str, float]:
@@ -214,9 +215,9 @@ def router_lookups(ips: Sequence[str], port: int = 8080) -> dict[str, float]:
 def _lookup_key(family: str, sample: str, labels: dict[str, str]) -> str | None:
     if family in LOOKUP_COUNTERS and sample.endswith("_total") and "result" in labels:
         return f"{LOOKUP_COUNTERS[family]}/{labels['result']}"
-    if family == HOLDER_SECONDS and sample.endswith("_count"):
+    if family == names.PICKER_HOLDER_SECONDS and sample.endswith("_count"):
         return "holder_answers"
     within = float(labels.get("le", "nan")) == PICKER_TIMEOUT_S
-    if family == HOLDER_SECONDS and sample.endswith("_bucket") and within:
+    if family == names.PICKER_HOLDER_SECONDS and sample.endswith("_bucket") and within:
         return "holder_answers_in_time"
     return None
