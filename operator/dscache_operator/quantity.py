@@ -8,6 +8,7 @@ it, through an ``ignore_imports`` entry.
 
 from __future__ import annotations
 
+import math
 from decimal import Decimal
 from typing import cast
 
@@ -23,3 +24,13 @@ def quantity_bytes(value: str) -> int:
     # The client ships no type hints; its parser returns a Decimal.
     parsed = cast("Decimal", parse_quantity(value))  # type: ignore[no-untyped-call]
     return int(parsed)
+
+
+def whole_cores(value: str) -> int:
+    """A CPU quantity rounded up to whole cores: ``100m`` -> 1, ``1500m`` -> 2, ``4`` -> 4.
+
+    Raises:
+        ValueError: ``value`` is not a Kubernetes quantity.
+    """
+    parsed = cast("Decimal", parse_quantity(value))  # type: ignore[no-untyped-call]
+    return max(1, math.ceil(parsed))
