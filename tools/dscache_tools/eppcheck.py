@@ -7,7 +7,8 @@ Contract:
       go.sum and Go files, so a changed driver is rebuilt (the drivers of
       earlier sources removed) and an unchanged one is reused at once. Go's
       build cache for it lives in a temporary directory removed afterwards (a
-      GiB the user's GOCACHE need not keep).
+      GiB the user's GOCACHE need not keep). One build at a time (a lock beside
+      the drivers): a second caller waits and reuses the first one's binary.
     * :func:`check` runs the driver against an endpoint picker and returns its
       exit code and JSON report: the extension's reference picker (lwepp),
       served inside the driver on the same endpoints, answers the same ext_proc
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from dscache_tools.devcluster.gobuild import BuildError, find_go, go_env, module_download
+from dscache_tools.devcluster.procs import exclusive_lock
 from dscache_tools.devcluster.versions import cache_root
 
 #: The Go module of the driver, beside this package in the source tree.
@@ -71,8 +73,23 @@ def build(source: Path = SOURCE, root: Path | None = None) -> Path:
     binary = (root or cache_root()) / "eppcheck" / digest(source) / "eppcheck"
     if binary.is_file():
         return binary
-    go = find_go()
     binary.parent.mkdir(parents=True, exist_ok=True)
+    # Two test lanes may ask at once: the second waits for the first's binary.
+    with exclusive_lock(binary.parent.parent / ".lock", say=_stderr, what="eppcheck build"):
+        if not binary.is_file():
+            _compile(source, binary)
+            for old in binary.parent.parent.iterdir():  # drivers of earlier sources
+                if old.is_dir() and old != binary.parent:
+                    shutil.rmtree(old, ignore_errors=True)
+    return binary
+
+
+def _stderr(line: str) -> None:
+    print(f"[eppcheck] {line}", file=sys.stderr)
+
+
+def _compile(source: Path, binary: Path) -> None:
+    go = find_go()
     partial = binary.with_name("eppcheck.partial")
     with tempfile.TemporaryDirectory(prefix="eppcheck-gocache-") as gocache:
         done = subprocess.run(
@@ -89,10 +106,6 @@ def build(source: Path = SOURCE, root: Path | None = None) -> Path:
             f"building eppcheck failed (exit {done.returncode}):\n{done.stderr[-4000:]}"
         )
     os.replace(partial, binary)
-    for old in binary.parent.parent.iterdir():  # drivers of earlier sources
-        if old != binary.parent:
-            shutil.rmtree(old, ignore_errors=True)
-    return binary
 
 
 #: The extension's last release with the InferenceObjective CRD (v1alpha2).
