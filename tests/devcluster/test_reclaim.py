@@ -10,8 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from dscache_tools.devcluster import host, hostrecord
+from dscache_tools.devcluster import host, hostnet, hostrecord
 from dscache_tools.devcluster.hostrecord import HostRecord, run
+from dscache_tools.polling import poll
 from needs import missing, need_binary
 
 from dscache.cli import main
@@ -48,7 +49,7 @@ def _record(tmp_path: Path, bridge: str, owner: tuple[int, str]) -> None:
     state = tmp_path / "killed-cluster"
     state.mkdir()
     record = HostRecord(state_dir=str(state), bridges=[bridge], owners=[owner])
-    record.save()
+    hostnet.remember_netns(record)  # saves it, to the ledger too
 
 
 @pytest.mark.slow  # changes the host (a bridge), and undoes it
@@ -57,10 +58,21 @@ def test_a_dead_clusters_changes_are_undone(
 ) -> None:
     # pid 2**22 + 1 is above the kernel's pid_max: no process has it.
     _record(tmp_path, bridge, (2**22 + 1, "/usr/bin/containerd"))
-    assert main(["dev", "cluster", "reclaim"]) == 0
-    assert "undid the host changes of the dead cluster" in capsys.readouterr().err
-    assert not _exists(bridge)
-    assert not ledger.exists()
+    # A pod the killed cluster's kubelet never tore down: its namespace and veth.
+    netns = f"cni-dsrc-{uuid.uuid4().hex[:8]}"
+    veth = f"vdsrc{uuid.uuid4().hex[:8]}"
+    run("ip", "netns", "add", netns)
+    try:
+        run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        assert main(["dev", "cluster", "reclaim"]) == 0
+        assert "undid the host changes of the dead cluster" in capsys.readouterr().err
+        assert not _exists(bridge)
+        assert not ledger.exists()
+        assert netns not in run("ip", "netns", "list").stdout
+        assert poll(lambda: not _exists(veth), timeout=10), "the pod's veth stayed"
+    finally:
+        run("ip", "netns", "delete", netns, check=False)
+        run("ip", "link", "del", veth, check=False)
     # A free host: nothing to do, and it says so.
     assert main(["dev", "cluster", "reclaim"]) == 0
     assert "no dead cluster" in capsys.readouterr().err

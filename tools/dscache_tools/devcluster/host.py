@@ -49,6 +49,7 @@ from dscache_tools.devcluster.hostnet import (
     keep_pods_local,
     remember_ipsets,
     remember_kube_chains,
+    remember_netns,
     remember_sysctls,
     set_sysctls,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "refuse_if_held",
     "remember_ipsets",
     "remember_kube_chains",
+    "remember_netns",
     "remember_sysctls",
     "set_sysctls",
     "undo",

@@ -174,6 +174,33 @@ def remember_ipsets(record: HostRecord) -> None:
     record.save()
 
 
+#: Where ``ip netns`` (and the CRI's CNI setup) keeps named network namespaces.
+NETNS_DIR = Path("/run/netns")
+#: The prefix containerd's CRI gives a pod sandbox's network namespace.
+POD_NETNS_PREFIX = "cni-"
+
+
+def _netns() -> list[str]:
+    return sorted(p.name for p in NETNS_DIR.iterdir()) if NETNS_DIR.is_dir() else []
+
+
+def remember_netns(record: HostRecord) -> None:
+    """Records the network namespaces that exist now (each pod sandbox adds one)."""
+    if record.netns_before is None:
+        record.netns_before = _netns()
+    record.save()
+
+
+def _undo_pod_netns(record: HostRecord) -> None:
+    # A pod's kubelet tears its namespace down (CNI DEL) when the pod goes; a cluster
+    # killed first leaves them, each holding the host end of a veth. Deleting the
+    # namespace (its processes are gone) takes the pair with it.
+    if record.netns_before is not None:
+        for name in set(_netns()) - set(record.netns_before):
+            if name.startswith(POD_NETNS_PREFIX):
+                run("ip", "netns", "delete", name, check=False)
+
+
 def _undo_netpol_sets(record: HostRecord) -> None:
     # After the rules that referenced them are gone (a set in use cannot go).
     if record.ipsets_before is not None:
@@ -198,6 +225,7 @@ def undo(record: HostRecord, log: Callable[[str], None]) -> None:
         for op in ("-F", "-X"):
             run("iptables", "-w", "-t", table or "filter", op, chain, check=False)
     _undo_netpol_sets(record)
+    _undo_pod_netns(record)
     for bridge in record.bridges:
         run("ip", "link", "delete", bridge, check=False)
     for name, value in record.sysctls.items():

@@ -55,6 +55,10 @@ class HostRecord:
     #: ipsets that existed before the controller started (None: never started);
     #: others are destroyed by :func:`undo`
     ipsets_before: list[str] | None = None
+    #: network namespaces (``/run/netns``) that existed before the nodes started (None:
+    #: not recorded); the CRI's pod namespaces (``cni-*``) made since are deleted by
+    #: :func:`undo`, which a cluster killed before its kubelets tore its pods down needs
+    netns_before: list[str] | None = None
     #: pid + executable of processes whose death frees the host (liveness)
     owners: list[tuple[int, str]] = field(default_factory=list)
 

@@ -71,6 +71,7 @@ def prepare_host(state_dir: Path, plans: list[realnodes.NodePlan]) -> host.HostR
         record = host.claim(state_dir)
         host.remember_sysctls(record, host.KUBELET_SYSCTLS)
         host.remember_kube_chains(record)
+        host.remember_netns(record)
         host.set_sysctls(record, host.NETWORK_SYSCTLS)
         for plan in plans:
             host.add_bridge(record, plan.bridge, f"{plan.ip}/24")
