@@ -1,9 +1,9 @@
-"""The reference server's torch threads follow its container's CPU request.
+"""The reference server's torch threads follow its container's CPU limit.
 
-What a user would notice: a pod with a CPU request (or only a limit) runs torch with that
-many whole cores of intra-op threads (``--threads``, a flag the server accepts), not one
-per core of the node, which oversubscribes a node the pod shares; a pod without either
-keeps torch's default and the template it had; vLLM pods are left to vLLM.
+What a user would notice: a pod with a CPU limit runs torch with that many whole cores of
+intra-op threads (``--threads``, a flag the server accepts), not one per core of the node,
+which would run out its CPU quota early in every period; a pod without a limit keeps
+torch's default and the template it had; vLLM pods are left to vLLM.
 """
 
 from __future__ import annotations
@@ -34,22 +34,22 @@ def _with(resources: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("resources", "threads"),
     [
-        ({"requests": {"cpu": "100m"}}, 1),
-        ({"requests": {"cpu": "1500m"}, "limits": {"cpu": "8"}}, 2),
-        ({"requests": {"cpu": 4}}, 4),
-        ({"limits": {"cpu": "3"}}, 3),  # Kubernetes makes the request the limit
-        ({"requests": {"memory": "1Gi"}}, None),
+        ({"limits": {"cpu": "100m"}}, 1),
+        ({"requests": {"cpu": "500m"}, "limits": {"cpu": "1500m"}}, 2),
+        ({"limits": {"cpu": 4}}, 4),
+        ({"requests": {"cpu": "4"}}, None),  # a share under contention, not a cap
+        ({"limits": {"memory": "1Gi"}}, None),
         ({}, None),
     ],
 )
-def test_threads_are_the_cpu_request_in_whole_cores(
+def test_threads_are_the_cpu_limit_in_whole_cores(
     resources: dict[str, Any], threads: int | None
 ) -> None:
     assert torch_threads(ResourcesSpec.model_validate(resources)) == threads
 
 
-def test_a_cpu_request_reaches_the_server_as_its_threads_flag() -> None:
-    args = _server_args(_with({"requests": {"cpu": "1500m", "memory": "2Gi"}}))
+def test_a_cpu_limit_reaches_the_server_as_its_threads_flag() -> None:
+    args = _server_args(_with({"requests": {"cpu": "1"}, "limits": {"cpu": "1500m"}}))
     assert args[args.index("--threads") + 1] == "2"
     # The flag is the server's own: its parser reads the operator's args as written.
     parser = argparse.ArgumentParser()
@@ -57,12 +57,13 @@ def test_a_cpu_request_reaches_the_server_as_its_threads_flag() -> None:
     assert parser.parse_args(args[1:]).threads == 2
 
 
-def test_without_cpu_resources_torch_keeps_its_default() -> None:
+def test_without_a_cpu_limit_torch_keeps_its_default() -> None:
     assert "--threads" not in _server_args(BASE)
+    assert "--threads" not in _server_args(_with({"requests": {"cpu": "100m"}}))
     assert "--threads" not in _server_args(_with({"limits": {"memory": "3Gi"}}))
 
 
 def test_vllm_pods_are_left_to_vllm() -> None:
     raw = {"model": {"path": "/models/ds"}, "engine": "vllm"}
-    raw["server"] = {"resources": {"requests": {"cpu": "2"}}}
+    raw["server"] = {"resources": {"limits": {"cpu": "2"}}}
     assert "--threads" not in _server_args(raw)

@@ -45,9 +45,8 @@ def _without_deliberate_changes(new: dict[str, Any], old: dict[str, Any]) -> tup
     * the router pods' picker probes by port number (the named port was NGINX's, so the
       kubelet could not run the probe and a hung picker was never restarted): only the
       stateless router pods restart;
-    * the reference server's torch threads from its CPU request (``--threads``): torch's
-      thread per node core oversubscribed a shared node, and under contention each
-      forward waited on descheduled threads (3.3x slower with 2 threads than 1 here)."""
+    * the reference server's torch threads from its CPU limit (``--threads``): torch's
+      thread per node core ran out a limited container's CPU quota early in each period."""
     if new["kind"] != "Deployment":
         return new, old
     new, old = json.loads(json.dumps(new)), json.loads(json.dumps(old))

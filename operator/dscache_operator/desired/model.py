@@ -309,17 +309,19 @@ def _vllm_container(owner: Owner, src: RevisionSource) -> Obj:
 
 
 def torch_threads(resources: ResourcesSpec) -> int | None:
-    """The reference engine's torch intra-op threads: the container's CPU request (its
-    limit when only that is set), rounded up to whole cores; None without either.
+    """The reference engine's torch intra-op threads: the container's CPU limit rounded up
+    to whole cores; None (torch's default, a thread per core of the node) without one.
 
-    torch's default is a thread per core of the node, which on a node the pod shares
-    oversubscribes it: a parallel op waits for its slowest thread, and under
-    contention every op of a forward waits for a descheduled one (measured on 2
-    cores beside a busy neighbour: one forward took 3.3x as long with 2 threads as
-    with 1). Concurrent requests still use more cores: each forward runs on its own
-    thread.
+    Under a CPU limit the kernel's quota runs out that many times faster for every
+    thread beyond it, and the container then waits for the next period with each
+    forward's threads stopped half way (a parallel op waits for its slowest thread).
+    Without a limit the default wins: one forward beside no busy neighbour took 0.37 s
+    with 2 threads and 0.56 s with 1 on 2 cores (though 1.84 s against 0.91 s beside
+    two), and a CPU request is a share under contention, not a cap (the kube demo with
+    threads from a 100m request: its warm-up fell behind, TTFT P99 3.6 s -> 23.8 s).
+    Concurrent requests use more cores either way: each forward runs on its own thread.
     """
-    cpu = resources.requests.get("cpu") or resources.limits.get("cpu")
+    cpu = resources.limits.get("cpu")
     return None if cpu is None else whole_cores(str(cpu))
 
 
@@ -340,7 +342,7 @@ def _server_container(owner: Owner, src: RevisionSource) -> Obj:
         args += ["--dtype", src.server.dtype]
     threads = torch_threads(src.server.resources)
     if threads is not None:
-        # Only with a CPU request or limit: other pod templates stay as they were.
+        # Only with a CPU limit: other pod templates stay as they were.
         args += ["--threads", str(threads)]
     probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
