@@ -21,9 +21,7 @@ def quantity_bytes(value: str) -> int:
     Raises:
         ValueError: ``value`` is not a Kubernetes quantity.
     """
-    # The client ships no type hints; its parser returns a Decimal.
-    parsed = cast("Decimal", parse_quantity(value))  # type: ignore[no-untyped-call]
-    return int(parsed)
+    return int(_parse(value))
 
 
 def whole_cores(value: str) -> int:
@@ -32,5 +30,9 @@ def whole_cores(value: str) -> int:
     Raises:
         ValueError: ``value`` is not a Kubernetes quantity.
     """
-    parsed = cast("Decimal", parse_quantity(value))  # type: ignore[no-untyped-call]
-    return max(1, math.ceil(parsed))
+    return max(1, math.ceil(_parse(value)))
+
+
+def _parse(value: str) -> Decimal:
+    # The client ships no type hints; its parser returns a Decimal.
+    return cast("Decimal", parse_quantity(value))  # type: ignore[no-untyped-call]
