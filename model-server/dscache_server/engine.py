@@ -161,13 +161,22 @@ class TransformersEngine:
         return logits[0]
 
     @torch.no_grad()
+    def forward_all(self, seq: SequenceKV, token_ids: Sequence[int]) -> torch.Tensor:
+        """Runs ``token_ids`` after ``seq`` in one forward; returns the next-token
+        logits after each of them ``(len(token_ids), vocab)`` (teacher forcing: row
+        ``i`` scores the token that follows ``token_ids[i]``)."""
+        logits = self._append(seq, token_ids, head=True, every=True)
+        assert logits is not None
+        return logits
+
+    @torch.no_grad()
     def extend(self, seq: SequenceKV, token_ids: Sequence[int]) -> None:
         """Appends ``token_ids`` to ``seq`` without computing logits (a prefill chunk
         that is not the prompt's last: the output layer is a decode step's cost)."""
         self._append(seq, token_ids, head=False)
 
     def _append(
-        self, seq: SequenceKV, token_ids: Sequence[int], *, head: bool
+        self, seq: SequenceKV, token_ids: Sequence[int], *, head: bool, every: bool = False
     ) -> torch.Tensor | None:
         n = len(token_ids)
         if n == 0:
@@ -176,7 +185,8 @@ class TransformersEngine:
             raise ValueError("sequence longer than the model's context")
         ids = torch.tensor(list(token_ids), dtype=torch.long).unsqueeze(0)
         positions = torch.arange(seq.length, seq.length + n).unsqueeze(0)
-        return self._run([seq], ids, positions, head=head)
+        logits = self._run([seq], ids, positions, head=head, every=every)
+        return logits[0] if every and logits is not None else logits
 
     @torch.no_grad()
     def decode(self, seqs: Sequence[SequenceKV], token_ids: Sequence[int]) -> torch.Tensor:
@@ -203,9 +213,11 @@ class TransformersEngine:
         positions: torch.Tensor,
         *,
         head: bool,
+        every: bool = False,
     ) -> torch.Tensor | None:
         """Rows ``ids`` ``(B, n)`` at ``positions`` after each sequence; the last
-        token's logits when ``head``."""
+        token's logits ``(B, vocab)`` when ``head``, every token's ``(B, n, vocab)``
+        when ``every`` too."""
         embed, norm, rotary, lm_head = self._modules
         hidden = embed(ids)
         cos, sin = rotary(hidden, positions)
@@ -223,7 +235,7 @@ class TransformersEngine:
             seq.length += ids.shape[1]
         if not head:
             return None
-        logits: torch.Tensor = lm_head(norm(hidden[:, -1, :]))
+        logits: torch.Tensor = lm_head(norm(hidden if every else hidden[:, -1, :]))
         return logits
 
     def reference_logits(self, token_ids: Sequence[int]) -> torch.Tensor:

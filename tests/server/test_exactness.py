@@ -151,3 +151,25 @@ def test_prefix_stored_by_another_server_process(preset: str, sidecar: SidecarDa
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.slow  # builds the models
+@pytest.mark.parametrize("preset", PRESETS)
+def test_scoring_every_position_in_one_forward_matches_a_token_at_a_time(preset: str) -> None:
+    """``forward_all`` (the codec bench's teacher forcing) gives, row by row, the
+    logits that feeding the same tokens one at a time gives."""
+    engine = engine_for(preset)
+    ids = prompt_ids(3 * BLOCK_TOKENS, seed=5)
+    prefix, scored = ids[: 2 * BLOCK_TOKENS], ids[2 * BLOCK_TOKENS :]
+    every_seq, step_seq = engine.new_sequence(), engine.new_sequence()
+    engine.extend(every_seq, prefix)
+    engine.extend(step_seq, prefix)
+    every = engine.forward_all(every_seq, scored)
+    assert every.shape == (len(scored), engine.hf_model.config.vocab_size)
+    assert every_seq.length == step_seq.length + len(scored)
+    steps = torch.stack([engine.forward(step_seq, [t]) for t in scored])
+    assert float((every - steps).abs().max()) <= 1e-4
+    assert every_seq.length == step_seq.length
+    # The sequences now hold the same KV: the next token scores alike.
+    nxt = engine.forward(every_seq, [7]), engine.forward(step_seq, [7])
+    assert float((nxt[0] - nxt[1]).abs().max()) <= 1e-4

@@ -22,9 +22,14 @@ variant's blocks into a fresh sequence, then
 * perplexity of the window's next tokens, teacher-forced, relative to the
   reference variant's (``perplexity_delta`` 0.01 = +1%);
 * greedy agreement: the reference generates 256 tokens greedily after the
-  prefix (64 with ``--quick``); the variant is fed the same tokens and its argmax compared at every
-  position (share equal; a free-running comparison would count every token after
-  the first difference as lost).
+  prefix (64 with ``--quick``); the variant is fed the same tokens and its argmax
+  compared at every position with the reference's own argmax there (share equal;
+  a free-running comparison would count every token after the first difference
+  as lost).
+
+Both are one forward over every position of the window (teacher forcing), for
+the reference and each variant alike; only the reference's greedy tokens are
+generated a token at a time.
 
 The top-level ``codecs`` list holds each variant's worst case over the models
 (largest ``perplexity_delta``, smallest ``greedy_agreement``, largest
@@ -208,39 +213,38 @@ def _restored(engine: Any, blocks: Sequence[np.ndarray]) -> Any:
     return seq
 
 
+def _generate(engine: Any, blocks: Sequence[np.ndarray], first: int, n: int) -> list[int]:
+    """``n`` greedy tokens after the restored prefix and ``first``, one decode step each."""
+    import torch
+
+    seq = _restored(engine, blocks)
+    token, made = first, []
+    for _ in range(n):
+        token = int(torch.argmax(engine.decode([seq], [token])[0]))
+        made.append(token)
+    return made
+
+
 def _score(
     engine: Any,
     blocks: Sequence[np.ndarray],
     cont: Sequence[int],
-    greedy: Sequence[int] | None,
+    path: Sequence[int],
     *,
-    greedy_tokens: int,
-    scores: _Scores | None = None,
+    scores: _Scores,
 ) -> list[int]:
-    """Teacher-forced NLL of ``cont[1:]`` after the restored prefix, then the greedy
-    agreement on ``greedy`` (or, without it, the greedy tokens themselves)."""
+    """Adds the teacher-forced NLL of ``cont[1:]`` after the restored prefix to
+    ``scores``; returns the argmax at each step of ``path`` (a reference's greedy
+    tokens) fed after ``cont[0]``. Each is one forward over every position."""
     import torch
 
-    scores = scores if scores is not None else _Scores()
-    seq = _restored(engine, blocks)
-    for i in range(len(cont) - 1):
-        logits = engine.decode([seq], [cont[i]])[0].float()
-        scores.nll += float(torch.logsumexp(logits, 0) - logits[cont[i + 1]])
-        scores.scored += 1
-    seq = _restored(engine, blocks)
-    token = cont[0]
-    made: list[int] = []
-    for i in range(greedy_tokens):
-        logits = engine.decode([seq], [token])[0]
-        best = int(torch.argmax(logits))
-        if greedy is None:
-            made.append(best)
-            token = best
-        else:
-            scores.agree += int(best == greedy[i])
-            scores.compared += 1
-            token = greedy[i]
-    return made
+    logits = engine.forward_all(_restored(engine, blocks), list(cont[:-1])).float()
+    target = torch.tensor(list(cont[1:]), dtype=torch.long).unsqueeze(1)
+    scores.nll += float((torch.logsumexp(logits, 1) - logits.gather(1, target)[:, 0]).sum())
+    scores.scored += len(cont) - 1
+    fed = [cont[0], *path[:-1]]
+    best: list[int] = engine.forward_all(_restored(engine, blocks), fed).argmax(1).tolist()
+    return best
 
 
 def _speed(
@@ -308,15 +312,27 @@ def measure_model(preset: str, profile: Profile, work: Path) -> dict[str, Any]:
             for i, b in enumerate(exported["bfloat16"])
         )
         fp32_bytes += sum(b.nbytes for b in exported["float32"])
-        greedy_of = {  # the references' own greedy tokens
+        # Each reference's greedy tokens, and its own argmax along them in the path
+        # every variant is scored on (a forward over every position): a variant
+        # agrees where its argmax is the reference's.
+        paths = {
+            name: _generate(
+                engines[VARIANTS[name][0]],
+                exported[VARIANTS[name][0]],
+                cont[0],
+                profile.greedy_tokens,
+            )
+            for name in ("fp32", "bf16")
+        }
+        ref_best = {
             name: _score(
                 engines[VARIANTS[name][0]],
                 exported[VARIANTS[name][0]],
                 cont,
-                None,
-                greedy_tokens=profile.greedy_tokens,
+                path,
+                scores=_Scores(),
             )
-            for name in ("fp32", "bf16")
+            for name, path in paths.items()
         }
         for name, (dtype, codec, ref) in VARIANTS.items():
             blocks = exported[dtype]
@@ -326,17 +342,12 @@ def measure_model(preset: str, profile: Profile, work: Path) -> dict[str, Any]:
             t.raw += sum(b.nbytes for b in blocks)
             if t.speed is None:
                 t.speed = _speed(blocks, payloads, dtype, codec)
-            # A reference is scored too: its agreement with its own greedy tokens
-            # is 1.0 unless the restored path is not deterministic.
+            # A reference is scored too: its agreement with itself is 1.0 unless
+            # the restored path is not deterministic.
             decoded = _decode(payloads, dtype, codec, blocks[0].shape)
-            _score(
-                engines[dtype],
-                decoded,
-                cont,
-                greedy_of[ref],
-                greedy_tokens=profile.greedy_tokens,
-                scores=t.scores,
-            )
+            best = _score(engines[dtype], decoded, cont, paths[ref], scores=t.scores)
+            t.scores.agree += sum(b == r for b, r in zip(best, ref_best[ref], strict=True))
+            t.scores.compared += len(best)
     disk_bps = disk_read_bytes_per_s(work / f"disk-{preset}.bin", 256 << 20)
     tokens = len(starts) * prefix_tokens
     variants = {
