@@ -234,14 +234,42 @@ def wait_for(
         raise AssertionError(f"{exc}\noperator log:\n{op.tail()}") from exc
 
 
-def events(c: DevCluster, ns: str, name: str) -> list[str]:
-    out = c.kubectl_json(
-        "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}"
-    )
-    items = sorted(
-        out["items"], key=lambda e: e.get("lastTimestamp") or e["metadata"]["creationTimestamp"]
-    )
-    return [e["reason"] for e in items]
+def events(
+    c: DevCluster,
+    ns: str,
+    name: str,
+    until: Callable[[list[str]], bool] | None = None,
+    timeout: float = 30.0,
+) -> list[str]:
+    """The reasons of ``name``'s Events, oldest first; with ``until``, once they
+    satisfy it. The operator posts its Events after the status write that they
+    describe (kopf's posting queue), so a test that saw the status waits for them
+    (a bounded while: an Event never posted fails it, with the reasons seen)."""
+
+    def reasons() -> list[str]:
+        out = c.kubectl_json(
+            "get", "events", "-n", ns, "--field-selector", f"involvedObject.name={name}"
+        )
+        items = sorted(
+            out["items"],
+            key=lambda e: e.get("lastTimestamp") or e["metadata"]["creationTimestamp"],
+        )
+        return [e["reason"] for e in items]
+
+    if until is None:
+        return reasons()
+    seen: list[str] = []
+
+    def probe() -> list[str] | None:
+        nonlocal seen
+        seen = reasons()
+        return seen if until(seen) else None
+
+    try:
+        found: list[str] = wait_until(f"the Events of {name}", probe, timeout, 0.5)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}; the Events posted: {seen}") from exc
+    return found
 
 
 def simulated(doc: dict[str, Any]) -> dict[str, Any]:
@@ -369,8 +397,8 @@ class Rig:
     def status(self, name: str) -> dict[str, Any]:
         return status(self.c, self.ns, name)
 
-    def events(self, name: str) -> list[str]:
-        return events(self.c, self.ns, name)
+    def events(self, name: str, until: Callable[[list[str]], bool] | None = None) -> list[str]:
+        return events(self.c, self.ns, name, until)
 
     def deployment(self, name: str) -> dict[str, Any]:
         out: dict[str, Any] = self.c.kubectl_json("get", "deployment", name, "-n", self.ns)

@@ -332,8 +332,8 @@ def test_good_figures_promote_through_every_step(rig: Rig) -> None:
     st = rig.status(name)
     assert (st["stableSlot"], st["previousSlot"], st["weight"]) == ("green", "blue", 0)
     assert st["lastAnalysis"]["result"] == "Pass" and st["hitRate"] == "0.950"
-    reasons = rig.events(name)
-    assert reasons.count("StepStarted") == 4 and "Prewarmed" in reasons and "Promoted" in reasons
+    reasons = rig.events(name, lambda r: "Promoted" in r)
+    assert reasons.count("StepStarted") == 4 and "Prewarmed" in reasons
     job = c.kubectl_json("get", "job", f"{name}-prewarm-{canary}", "-n", ns)
     assert job["status"].get("succeeded") == 1
     # The Job warmed every canary pod (they were all ready when it was created) ...
@@ -421,7 +421,7 @@ def test_bad_hit_rate_at_25_rolls_back_within_one_interval(rig: Rig) -> None:
     assert rig.deployment(f"{name}-green")["spec"]["replicas"] == 0
     time.sleep(3)  # not retried while the spec asks for the same revision
     assert rig.status(name)["phase"] == "RolledBack"
-    assert "AnalysisFailed" in rig.events(name)
+    rig.events(name, lambda r: "AnalysisFailed" in r)
 
 
 def test_no_data_pauses_and_data_resumes(rig: Rig) -> None:
@@ -477,7 +477,7 @@ def test_annotations_pause_promote_and_abort(rig: Rig) -> None:
     annotate("dscache.io/abort=true")
     st = rig.wait(name, "switched back", lambda s: s.get("stableSlot") == "blue")
     assert condition(st, "RolledBack")["reason"] == "RolledBackToPrevious"
-    assert {"Promoted", "Aborted", "RolledBackToPrevious"} <= set(rig.events(name))
+    rig.events(name, lambda r: {"Promoted", "Aborted", "RolledBackToPrevious"} <= set(r))
 
 
 def test_kubectl_rollout_undo_is_honoured(rig: Rig) -> None:
@@ -501,7 +501,8 @@ def test_kubectl_rollout_undo_is_honoured(rig: Rig) -> None:
     st = rig.wait(name, "undo recorded", lambda s: s.get("phase") == "RolledBack")
     rb = condition(st, "RolledBack")
     assert (rb["reason"], st["weight"], st["slots"]["blue"]["frozen"]) == ("RolloutUndo", 0, True)
-    assert st["lastAction"]["type"] == "undo" and "RolloutUndo" in rig.events(name)
+    assert st["lastAction"]["type"] == "undo"
+    rig.events(name, lambda r: "RolloutUndo" in r)
     assert "default stable;" in router_conf(c, ns, name)
     assert blue_revision() == first
     time.sleep(4)  # several ticks: the operator does not fight the undo
@@ -516,6 +517,9 @@ def test_operator_restarted_mid_ramp_resumes(rig: Rig) -> None:
     rig.deploy(name, interval="5s")
     _, canary = rig.rollout(name, "2")
     rig.wait(name, "weight 25", lambda s: s.get("weight") == 25)
+    # The 25% step's Event is out before the kill (an Event still in kopf's posting
+    # queue dies with the process: Events are best effort).
+    rig.events(name, lambda r: r.count("StepStarted") == 2)
     rig.op.kill()
     try:
         time.sleep(7)  # the step's interval runs out while no operator runs
@@ -525,7 +529,9 @@ def test_operator_restarted_mid_ramp_resumes(rig: Rig) -> None:
     seen = rig.weights_until_promoted(name, canary, 90, lambda st: None)
     weights = [w for _, w in seen]
     assert weights[:3] == [25, 50, 100], (seen, rig.op.tail())
-    assert rig.events(name).count("StepStarted") == 4  # no step repeated or skipped
+    # No step repeated or skipped (the last Event may trail the status).
+    reasons = rig.events(name, lambda r: "Promoted" in r)
+    assert reasons.count("StepStarted") == 4, reasons
 
 
 def test_deleting_the_resource_garbage_collects_everything(rig: Rig) -> None:
@@ -568,7 +574,7 @@ def test_a_spec_the_schema_admits_but_the_operator_cannot_run_says_why(
     ready = condition(st, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
     assert "spec.rollout.interval must be at least 1s" in ready["message"]
-    assert "InvalidSpec" in events(c, ns, "zero")
+    events(c, ns, "zero", lambda r: "InvalidSpec" in r)
     c.kubectl(
         "patch",
         "dscd",
