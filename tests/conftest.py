@@ -70,9 +70,9 @@ def dev_cluster(
     real_nodes = int(os.environ.get("DSCACHE_TEST_REAL_NODES", "1"))
     from dscache_tools.demo.kube.options import IMAGES as DEMO_IMAGES  # matplotlib: lazily
 
-    # The reference engine's images only: no test here runs a vLLM pod (the vllm
-    # image runs in the private Docker, tests/images), and it would be 12 GiB more
-    # in the node's containerd.
+    # The reference engine's images only: the one test that runs a vLLM pod
+    # (tests/e2e) imports the vllm image itself (`DevCluster.load_images`), so a
+    # run of other cluster tests never waits for its 6 GiB.
     loader = (
         image_loader(progress=_terminal_progress(request.config), names=DEMO_IMAGES["reference"])
         if real_nodes

@@ -111,6 +111,28 @@ def test_shell_exports_are_quoted(tmp_path: Path) -> None:
     assert json.dumps(cluster.env({"PATH": "/bin"})["KUBECONFIG"]) == json.dumps(out[0])
 
 
+def test_images_go_to_each_real_nodes_containerd_and_a_cluster_without_one_says_so(
+    tmp_path: Path,
+) -> None:
+    def cluster(real: tuple[str, ...]) -> DevCluster:
+        return DevCluster(
+            state_dir=tmp_path / "state",
+            kubeconfig=tmp_path / "kubeconfig",
+            server="https://127.0.0.1:1",
+            binaries=locate(PINNED, tmp_path),
+            node_count=1,
+            processes=[],
+            real_nodes=real,
+        )
+
+    sockets: list[Path] = []
+    cluster(("dev-real-0", "dev-real-1")).load_images(sockets.append)
+    assert [s.parent.parent.name for s in sockets] == ["dev-real-0", "dev-real-1"]
+    assert all(s.name == "containerd.sock" for s in sockets)
+    with pytest.raises(ClusterError, match="without real nodes"):
+        cluster(()).load_images(sockets.append)
+
+
 def test_start_never_wipes_a_foreign_directory(tmp_path: Path) -> None:
     precious = tmp_path / "home"
     precious.mkdir()

@@ -7,8 +7,9 @@ the cluster scraping the pods. ``dscache demo kubernetes --quick`` runs first
 (the warm canary promoted on real hit rates and TTFT, a bad revision rolled
 back by the gate, the blind rolling update); then the abort annotation and
 ``kubectl rollout undo`` on live pods, an operator pod killed mid-ramp, and a
-hostPath cache that survives its pod and keeps the two tracks apart; and a
-session that moves to another pod finding its prefix in the shared tier (a Redis
+hostPath cache that survives its pod and keeps the two tracks apart; a vLLM pod
+(``spec.engine: vllm``) whose replacement loads its prefix from the node's store;
+a session that moves to another pod finding its prefix in the shared tier (a Redis
 Cluster on the host); and ``routing.gateway: inferencePool`` with the Gateway API
 Inference Extension's own CRD, a conversation's turns sent through the router pods'
 endpoint picker to the pods holding their KV.
@@ -30,7 +31,9 @@ from typing import Any
 import pytest
 import yaml
 from dscache_tools.demo.kube import EXAMPLE, KubeDemoOptions, run_kubernetes_demo, write_png
+from dscache_tools.demo.kube.options import EXAMPLE_VLLM
 from dscache_tools.devcluster import DevCluster, wait_until
+from dscache_tools.devcluster.images import image_loader
 from dscache_tools.eppcheck import build as build_eppcheck
 from dscache_tools.eppcheck import check as run_eppcheck
 from dscache_tools.eppcheck import inference_objective_crd, inference_pool_crd
@@ -434,6 +437,53 @@ def test_a_host_path_cache_survives_its_pod_and_keeps_the_tracks_apart(
             ),
             300,
         )
+    finally:
+        shutil.rmtree(host_dir, ignore_errors=True)  # the test undoes what it put on the host
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+def test_a_vllm_pod_loads_the_prefix_the_pod_before_it_stored(
+    dev_cluster: DevCluster, release: str, namespace: str
+) -> None:
+    """``spec.engine: vllm`` on the real node: vLLM's CPU build with the dscache
+    connector, in the pod the operator renders (read-only root, non-root, beside its
+    sidecar, on a hostPath cache), answers through the router; the pod that replaces
+    it loads the prompt's prefix from the node's store and answers alike."""
+    c, ns = dev_cluster, namespace
+    name = "vllm"
+    # The session cluster's node has the reference engine's images only.
+    c.load_images(image_loader(names=["vllm"]))
+    host_dir = Path(E2E_HOST_DIR)
+    try:
+        doc: dict[str, Any] = yaml.safe_load(EXAMPLE_VLLM.read_text())
+        doc["metadata"] = {"name": name}
+        spec = doc["spec"]
+        spec["prewarm"] = {"enabled": False}
+        spec["rollout"]["interval"] = "1h"
+        spec["cache"] = {**spec["cache"], "size": "256Mi"}
+        spec["cache"]["volume"] = {"type": "hostPath", "hostPath": str(host_dir)}
+        _apply(c, ns, doc)
+        _available(c, ns, name)
+        pods = c.kubectl_json("get", "pods", "-n", ns, "-l", "dscache.io/slot=blue")["items"]
+        images = {k["name"]: k["image"] for k in pods[0]["spec"]["containers"]}
+        assert "dscache-vllm" in images["server"], images
+        text = " ".join(f"Quarterly revenue line {i} grew by {i % 7} percent." for i in range(80))
+        messages = [{"role": "system", "content": text}, {"role": "user", "content": "Summary?"}]
+        first = _chat_when_served(c, ns, name, messages)
+        assert first["usage"]["prompt_tokens"] > 256
+        blue = host_dir / ns / f"{name}-blue"
+        wait_until("blocks on the node's disk", lambda: any(blue.glob("segments/*")), 120)
+
+        # A new vLLM process has an empty prefix cache: what it finds is dscache's.
+        c.kubectl("delete", "pod", pods[0]["metadata"]["name"], "-n", ns, "--wait=true")
+        c.kubectl("rollout", "status", f"deployment/{name}-blue", "-n", ns, "--timeout=600s")
+        again = _chat_when_served(c, ns, name, messages)
+        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 256, again["usage"]
+        assert again["choices"][0]["message"] == first["choices"][0]["message"]
+        c.kubectl("delete", "dscd", name, "-n", ns, "--timeout=300s")
     finally:
         shutil.rmtree(host_dir, ignore_errors=True)  # the test undoes what it put on the host
 

@@ -349,6 +349,19 @@ class DevCluster(ClusterAccess):
                 else:
                     child.unlink(missing_ok=True)
 
+    def load_images(self, load: ImageLoader) -> None:
+        """Imports images into every real node's containerd of this running cluster
+        (``load``, e.g. ``image_loader(names=[...])``): for pods of an image the
+        nodes did not get at start (an image already there is skipped).
+
+        Raises:
+            ClusterError: the cluster has no real node.
+        """
+        if not self.real_nodes:
+            raise ClusterError("a cluster without real nodes runs no image")
+        for plan in realnodes.plan(len(self.real_nodes), self.state_dir, cache_root()):
+            load(plan.containerd_socket)
+
     def save(self) -> None:
         """Writes ``state.json``: what ``load`` (and so ``down`` and ``env``) needs."""
         state: dict[str, Any] = {
