@@ -167,7 +167,7 @@ class TransformersEngine:
         ``i`` scores the token that follows ``token_ids[i]``)."""
         logits = self._append(seq, token_ids, head=True, every=True)
         assert logits is not None
-        return logits
+        return logits[0]
 
     @torch.no_grad()
     def extend(self, seq: SequenceKV, token_ids: Sequence[int]) -> None:
@@ -185,8 +185,7 @@ class TransformersEngine:
             raise ValueError("sequence longer than the model's context")
         ids = torch.tensor(list(token_ids), dtype=torch.long).unsqueeze(0)
         positions = torch.arange(seq.length, seq.length + n).unsqueeze(0)
-        logits = self._run([seq], ids, positions, head=head, every=every)
-        return logits[0] if every and logits is not None else logits
+        return self._run([seq], ids, positions, head=head, every=every)
 
     @torch.no_grad()
     def decode(self, seqs: Sequence[SequenceKV], token_ids: Sequence[int]) -> torch.Tensor:

@@ -73,9 +73,10 @@ def release(dev_cluster: DevCluster) -> Iterator[str]:
     dev_cluster.helm("uninstall", "dscache", "--namespace", OPERATOR_NS, "--wait", check=False)
 
 
-def _resource(name: str, **spec: Any) -> dict[str, Any]:
-    """The CPU-sized example, one pod per track, a small cache, no prewarm; ``spec`` on top."""
-    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+def _resource(name: str, example: Path = EXAMPLE, **spec: Any) -> dict[str, Any]:
+    """The CPU-sized example (or ``example``), one pod per track, a small cache, no
+    prewarm; ``spec`` on top."""
+    doc: dict[str, Any] = yaml.safe_load(example.read_text())
     doc["metadata"] = {"name": name}
     base = doc["spec"]
     base["replicas"] = 1
@@ -381,6 +382,27 @@ def test_an_operator_pod_killed_mid_ramp_resumes_without_repeating_a_step(
 # ----------------------------------------------------------------------------- hostPath
 
 
+def _replaced_pod_answers_from_the_host_path(
+    c: DevCluster, ns: str, name: str, host_dir: Path, store_wait_s: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Asks the blue track's pod a prompt long enough to be cached (over minTokens),
+    waits for its blocks on the node's disk, deletes the pod, and asks its replacement
+    the same: both answers, the second served from the host path (asserted)."""
+    text = " ".join(f"Quarterly revenue line {i} grew by {i % 7} percent." for i in range(80))
+    messages = [{"role": "system", "content": text}, {"role": "user", "content": "Summary?"}]
+    first = _chat_when_served(c, ns, name, messages)
+    assert first["usage"]["prompt_tokens"] > 256
+    blue = host_dir / ns / f"{name}-blue"
+    wait_until("blocks on the node's disk", lambda: any(blue.glob("segments/*")), store_wait_s)
+    pod = c.kubectl_json("get", "pods", "-n", ns, "-l", "dscache.io/slot=blue")["items"][0]
+    c.kubectl("delete", "pod", pod["metadata"]["name"], "-n", ns, "--wait=true")
+    c.kubectl("rollout", "status", f"deployment/{name}-blue", "-n", ns, "--timeout=600s")
+    again = _chat_when_served(c, ns, name, messages)
+    cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 256, again["usage"]
+    return first, again
+
+
 def test_a_host_path_cache_survives_its_pod_and_keeps_the_tracks_apart(
     dev_cluster: DevCluster, release: str, namespace: str, tmp_path: Path
 ) -> None:
@@ -392,23 +414,10 @@ def test_a_host_path_cache_survives_its_pod_and_keeps_the_tracks_apart(
         doc = _resource(name, cache={"volume": volume}, rollout={"interval": "1h"})
         _apply(c, ns, doc)
         _available(c, ns, name)
-        # A prompt long enough to be cached (over minTokens).
-        text = " ".join(f"Quarterly revenue line {i} grew by {i % 7} percent." for i in range(80))
-        messages = [{"role": "system", "content": text}, {"role": "user", "content": "Summary?"}]
-        first = _chat_when_served(c, ns, name, messages)
-        assert first["usage"]["prompt_tokens"] > 256
-        blue = host_dir / ns / f"{name}-blue"
-        wait_until("blocks on the node's disk", lambda: any(blue.glob("segments/*")), 60)
-        assert blue.stat().st_uid == 10001  # the init container gave it to the pods' user
-
         # The pod is deleted; its replacement on the same node finds the cache warm.
-        pod = c.kubectl_json("get", "pods", "-n", ns, "-l", "dscache.io/slot=blue")["items"][0]
-        c.kubectl("delete", "pod", pod["metadata"]["name"], "-n", ns, "--wait=true")
-        c.kubectl("rollout", "status", f"deployment/{name}-blue", "-n", ns, "--timeout=600s")
-
-        again = _chat_when_served(c, ns, name, messages)
-        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= 256, again["usage"]
+        _replaced_pod_answers_from_the_host_path(c, ns, name, host_dir, 60)
+        blue = host_dir / ns / f"{name}-blue"
+        assert blue.stat().st_uid == 10001  # the init container gave it to the pods' user
 
         # A rollout puts the second track on the same node, in a directory of its own.
         _patch(c, ns, name, {"spec": {"model": {"revision": "2"}}})
@@ -457,31 +466,15 @@ def test_a_vllm_pod_loads_the_prefix_the_pod_before_it_stored(
     c.load_images(image_loader(names=["vllm"]))
     host_dir = Path(E2E_HOST_DIR)
     try:
-        doc: dict[str, Any] = yaml.safe_load(EXAMPLE_VLLM.read_text())
-        doc["metadata"] = {"name": name}
-        spec = doc["spec"]
-        spec["prewarm"] = {"enabled": False}
-        spec["rollout"]["interval"] = "1h"
-        spec["cache"] = {**spec["cache"], "size": "256Mi"}
-        spec["cache"]["volume"] = {"type": "hostPath", "hostPath": str(host_dir)}
+        volume = {"type": "hostPath", "hostPath": str(host_dir)}
+        doc = _resource(name, EXAMPLE_VLLM, cache={"volume": volume}, rollout={"interval": "1h"})
         _apply(c, ns, doc)
         _available(c, ns, name)
         pods = c.kubectl_json("get", "pods", "-n", ns, "-l", "dscache.io/slot=blue")["items"]
         images = {k["name"]: k["image"] for k in pods[0]["spec"]["containers"]}
         assert "dscache-vllm" in images["server"], images
-        text = " ".join(f"Quarterly revenue line {i} grew by {i % 7} percent." for i in range(80))
-        messages = [{"role": "system", "content": text}, {"role": "user", "content": "Summary?"}]
-        first = _chat_when_served(c, ns, name, messages)
-        assert first["usage"]["prompt_tokens"] > 256
-        blue = host_dir / ns / f"{name}-blue"
-        wait_until("blocks on the node's disk", lambda: any(blue.glob("segments/*")), 120)
-
         # A new vLLM process has an empty prefix cache: what it finds is dscache's.
-        c.kubectl("delete", "pod", pods[0]["metadata"]["name"], "-n", ns, "--wait=true")
-        c.kubectl("rollout", "status", f"deployment/{name}-blue", "-n", ns, "--timeout=600s")
-        again = _chat_when_served(c, ns, name, messages)
-        cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
-        assert cached >= 256, again["usage"]
+        first, again = _replaced_pod_answers_from_the_host_path(c, ns, name, host_dir, 120)
         assert again["choices"][0]["message"] == first["choices"][0]["message"]
         c.kubectl("delete", "dscd", name, "-n", ns, "--timeout=300s")
     finally:

@@ -225,24 +225,25 @@ def _generate(engine: Any, blocks: Sequence[np.ndarray], first: int, n: int) -> 
     return made
 
 
-def _score(
-    engine: Any,
-    blocks: Sequence[np.ndarray],
-    cont: Sequence[int],
-    path: Sequence[int],
-    *,
-    scores: _Scores,
-) -> list[int]:
+def _score_nll(
+    engine: Any, blocks: Sequence[np.ndarray], cont: Sequence[int], scores: _Scores
+) -> None:
     """Adds the teacher-forced NLL of ``cont[1:]`` after the restored prefix to
-    ``scores``; returns the argmax at each step of ``path`` (a reference's greedy
-    tokens) fed after ``cont[0]``. Each is one forward over every position."""
+    ``scores`` (one forward over every position)."""
     import torch
 
     logits = engine.forward_all(_restored(engine, blocks), list(cont[:-1])).float()
     target = torch.tensor(list(cont[1:]), dtype=torch.long).unsqueeze(1)
     scores.nll += float((torch.logsumexp(logits, 1) - logits.gather(1, target)[:, 0]).sum())
     scores.scored += len(cont) - 1
-    fed = [cont[0], *path[:-1]]
+
+
+def _argmax_along(
+    engine: Any, blocks: Sequence[np.ndarray], first: int, path: Sequence[int]
+) -> list[int]:
+    """The argmax at each step of ``path`` (a reference's greedy tokens) fed after
+    the restored prefix and ``first`` (one forward over every position)."""
+    fed = [first, *path[:-1]]
     best: list[int] = engine.forward_all(_restored(engine, blocks), fed).argmax(1).tolist()
     return best
 
@@ -325,12 +326,8 @@ def measure_model(preset: str, profile: Profile, work: Path) -> dict[str, Any]:
             for name in ("fp32", "bf16")
         }
         ref_best = {
-            name: _score(
-                engines[VARIANTS[name][0]],
-                exported[VARIANTS[name][0]],
-                cont,
-                path,
-                scores=_Scores(),
+            name: _argmax_along(
+                engines[VARIANTS[name][0]], exported[VARIANTS[name][0]], cont[0], path
             )
             for name, path in paths.items()
         }
@@ -345,7 +342,8 @@ def measure_model(preset: str, profile: Profile, work: Path) -> dict[str, Any]:
             # A reference is scored too: its agreement with itself is 1.0 unless
             # the restored path is not deterministic.
             decoded = _decode(payloads, dtype, codec, blocks[0].shape)
-            best = _score(engines[dtype], decoded, cont, paths[ref], scores=t.scores)
+            _score_nll(engines[dtype], decoded, cont, t.scores)
+            best = _argmax_along(engines[dtype], decoded, cont[0], paths[ref])
             t.scores.agree += sum(b == r for b, r in zip(best, ref_best[ref], strict=True))
             t.scores.compared += len(best)
     disk_bps = disk_read_bytes_per_s(work / f"disk-{preset}.bin", 256 << 20)
