@@ -54,10 +54,11 @@ used_bytes() { df -B1 --output=used "$1" | tail -n 1 | tr -d ' '; }
 # -- free space first: what the caches still to be built need, plus the run's peak.
 # Measured here: a venv is linked from uv's cache (7 GiB the first time, for the
 # torch build it pins; almost nothing after); the Kubernetes binaries take 8 GiB
-# with Go's caches; the images 47 GiB (the private Docker's layers 13, their
-# archives 12, the dev cluster node's containerd 22: the reference engine's
-# images and the vllm one, which the vLLM pod's test imports); the vLLM test
-# models 4; the tests themselves at most RUN_PEAK_GIB more.
+# with Go's caches; the images 36 GiB (the private Docker's layers 13, their
+# archives 12, the dev cluster node's containerd 11: the reference engine's
+# images and the vllm one, which the vLLM pod's test imports, unpacked, their
+# layer blobs deleted); the vLLM test models 4; the tests themselves at most
+# RUN_PEAK_GIB more.
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/dscache"
 uv_torch="${XDG_CACHE_HOME:-$HOME/.cache}/uv/wheels-v8/pypi/torch"
 RUN_PEAK_GIB=10
@@ -71,7 +72,7 @@ if [ "$fast" -eq 0 ]; then
   [ -f .venv-vllm/.dscache-installed ] || need=$((need + ($(venv_cost 2.13.0) << 30)))
   [ -d "$cache/k8s" ] || need=$((need + (8 << 30)))
   [ -d "$cache/vllm-models" ] || need=$((need + (4 << 30)))
-  [ -d "$cache/images/archives" ] || need=$((need + (47 << 30)))
+  [ -d "$cache/images/archives" ] || need=$((need + (36 << 30)))
 fi
 for where in . "${TMPDIR:-/tmp}"; do
   have=$(free_bytes "$where")

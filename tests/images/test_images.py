@@ -482,8 +482,10 @@ def _docker_archive(path: Path, ref: str, payload: bytes) -> ImageArchive:
 def test_a_rebuilt_image_replaces_the_old_one_in_a_nodes_containerd(
     docker: PrivateDocker, tmp_path: Path
 ) -> None:
-    """A node's store keeps one version of an image: loading a rebuild collects the
-    previous build's layers at once (two server builds used to hold 5 GiB more)."""
+    """A node's store keeps one version of an image, once: its layer blobs go as soon
+    as it is unpacked (the snapshots stay, and the image is found present), and
+    loading a rebuild collects the previous build at once (two server builds used to
+    hold 5 GiB more)."""
     namespace = f"dscache-test-load-{os.getpid()}"
     base = ["ctr", "--address", str(docker.containerd_socket), "--namespace", namespace]
 
@@ -493,22 +495,39 @@ def test_a_rebuilt_image_replaces_the_old_one_in_a_nodes_containerd(
         )
         return set(listed.stdout.split())
 
+    def snapshots() -> set[str]:
+        listed = subprocess.run(
+            [*base, "snapshots", "list"], capture_output=True, text=True, check=True
+        )
+        return {row.split()[0] for row in listed.stdout.splitlines()[1:]}
+
     ref = "dscache.local/load-test:1"
     old = _docker_archive(tmp_path / "old.tar", ref, os.urandom(1 << 20))
     new = _docker_archive(tmp_path / "new.tar", ref, os.urandom(1 << 20))
     lines: list[str] = []
     try:
         load_images([old], docker.containerd_socket, namespace=namespace, progress=lines.append)
-        old_blobs = blobs()
+        old_blobs, old_snapshots = blobs(), snapshots()
+        # One layer: its diff id is the blob's digest and the top snapshot's key.
+        (old_layer,) = _config(old)["rootfs"]["diff_ids"]
+        assert "1 layer blobs deleted once unpacked" in lines[-1], lines
+        assert old.image_id in old_blobs and old_layer not in old_blobs
+        assert old_layer in old_snapshots
         load_images([old], docker.containerd_socket, namespace=namespace, progress=lines.append)
         assert "already in" in lines[-1]
+        # A node's CRI plugin names each image it sees by its id too (here by hand: this
+        # containerd has no CRI plugin): that record must not keep the old build.
+        tagged = subprocess.run([*base, "images", "tag", ref, old.image_id], check=False)
+        assert tagged.returncode == 0
         load_images([new], docker.containerd_socket, namespace=namespace, progress=lines.append)
         assert any("previous build's unshared layers collected" in x for x in lines), lines
-        assert old.image_id in old_blobs
         left = blobs()
-        # Nothing of the old build is left (config, layer, manifest); the new one is there.
-        assert new.image_id in left
+        # Nothing of the old build is left (config, manifest, snapshot); the new one is
+        # there, unpacked, without its layer blob.
+        (new_layer,) = _config(new)["rootfs"]["diff_ids"]
+        assert new.image_id in left and new_layer not in left
         assert not old_blobs & left, (old_blobs, left)
+        assert snapshots() == {new_layer}, snapshots()
     finally:
         subprocess.run([*base, "images", "rm", "--sync", ref], capture_output=True, check=False)
         subprocess.run(
