@@ -147,8 +147,11 @@ def _page_layout(vllm_config: Any, dtype: Any) -> dict[str, str]:
     if current_platform.is_cpu() and getattr(vllm_config.model_config, "use_mla", False):
         import torch
 
-        # The platform's choice: AMX's MLA kernel where the CPU has AMX tiles.
-        amx = bool(torch.cpu._is_amx_tile_supported())
+        # The platform's choice: AMX's MLA kernel where the CPU has AMX tiles, unless
+        # the engine asked for the reference CPU one (the AMX kernel runs no float32).
+        backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        asked_cpu = getattr(backend, "name", None) == "CPU_MLA"
+        amx = bool(torch.cpu._is_amx_tile_supported()) and not asked_cpu
         layout["attn"] = "amx_mla" if amx else "cpu_mla"
     elif current_platform.is_cpu():
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
