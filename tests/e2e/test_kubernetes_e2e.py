@@ -386,15 +386,25 @@ def _replaced_pod_answers_from_the_host_path(
     c: DevCluster, ns: str, name: str, host_dir: Path, store_wait_s: float
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Asks the blue track's pod a prompt long enough to be cached (over minTokens),
-    waits for its blocks on the node's disk, deletes the pod, and asks its replacement
-    the same: both answers, the second served from the host path (asserted)."""
+    waits for its blocks in the pod's store on the node's disk, deletes the pod, and
+    asks its replacement the same: both answers, the second served from the host path
+    (asserted)."""
     text = " ".join(f"Quarterly revenue line {i} grew by {i % 7} percent." for i in range(80))
     messages = [{"role": "system", "content": text}, {"role": "user", "content": "Summary?"}]
+    pod = c.kubectl_json("get", "pods", "-n", ns, "-l", "dscache.io/slot=blue")["items"][0]
+    ip = pod["status"]["podIP"]
+    # The store holds blocks of its own before the prompt (the reference server's
+    # start-up calibration writes two): wait for the prompt's, written after the answer.
+    before = _pod_metric(ip, 9102, "dscache_sidecar_blocks")
     first = _chat_when_served(c, ns, name, messages)
     assert first["usage"]["prompt_tokens"] > 256
+    wait_until(
+        "the prompt's blocks in the pod's store",
+        lambda: _pod_metric(ip, 9102, "dscache_sidecar_blocks") > before,
+        store_wait_s,
+    )
     blue = host_dir / ns / f"{name}-blue"
-    wait_until("blocks on the node's disk", lambda: any(blue.glob("segments/*")), store_wait_s)
-    pod = c.kubectl_json("get", "pods", "-n", ns, "-l", "dscache.io/slot=blue")["items"][0]
+    assert any(blue.glob("segments/*"))  # on the node's disk, under the track's directory
     c.kubectl("delete", "pod", pod["metadata"]["name"], "-n", ns, "--wait=true")
     c.kubectl("rollout", "status", f"deployment/{name}-blue", "-n", ns, "--timeout=600s")
     again = _chat_when_served(c, ns, name, messages)
