@@ -45,6 +45,18 @@ def _exists(link: str) -> bool:
     return run("ip", "link", "show", link, check=False).returncode == 0
 
 
+def _pod_netns(name: str) -> None:
+    """A named network namespace as containerd's CRI makes a pod's: a file under
+    /run/netns with the namespace bind-mounted on it. Not `ip netns add`: on a host
+    where /run/netns is not a mount point, that makes it one (a bind mount onto
+    itself) and leaves it there (a fresh machine's host check saw it)."""
+    need_binary("unshare", "util-linux")
+    hostnet.NETNS_DIR.mkdir(exist_ok=True)
+    path = hostnet.NETNS_DIR / name
+    path.touch()
+    run("unshare", f"--net={path}", "true")
+
+
 def _record(tmp_path: Path, bridge: str, owner: tuple[int, str]) -> None:
     state = tmp_path / "killed-cluster"
     state.mkdir()
@@ -61,7 +73,7 @@ def test_a_dead_clusters_changes_are_undone(
     # A pod the killed cluster's kubelet never tore down: its namespace and veth.
     netns = f"cni-dsrc-{uuid.uuid4().hex[:8]}"
     veth = f"vdsrc{uuid.uuid4().hex[:8]}"
-    run("ip", "netns", "add", netns)
+    _pod_netns(netns)
     try:
         run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
         assert main(["dev", "cluster", "reclaim"]) == 0
