@@ -85,30 +85,23 @@ def load_images(
     say: Progress = progress or (lambda line: logger.info("%s", line))
     base = [ctr, "--address", str(containerd_address), "--namespace", namespace]
     for archive in archives:
-        previous = _config_digest(base, archive.ref)
-        present = _present_config(base, archive.ref, snapshotter or "overlayfs")
-        if present == archive.image_id:
+        manifest = _manifest(base, archive.ref)
+        previous = _config_digest(manifest)
+        if previous == archive.image_id and _unpacked(base, previous, snapshotter or "overlayfs"):
             say(f"{archive.ref}: already in {containerd_address} ({namespace})")
-            _discard_layers(base, archive.ref, say)  # a store filled before they were deleted
+            # A store filled before layer blobs were deleted still holds them.
+            _discard_layers(base, archive.ref, manifest, say)
             continue
-        replacing = present is not None or _listed(base, archive.ref)
-        command = [*base, "images", "import"]
-        if snapshotter:
-            command += ["--snapshotter", snapshotter]
-        command.append(str(archive.path))
+        replacing = previous is not None or _has_record(base, containerd_name(archive.ref))
         started = time.monotonic()
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise ImageError(
-                f"ctr images import {archive.path} failed (exit {done.returncode}): "
-                f"{(done.stderr or done.stdout).strip()[-2000:]}"
-            )
+        snap = ["--snapshotter", snapshotter] if snapshotter else []
+        _ctr(base, "images", "import", *snap, str(archive.path))
         say(f"{archive.ref}: imported in {time.monotonic() - started:.1f} s")
-        _discard_layers(base, archive.ref, say)
-        if previous is not None and previous != archive.image_id:
+        _discard_layers(base, archive.ref, _manifest(base, archive.ref), say)
+        if previous is not None and previous != archive.image_id and _has_record(base, previous):
             # The CRI plugin names every image it has seen by its id as well: that
             # record would keep the previous build (snapshots and all) for good.
-            _remove_if_listed(base, previous)
+            _ctr(base, "images", "rm", previous)
         if replacing:
             _collect(base, archive.ref, say)
 
@@ -137,35 +130,32 @@ def image_loader(
     return load
 
 
-def _listed(base: list[str], ref: str) -> bool:
-    """Whether containerd has a record named ``ref``, complete or not."""
-    listed = subprocess.run(
-        [*base, "images", "list", "--quiet", f"name=={containerd_name(ref)}"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return listed.returncode == 0 and bool(listed.stdout.strip())
+def _ctr(base: list[str], *args: str, what: str = "") -> subprocess.CompletedProcess[str]:
+    """Runs ``ctr`` (``base`` then ``args``).
+
+    Raises:
+        ImageError: It failed; the message names ``what`` (default: the arguments)
+            and has ``ctr``'s output.
+    """
+    done = subprocess.run([*base, *args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ImageError(
+            f"ctr {what or ' '.join(args)} failed (exit {done.returncode}): "
+            f"{(done.stderr or done.stdout).strip()[-2000:]}"
+        )
+    return done
 
 
-def _remove_if_listed(base: list[str], name: str) -> None:
-    """Deletes the image record ``name`` (as containerd spells it), when there is one."""
+def _has_record(base: list[str], name: str) -> bool:
+    """Whether containerd has an image record named ``name`` (as containerd spells it),
+    complete or not."""
     listed = subprocess.run(
         [*base, "images", "list", "--quiet", f"name=={name}"],
         capture_output=True,
         text=True,
         check=False,
     )
-    if listed.returncode != 0 or not listed.stdout.strip():
-        return
-    done = subprocess.run(
-        [*base, "images", "rm", name], capture_output=True, text=True, check=False
-    )
-    if done.returncode != 0:
-        raise ImageError(
-            f"ctr images rm {name} failed (exit {done.returncode}): "
-            f"{(done.stderr or done.stdout).strip()[-2000:]}"
-        )
+    return listed.returncode == 0 and bool(listed.stdout.strip())
 
 
 def _collect(base: list[str], ref: str, say: Progress) -> None:
@@ -176,48 +166,32 @@ def _collect(base: list[str], ref: str, say: Progress) -> None:
     a throwaway tag of ``ref`` with ``--sync`` runs it and waits: everything no
     image, container or lease needs goes (a running container keeps its snapshot).
     """
-    name = containerd_name(ref)
     trigger = f"dscache.local/gc-trigger:{os.getpid()}"
-    for command in (["tag", "--force", name, trigger], ["rm", "--sync", trigger]):
-        done = subprocess.run(
-            [*base, "images", *command], capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0:
-            raise ImageError(
-                f"ctr images {' '.join(command)} failed (exit {done.returncode}): "
-                f"{(done.stderr or done.stdout).strip()[-2000:]}"
-            )
+    _ctr(base, "images", "tag", "--force", containerd_name(ref), trigger)
+    _ctr(base, "images", "rm", "--sync", trigger)
     say(f"{ref}: the previous build's unshared layers collected")
 
 
-def _present_config(base: list[str], ref: str, snapshotter: str) -> str | None:
-    """The config digest of the image ``ref`` in containerd, or None when absent.
-
-    An image whose record exists but whose manifest, config or unpacked top
-    snapshot is missing (a store cut short by a full disk, say) counts as absent,
-    so it is imported again rather than failing every pod sandbox later. Its
-    layer blobs are not asked for: :func:`_discard_layers` deleted them.
-    """
-    config_digest = _config_digest(base, ref)
-    if config_digest is None:
-        return None
-    config = _blob_json(base, config_digest)
-    diff_ids = (config or {}).get("rootfs", {}).get("diff_ids")
+def _unpacked(base: list[str], config_digest: str, snapshotter: str) -> bool:
+    """Whether the image whose config is ``config_digest`` is there to run: its config
+    in the content store and its top snapshot unpacked. An image missing either (a
+    store cut short by a full disk, say) is imported again rather than failing every
+    pod sandbox later. Its layer blobs are not asked for: :func:`_discard_layers`
+    deleted them (``ctr images check`` would call such an image incomplete)."""
+    diff_ids = (_blob_json(base, config_digest) or {}).get("rootfs", {}).get("diff_ids")
     if not isinstance(diff_ids, list) or not diff_ids:
-        return None
+        return False
     top = subprocess.run(
         [*base, "snapshots", "--snapshotter", snapshotter, "info", chain_id(diff_ids)],
         capture_output=True,
         text=True,
         check=False,
     )
-    return config_digest if top.returncode == 0 else None
+    return top.returncode == 0
 
 
-def _config_digest(base: list[str], ref: str) -> str | None:
-    """The config digest (the image id) the record ``ref`` names through its manifest,
-    or None when there is no such record or manifest."""
-    manifest = _manifest(base, ref)
+def _config_digest(manifest: dict[str, Any] | None) -> str | None:
+    """The config digest (the image id) ``manifest`` names, or None without one."""
     config = (manifest or {}).get("config")
     return str(config["digest"]) if isinstance(config, dict) and "digest" in config else None
 
@@ -243,15 +217,18 @@ def chain_id(diff_ids: Sequence[str]) -> str:
     return chain
 
 
-def _discard_layers(base: list[str], ref: str, say: Progress) -> None:
-    """Deletes the layer blobs the unpacked image ``ref`` still has in the content store.
+def _discard_layers(
+    base: list[str], ref: str, manifest: dict[str, Any] | None, say: Progress
+) -> None:
+    """Deletes the layer blobs of the unpacked image ``ref`` (its ``manifest``) that
+    the content store still has.
 
     The unpacked snapshots are what containers run from; the manifest and the
     config stay (the config's label keeps the snapshots from the collector, and
     the kubelet reads the image's id and size from them).
     """
     name = containerd_name(ref)
-    layers = (_manifest(base, ref) or {}).get("layers")
+    layers = (manifest or {}).get("layers")
     if not isinstance(layers, list):
         raise ImageError(f"{name}: no manifest with layers in containerd after its import")
     blobs = subprocess.run(
@@ -263,17 +240,8 @@ def _discard_layers(base: list[str], ref: str, say: Progress) -> None:
     ]
     if not stored:
         return
-    done = subprocess.run(
-        [*base, "content", "rm", *(str(layer["digest"]) for layer in stored)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise ImageError(
-            f"ctr content rm (the layers of {name}) failed (exit {done.returncode}): "
-            f"{(done.stderr or done.stdout).strip()[-2000:]}"
-        )
+    digests = [str(layer["digest"]) for layer in stored]
+    _ctr(base, "content", "rm", *digests, what=f"content rm (the layers of {name})")
     size = sum(int(layer.get("size", 0)) for layer in stored)
     say(f"{ref}: {len(stored)} layer blobs deleted once unpacked ({size / 2**30:.2f} GiB)")
 
