@@ -94,6 +94,12 @@ class SidecarSettings(BaseSettings):
     """gRPC server worker threads."""
     readyz_timeout_s: float = Field(default=2.0, gt=0)
     """Seconds the /readyz health RPC over the socket may take."""
+    drain_max_s: float = Field(default=20.0, ge=0)
+    """After SIGTERM, the longest the daemon serves on while clients are still
+    connected to its unix socket (a model server finishing its in-flight requests and
+    queued stores), seconds; it stops as soon as the last one disconnects. 0 = stop
+    at once. Keep it below the pod's terminationGracePeriodSeconds (30 by default).
+    SIGINT, or a second SIGTERM, stops at once."""
     stream_chunk_bytes: int = 1024**2
     """Chunk size of streaming Get, bytes."""
     tenant_quota: float = Field(default=1.0, gt=0, le=1)
@@ -249,6 +255,12 @@ def add_sidecar_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--verify-on-start", choices=["header", "full"], help="reconcile depth")
     p.add_argument(
+        "--drain-max",
+        type=float,
+        help="after SIGTERM, serve on at most this many seconds while clients are "
+        "connected to the unix socket (default 20; 0 = stop at once)",
+    )
+    p.add_argument(
         "--tenant-quota",
         type=float,
         help="largest share of capacity one tenant may hold, in (0, 1] (default 1: off)",
@@ -302,6 +314,7 @@ def settings_from_args(args: argparse.Namespace) -> SidecarSettings:
         "lease_ttl": "lease_ttl_s",
         "restart_quarantine": "restart_quarantine_s",
         "verify_on_start": "verify_on_start",
+        "drain_max": "drain_max_s",
         "tenant_quota": "tenant_quota",
         "fault_injection": "fault_injection",
         "holdings_refresh": "holdings_refresh_s",

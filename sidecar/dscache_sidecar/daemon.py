@@ -11,8 +11,12 @@ Contract:
       another holds it, ``dscache sidecar`` logs one line naming the holder and
       exits with ``EXIT_DATA_DIR_LOCKED`` (3), having changed nothing (not even
       the socket). Invalid settings exit with 2.
-    * SIGTERM/SIGINT stop it gracefully: in-flight calls finish (up to a grace
-      period), the index gets its last access statistics, files are closed.
+    * SIGTERM first serves on while clients are connected to the unix socket
+      (at most ``drain_max_s``; :mod:`dscache_sidecar.drain`), so a model server
+      stopping beside it in the same pod finishes its last stores; /readyz says
+      503 ``draining`` meanwhile. Then (and at once on SIGINT or a second SIGTERM)
+      it stops gracefully: in-flight calls finish (up to a grace period), the index
+      gets its last access statistics, files are closed.
     * Metrics are served over HTTP at ``/metrics`` (prometheus_client), and the
       health service's verdict at ``/healthz`` and ``/readyz`` on the same port
       (:mod:`dscache_sidecar.probes`), for kubelet HTTP probes.
@@ -49,6 +53,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
 from dscache_sidecar.blockstore import BlockStore, StoreFullError
 from dscache_sidecar.config import SidecarSettings, settings_from_args
+from dscache_sidecar.drain import connected_clients, serve_on
 from dscache_sidecar.errors import DataDirLockedError
 from dscache_sidecar.faults import FaultInjector
 from dscache_sidecar.holdings_publisher import HoldingsPublisher
@@ -202,6 +207,15 @@ class RunningSidecar:
     shared: SharedTier | None = None
     holdings: HoldingsPublisher | None = None
     kv_events: KVEventPublisher | None = None
+
+    def drain(self, max_s: float, stop_now: threading.Event) -> str:
+        """Serves on while clients are connected to the unix socket, at most
+        ``max_s`` or until ``stop_now``; returns why it ended (see
+        :func:`~dscache_sidecar.drain.serve_on`). /readyz answers 503 meanwhile
+        (and its own channel to the socket is closed, so it is not counted)."""
+        if self.socket_check is not None:
+            self.socket_check.close(draining=True)
+        return serve_on(lambda: connected_clients(self.socket_path), max_s, stop_now)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stops serving (in-flight calls get ``grace_s``), then closes the store."""
@@ -399,14 +413,25 @@ def run_from_args(args: argparse.Namespace) -> int:
         flush=True,
     )
     done = threading.Event()
+    stop_now = threading.Event()
+    got: list[int] = []
 
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %d: stopping", signum)
+        got.append(signum)
+        if done.is_set():
+            stop_now.set()  # a second signal: stop now
         done.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     done.wait()
+    if got[0] == signal.SIGTERM and settings.drain_max_s > 0:
+        log.info(
+            "SIGTERM: serving on while clients stay connected (at most %.0fs)", settings.drain_max_s
+        )
+        log.info("stopping: %s", running.drain(settings.drain_max_s, stop_now))
+    else:
+        log.info("signal %d: stopping", got[0])
     running.stop()
     log.info("sidecar stopped")
     return 0

@@ -12,7 +12,8 @@ Contract:
     * ``/readyz`` (readiness): a real ``Check`` RPC over the daemon's unix
       socket, the path the model server uses, with a deadline
       (``readyz_timeout_s``): ``200 SERVING``, else ``503`` with the status or
-      the RPC error. A daemon whose gRPC server stopped answering is not ready.
+      the RPC error. A daemon whose gRPC server stopped answering is not ready,
+      nor is one serving its last clients after SIGTERM (``503 draining``).
     * ``/debug/fault`` (``GET``, ``PUT``): the injected faults of
       :mod:`dscache_sidecar.faults` when fault injection is on, else ``404``. A
       body that does not validate is ``400`` with the reason and changes nothing;
@@ -93,10 +94,14 @@ class SocketHealthCheck:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._channel: grpc.Channel | None = None
+        self._draining = False
 
     def __call__(self) -> str:
-        """The status name, or ``ERROR: <code>`` when the RPC failed."""
+        """The status name, ``ERROR: <code>`` when the RPC failed, or ``draining``
+        once the daemon serves only its last clients (no RPC then)."""
         with self._lock:
+            if self._draining:
+                return "draining"
             if self._channel is None:
                 self._channel = grpc.insecure_channel(self.target)
             stub = health_pb2_grpc.HealthStub(self._channel)
@@ -110,8 +115,11 @@ class SocketHealthCheck:
         name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
         return name
 
-    def close(self) -> None:
+    def close(self, draining: bool = False) -> None:
+        """Closes the channel; with ``draining``, later checks answer ``draining``
+        without opening another."""
         with self._lock:
+            self._draining = self._draining or draining
             if self._channel is not None:
                 self._channel.close()
                 self._channel = None

@@ -6,7 +6,8 @@ Contract:
       port, no restart quarantine, plus the caller's extra flags) and returns
       once the standard gRPC health check answers SERVING and the child has
       printed its ready line (ports included); a child that exits first raises
-      with the tail of its log.
+      with the tail of its log. SIGTERM's drain lasts at most 5 s (``--drain-max``;
+      a later flag in ``extra`` wins).
     * :meth:`kill` is the crash case (SIGKILL), :meth:`terminate` the clean one
       (SIGTERM, the exit code); :meth:`stop` is idempotent and never leaves a
       child behind (SIGKILL after a grace period). The child runs under the
@@ -64,6 +65,8 @@ class SidecarProcess:
             "--metrics-port", "0",
             "--metrics-host", "127.0.0.1",
             "--restart-quarantine", "0",
+            # A client a test leaves connected holds SIGTERM's drain: 5 s, not 20.
+            "--drain-max", "5",
             *self.extra,
         ]  # fmt: skip
 

@@ -435,7 +435,10 @@ class LocalStack:
         return port
 
     def stop(self) -> None:
-        """Stops everything this stack started."""
+        """Stops everything this stack started: the servers first, since a sidecar
+        told to stop serves on while a server is connected (its last stores)."""
+        for server in self.servers:
+            self.procs.stop(server.child)
         self.procs.stop_all()
         self._unmount_all()
         self.servers.clear()
