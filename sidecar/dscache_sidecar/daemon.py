@@ -215,7 +215,26 @@ class RunningSidecar:
         (and its own channel to the socket is closed, so it is not counted)."""
         if self.socket_check is not None:
             self.socket_check.close(draining=True)
-        return serve_on(lambda: connected_clients(self.socket_path), max_s, stop_now)
+        before, start = self._calls(), time.monotonic()
+        why = serve_on(lambda: connected_clients(self.socket_path), max_s, stop_now)
+        after = self._calls()
+        served = {op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)}
+        log.info(
+            "drained (%s) after %.1fs; calls served meanwhile: %s",
+            why,
+            time.monotonic() - start,
+            ", ".join(f"{op} {n:.0f}" for op, n in sorted(served.items())) or "none",
+        )
+        return why
+
+    def _calls(self) -> dict[str, float]:
+        """Calls answered so far, per operation (the latency histogram's counts)."""
+        return {
+            sample.labels["op"]: sample.value
+            for family in self.metrics.rpc_latency.collect()
+            for sample in family.samples
+            if sample.name.endswith("_count")
+        }
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stops serving (in-flight calls get ``grace_s``), then closes the store."""
@@ -293,15 +312,15 @@ def create_server(
             holdings=holdings.current if holdings is not None else None,
             internal_token=settings.internal_token.get_secret_value(),
         )
+        http = ProbeServer(settings.metrics_host, settings.metrics_port, app)
+        metrics_port = http.port
         if holdings is not None and not settings.internal_token.get_secret_value():
             log.warning(
                 "/dscache/holdings is served without a token (no "
                 "DSCACHE_SIDECAR_INTERNAL_TOKEN): whoever reaches port %s can test "
                 "which block keys this pod holds",
-                settings.metrics_port,
+                metrics_port,
             )
-        http = ProbeServer(settings.metrics_host, settings.metrics_port, app)
-        metrics_port = http.port
         if holdings is not None:
             holdings.start()
     kv_events = _kv_events(settings, store, metrics)
@@ -429,7 +448,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         log.info(
             "SIGTERM: serving on while clients stay connected (at most %.0fs)", settings.drain_max_s
         )
-        log.info("stopping: %s", running.drain(settings.drain_max_s, stop_now))
+        running.drain(settings.drain_max_s, stop_now)
     else:
         log.info("signal %d: stopping", got[0])
     running.stop()
