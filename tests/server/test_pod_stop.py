@@ -22,6 +22,7 @@ import pytest
 from dscache_sidecar.client import SidecarClient
 from dscache_tools.net import free_port
 from dscache_tools.polling import wait_until
+from dscache_tools.procs import http_ok
 from dscache_tools.sidecarproc import SidecarProcess
 from srv_helpers import REPO
 
@@ -31,14 +32,6 @@ pytestmark = pytest.mark.slow  # a server process and a sidecar process
 def _blocks(d: SidecarProcess) -> int:
     with SidecarClient(d.socket, timeout_s=5) as c:
         return int(c.stats().blocks)
-
-
-def _ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as r:
-            return int(r.status) == 200
-    except OSError:
-        return False
 
 
 def test_an_answer_in_flight_at_sigterm_is_stored_before_the_pod_goes(tmp_path: Path) -> None:
@@ -58,7 +51,8 @@ def test_an_answer_in_flight_at_sigterm_is_stored_before_the_pod_goes(tmp_path: 
             cwd=REPO,
         )  # fmt: skip
     try:
-        wait_until("the server ready", lambda: _ready(port), 300, interval=0.2)
+        ready = f"http://127.0.0.1:{port}/ready"
+        wait_until("the server ready", lambda: http_ok(ready), 300, interval=0.2)
         before = _blocks(d)  # its start-up calibration's own
         text = " ".join(f"Line {k} of the filing says {k * 7 % 13} things." for k in range(120))
         body = {
