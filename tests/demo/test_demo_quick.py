@@ -128,6 +128,9 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, rest
+    # 130, or ended by SIGINT itself: CPython 3.11 ends a process that way when a
+    # KeyboardInterrupt passed through exec'd code (a dataclass being built, say),
+    # even after the demo handled it. A shell reports 130 for both.
+    assert proc.returncode in (130, -signal.SIGINT), rest
     assert "interrupted: every process stopped" in rest
     assert _processes_using(workdir) == []
