@@ -16,8 +16,10 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import tarfile
+import threading
 import time
 import tomllib
 import urllib.request
@@ -30,7 +32,7 @@ from dscache_router.nginx import DEBIAN_LUA_MODULES, RouterConfig, render_nginx_
 from dscache_tools.devcluster import images, wait_until
 from dscache_tools.devcluster.images import IMAGES, ImageArchive, PrivateDocker
 from dscache_tools.devcluster.images.builder import ca_bundle
-from dscache_tools.devcluster.images.load import load_images
+from dscache_tools.devcluster.images.load import chain_id, load_images
 from dscache_tools.net import free_port
 from dscache_tools.polling import poll
 from prometheus_client.parser import text_string_to_metric_families
@@ -447,34 +449,35 @@ def test_pause_exits_0_on_sigterm(docker: PrivateDocker, run_image: RunImage) ->
 # -- loading into a node's containerd ------------------------------------------------------------
 
 
-def _docker_archive(path: Path, ref: str, payload: bytes) -> ImageArchive:
-    """A one-layer ``docker save`` archive of ``ref`` whose layer holds ``payload``."""
-    layer = path.with_suffix(".layer.tar")
-    with tarfile.open(layer, "w") as tar:
-        info = tarfile.TarInfo("payload")
-        info.size = len(payload)
-        tar.addfile(info, io.BytesIO(payload))
-    diff_id = "sha256:" + hashlib.sha256(layer.read_bytes()).hexdigest()
+def _docker_archive(path: Path, ref: str, *payloads: bytes) -> ImageArchive:
+    """A ``docker save`` archive of ``ref`` with one layer per payload (layer ``i``
+    holds the file ``payload<i>``)."""
+    layers: list[bytes] = []
+    for i, payload in enumerate(payloads):
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            info = tarfile.TarInfo(f"payload{i}")
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+        layers.append(buffer.getvalue())
+    diff_ids = ["sha256:" + hashlib.sha256(layer).hexdigest() for layer in layers]
     config = json.dumps(
         {
             "architecture": "amd64",
             "os": "linux",
-            "config": {"Cmd": ["/payload"]},
-            "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+            "config": {"Cmd": ["/payload0"]},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
         }
     ).encode()
     config_hex = hashlib.sha256(config).hexdigest()
-    manifest = [{"Config": f"{config_hex}.json", "RepoTags": [ref], "Layers": ["layer/layer.tar"]}]
+    names = [f"layer{i}/layer.tar" for i in range(len(layers))]
+    manifest = [{"Config": f"{config_hex}.json", "RepoTags": [ref], "Layers": names}]
+    members = [(f"{config_hex}.json", config), *zip(names, layers, strict=True)]
     with tarfile.open(path, "w") as tar:
-        for name, data in (
-            (f"{config_hex}.json", config),
-            ("layer/layer.tar", layer.read_bytes()),
-            ("manifest.json", json.dumps(manifest).encode()),
-        ):
+        for name, data in (*members, ("manifest.json", json.dumps(manifest).encode())):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    layer.unlink()
     return ImageArchive(ref, path, f"sha256:{config_hex}", path.stat().st_size)
 
 
@@ -528,6 +531,130 @@ def test_a_rebuilt_image_replaces_the_old_one_in_a_nodes_containerd(
         assert new.image_id in left and new_layer not in left
         assert not old_blobs & left, (old_blobs, left)
         assert snapshots() == {new_layer}, snapshots()
+    finally:
+        subprocess.run([*base, "images", "rm", "--sync", ref], capture_output=True, check=False)
+        subprocess.run(
+            ["ctr", "--address", str(docker.containerd_socket), "namespaces", "rm", namespace],
+            capture_output=True,
+            check=False,
+        )
+
+
+@pytest.mark.images
+def test_a_rebuild_sharing_layers_loads_while_containerds_collector_runs(
+    docker: PrivateDocker, tmp_path: Path
+) -> None:
+    """Importing a rebuild moves its name at once, before the unpack: the layers it
+    shares with the previous build were then held by nothing, and containerd's
+    collector (which it runs by itself every hundred or so writes) could take one
+    between the unpacker finding it and stacking the next on it. A cluster test run
+    failed so ("parent snapshot ... does not exist"); with the collector run over and
+    over meanwhile, a quarter of such imports did. The previous build is now held
+    until the new one is unpacked: every load succeeds at the first import."""
+    namespace = f"dscache-test-load-gc-{os.getpid()}"
+    base = ["ctr", "--address", str(docker.containerd_socket), "--namespace", namespace]
+    anchor = _docker_archive(tmp_path / "anchor.tar", "dscache.local/gc-anchor:1", b"anchor")
+    ref = "dscache.local/load-gc-test:1"
+    shared = [os.urandom(1 << 16) for _ in range(6)]
+    stop = threading.Event()
+
+    def collect_over_and_over() -> None:
+        # A --sync delete of a throwaway tag runs the collector and waits for it.
+        while not stop.is_set():
+            for args in (
+                ["images", "tag", "--force", "dscache.local/gc-anchor:1", "dscache.local/gc:1"],
+                ["images", "rm", "--sync", "dscache.local/gc:1"],
+            ):
+                subprocess.run([*base, *args], capture_output=True, check=False)
+
+    collector = threading.Thread(target=collect_over_and_over, daemon=True)
+    lines: list[str] = []
+    try:
+        load_images([anchor], docker.containerd_socket, namespace=namespace)
+        collector.start()
+        builds = [
+            _docker_archive(tmp_path / f"build{n}.tar", ref, *shared, os.urandom(1 << 20))
+            for n in range(10)
+        ]
+        for build in builds:
+            load_images(
+                [build], docker.containerd_socket, namespace=namespace, progress=lines.append
+            )
+        stop.set()
+        collector.join()
+        assert not [line for line in lines if "importing again" in line], lines
+        listed = subprocess.run(
+            [*base, "snapshots", "list"], capture_output=True, text=True, check=True
+        )
+        keys = {row.split()[0] for row in listed.stdout.splitlines()[1:]}
+        assert chain_id(_config(builds[-1])["rootfs"]["diff_ids"]) in keys
+        # One build kept: the shared six, the last top layer, the anchor's one.
+        assert len(keys) == 8, keys
+        records = subprocess.run(
+            [*base, "images", "list", "--quiet"], capture_output=True, text=True, check=True
+        )
+        assert set(records.stdout.split()) == {ref, "dscache.local/gc-anchor:1"}
+    finally:
+        stop.set()
+        if collector.is_alive():
+            collector.join()
+        for name in (ref, "dscache.local/gc-anchor:1"):
+            subprocess.run(
+                [*base, "images", "rm", "--sync", name], capture_output=True, check=False
+            )
+        subprocess.run(
+            ["ctr", "--address", str(docker.containerd_socket), "namespaces", "rm", namespace],
+            capture_output=True,
+            check=False,
+        )
+
+
+@pytest.mark.images
+def test_an_import_that_loses_a_snapshot_is_run_again(
+    docker: PrivateDocker, tmp_path: Path
+) -> None:
+    """A snapshot no image holds (one the kubelet's image collector freed, say) can
+    still go between the unpacker finding it and using it; ``ctr`` then fails
+    "parent snapshot ... does not exist", and the import is run again rather than
+    failing the node's start. The first import fails so here by a stand-in for
+    ``ctr`` (the race cannot be set off at will); every other call is the real one."""
+    namespace = f"dscache-test-load-retry-{os.getpid()}"
+    base = ["ctr", "--address", str(docker.containerd_socket), "--namespace", namespace]
+    real_ctr = shutil.which("ctr")
+    assert real_ctr is not None
+    failed_once = tmp_path / "failed-once"
+    stand_in = tmp_path / "ctr-losing-a-snapshot-once"
+    stand_in.write_text(
+        "#!/bin/sh\n"
+        "# Test stand-in for ctr: the first 'images import' fails as ctr does when the\n"
+        "# collector took a snapshot mid-unpack; everything else runs the real ctr.\n"
+        f'case " $* " in *" images import "*) if [ ! -e {failed_once} ]; then\n'
+        f"  touch {failed_once}\n"
+        '  echo \'ctr: failed to prepare extraction snapshot "extract-1 sha256:aa": '
+        "parent snapshot sha256:bb does not exist: not found' >&2\n"
+        "  exit 1\n"
+        "fi;; esac\n"
+        f'exec {real_ctr} "$@"\n'
+    )
+    stand_in.chmod(0o755)
+    ref = "dscache.local/load-retry-test:1"
+    archive = _docker_archive(tmp_path / "image.tar", ref, os.urandom(1 << 16), b"top")
+    lines: list[str] = []
+    try:
+        load_images(
+            [archive],
+            docker.containerd_socket,
+            str(stand_in),
+            namespace=namespace,
+            progress=lines.append,
+        )
+        assert failed_once.exists()
+        assert any("a snapshot went while unpacking" in line for line in lines), lines
+        listed = subprocess.run(
+            [*base, "snapshots", "list"], capture_output=True, text=True, check=True
+        )
+        keys = {row.split()[0] for row in listed.stdout.splitlines()[1:]}
+        assert chain_id(_config(archive)["rootfs"]["diff_ids"]) in keys, keys
     finally:
         subprocess.run([*base, "images", "rm", "--sync", ref], capture_output=True, check=False)
         subprocess.run(

@@ -13,6 +13,11 @@ Contract:
       images it pulls; "present" therefore means the manifest, the config and
       the top snapshot are there (``ctr images check`` would call such an image
       incomplete).
+    * While a new build is imported, a tag holds the previous one, so the
+      collector cannot take a snapshot the two share between the unpacker
+      finding it and stacking the next layer on it; an import that loses a
+      snapshot all the same (to the collector, after the kubelet removed an
+      image) is run again, up to three times in all.
     * When a new build replaces an image, the previous build's config and
       unpacked snapshots that the new one does not share are collected right
       after the import (a ``--sync`` delete of a throwaway tag runs containerd's
@@ -30,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import tarfile
 import time
@@ -94,8 +100,19 @@ def load_images(
             continue
         replacing = previous is not None or _has_record(base, containerd_name(archive.ref))
         started = time.monotonic()
-        snap = ["--snapshotter", snapshotter] if snapshotter else []
-        _ctr(base, "images", "import", *snap, str(archive.path))
+        # The import moves the name to the new build at once, before unpacking; the
+        # previous build's snapshots that the new one shares are then held by nothing,
+        # and the collector (which containerd runs on its own every hundred or so
+        # writes, as the import makes) could take one between the unpacker finding it
+        # and stacking the next layer on it. A tag holds the previous build meanwhile.
+        keep = f"dscache.local/keep-previous:{os.getpid()}" if previous is not None else None
+        if keep is not None:
+            _ctr(base, "images", "tag", "--force", containerd_name(archive.ref), keep)
+        try:
+            _import(base, archive, snapshotter, say)
+        finally:
+            if keep is not None:
+                _ctr(base, "images", "rm", keep)
         say(f"{archive.ref}: imported in {time.monotonic() - started:.1f} s")
         _discard_layers(base, archive.ref, _manifest(base, archive.ref), say)
         if previous is not None and previous != archive.image_id and _has_record(base, previous):
@@ -144,6 +161,31 @@ def _ctr(base: list[str], *args: str, what: str = "") -> subprocess.CompletedPro
             f"{(done.stderr or done.stdout).strip()[-2000:]}"
         )
     return done
+
+
+# What ``ctr images import`` says when a snapshot it found went before it stacked the
+# next layer on it (the collector took something no image held: an image the kubelet
+# removed, say). Importing again unpacks what is missing.
+_SNAPSHOT_GONE = re.compile(r"snapshot \S+ does not exist")
+_IMPORT_TRIES = 3
+
+
+def _import(base: list[str], archive: ImageArchive, snapshotter: str | None, say: Progress) -> None:
+    """``ctr images import`` of ``archive``, again (up to :data:`_IMPORT_TRIES` in all)
+    when a snapshot the unpacker found went before it was used.
+
+    Raises:
+        ImageError: ``ctr`` failed otherwise, or every try did.
+    """
+    snap = ["--snapshotter", snapshotter] if snapshotter else []
+    for attempt in range(1, _IMPORT_TRIES + 1):
+        try:
+            _ctr(base, "images", "import", *snap, str(archive.path))
+            return
+        except ImageError as error:
+            if attempt == _IMPORT_TRIES or not _SNAPSHOT_GONE.search(str(error)):
+                raise
+            say(f"{archive.ref}: a snapshot went while unpacking ({error}); importing again")
 
 
 def _has_record(base: list[str], name: str) -> bool:
