@@ -662,3 +662,44 @@ def test_an_import_that_loses_a_snapshot_is_run_again(
             capture_output=True,
             check=False,
         )
+
+
+@pytest.mark.images
+def test_the_tags_of_a_load_killed_half_way_are_removed(
+    docker: PrivateDocker, tmp_path: Path
+) -> None:
+    """A load tags the previous build while its rebuild unpacks, and tags the new one
+    to run the collector; killed in between, it would leave a tag that holds a build
+    (GBs) for good. The next load removes such tags of processes that are gone, and
+    leaves those of a load still running."""
+    namespace = f"dscache-test-load-stale-{os.getpid()}"
+    base = ["ctr", "--address", str(docker.containerd_socket), "--namespace", namespace]
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ref = "dscache.local/load-stale-test:1"
+    archive = _docker_archive(tmp_path / "image.tar", ref, b"payload")
+    stale = [f"dscache.local/keep-previous:{dead.pid}", f"dscache.local/gc-trigger:{dead.pid}"]
+    running = "dscache.local/keep-previous:1"  # init's pid: a process that runs
+    lines: list[str] = []
+    try:
+        load_images([archive], docker.containerd_socket, namespace=namespace)
+        for name in [*stale, running]:
+            subprocess.run(
+                [*base, "images", "tag", "--force", ref, name], capture_output=True, check=True
+            )
+        load_images([archive], docker.containerd_socket, namespace=namespace, progress=lines.append)
+        records = subprocess.run(
+            [*base, "images", "list", "--quiet"], capture_output=True, text=True, check=True
+        )
+        assert set(records.stdout.split()) == {ref, running}
+        assert sum("left by a load that did not finish" in line for line in lines) == 2, lines
+    finally:
+        for name in (ref, running, *stale):
+            subprocess.run(
+                [*base, "images", "rm", "--sync", name], capture_output=True, check=False
+            )
+        subprocess.run(
+            ["ctr", "--address", str(docker.containerd_socket), "namespaces", "rm", namespace],
+            capture_output=True,
+            check=False,
+        )

@@ -17,7 +17,9 @@ Contract:
       collector cannot take a snapshot the two share between the unpacker
       finding it and stacking the next layer on it; an import that loses a
       snapshot all the same (to the collector, after the kubelet removed an
-      image) is run again, up to three times in all.
+      image) is run again, up to three times in all. The tags a load adds for
+      a moment carry its pid; a later load removes those of a load that was
+      killed half way (each would hold a build for good).
     * When a new build replaces an image, the previous build's config and
       unpacked snapshots that the new one does not share are collected right
       after the import (a ``--sync`` delete of a throwaway tag runs containerd's
@@ -90,6 +92,7 @@ def load_images(
     """
     say: Progress = progress or (lambda line: logger.info("%s", line))
     base = [ctr, "--address", str(containerd_address), "--namespace", namespace]
+    _drop_stale_tags(base, say)
     for archive in archives:
         manifest = _manifest(base, archive.ref)
         previous = _config_digest(manifest)
@@ -105,7 +108,7 @@ def load_images(
         # and the collector (which containerd runs on its own every hundred or so
         # writes, as the import makes) could take one between the unpacker finding it
         # and stacking the next layer on it. A tag holds the previous build meanwhile.
-        keep = f"dscache.local/keep-previous:{os.getpid()}" if previous is not None else None
+        keep = f"{_KEEP_TAG}:{os.getpid()}" if previous is not None else None
         if keep is not None:
             _ctr(base, "images", "tag", "--force", containerd_name(archive.ref), keep)
         try:
@@ -188,6 +191,37 @@ def _import(base: list[str], archive: ImageArchive, snapshotter: str | None, say
             say(f"{archive.ref}: a snapshot went while unpacking ({error}); importing again")
 
 
+#: The tags a load adds for a moment, each named with the loading process's pid: one
+#: holds the previous build while its rebuild unpacks, one runs the collector.
+_KEEP_TAG = "dscache.local/keep-previous"
+_TRIGGER_TAG = "dscache.local/gc-trigger"
+
+
+def _drop_stale_tags(base: list[str], say: Progress) -> None:
+    """Removes the tags of :data:`_KEEP_TAG` and :data:`_TRIGGER_TAG` that a load killed
+    half way left (its pid no longer runs): each would hold a build for good."""
+    listed = subprocess.run(
+        [*base, "images", "list", "--quiet"], capture_output=True, text=True, check=False
+    )
+    for name in listed.stdout.split() if listed.returncode == 0 else []:
+        repo, _, pid = name.rpartition(":")
+        if repo not in (_KEEP_TAG, _TRIGGER_TAG) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        _ctr(base, "images", "rm", name)
+        say(f"{name}: removed (left by a load that did not finish)")
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _has_record(base: list[str], name: str) -> bool:
     """Whether containerd has an image record named ``name`` (as containerd spells it),
     complete or not."""
@@ -208,7 +242,7 @@ def _collect(base: list[str], ref: str, say: Progress) -> None:
     a throwaway tag of ``ref`` with ``--sync`` runs it and waits: everything no
     image, container or lease needs goes (a running container keeps its snapshot).
     """
-    trigger = f"dscache.local/gc-trigger:{os.getpid()}"
+    trigger = f"{_TRIGGER_TAG}:{os.getpid()}"
     _ctr(base, "images", "tag", "--force", containerd_name(ref), trigger)
     _ctr(base, "images", "rm", "--sync", trigger)
     say(f"{ref}: the previous build's unshared layers collected")
