@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from dscache_tools.devcluster import PINNED, Versions, build, gobuild, locate, podsd
+from dscache_tools.devcluster.access import _with_own
 from dscache_tools.devcluster.cluster import ClusterError, DevCluster
 from dscache_tools.devcluster.nodes import GPU_RESOURCE, kwok_config, node_manifest, node_shapes
 from dscache_tools.devcluster.pki import generate
@@ -184,3 +185,24 @@ def test_prometheus_scrapes_running_model_pods_only() -> None:
     assert group["labels"]["pod"] == "model-a"
     assert group["labels"]["dscache_io_revision"] == "r1"
     assert group["targets"] == ["10.0.0.7:8000"]
+
+
+@pytest.mark.parametrize(
+    ("args", "timeout", "expected"),
+    [
+        (("rollout", "status", "deployment/x", "--timeout=600s"), 120.0, 630.0),
+        (("delete", "dscd", "x", "--timeout=5m"), 120.0, 330.0),
+        (("wait", "--timeout=1m30s"), 120.0, 120.0),
+        (("wait", "--timeout=1h"), 120.0, 3630.0),
+        (("get", "pods"), 120.0, 120.0),
+        (("wait", "--timeout=soon"), 120.0, 120.0),
+    ],
+)
+def test_a_kubectl_command_gets_its_own_timeout_and_more(
+    args: tuple[str, ...], timeout: float, expected: float
+) -> None:
+    """``kubectl rollout status --timeout=600s`` through the dev cluster's wrapper was
+    killed at the wrapper's 120 s: a vLLM pod that took over two minutes to start on
+    a busy node failed a cluster test. A command's own timeout now wins, with 30 s
+    for kubectl to give up and say so first."""
+    assert _with_own(args, timeout) == expected

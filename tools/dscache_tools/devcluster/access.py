@@ -8,7 +8,10 @@ Contract:
       runs beside the cluster.
     * :meth:`ClusterAccess.kubectl` and :meth:`ClusterAccess.helm` capture the
       output and, with ``check``, raise :class:`ToolError`, whose message
-      includes what the tool printed.
+      includes what the tool printed. A command that names its own
+      ``--timeout=<duration>`` gets that long and 30 s more before it is
+      killed, whatever ``timeout`` says (``rollout status --timeout=600s`` was
+      cut at the default 120 s).
     * :meth:`ClusterAccess.install_chart` is ``helm upgrade --install`` that
       creates the namespace and waits for the release's resources;
       :meth:`ClusterAccess.temporary_namespace` deletes its namespace on exit
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import subprocess
 from collections.abc import Iterator, Mapping
@@ -84,7 +88,7 @@ class ClusterAccess:
             check: Raise :class:`ToolError` (a ``CalledProcessError``) on a non-zero exit.
             timeout: Seconds before the command is killed.
         """
-        return self._tool(self.binaries.kubectl, args, stdin, check, timeout)
+        return self._tool(self.binaries.kubectl, args, stdin, check, _with_own(args, timeout))
 
     def kubectl_json(self, *args: str, timeout: float = 120.0) -> Any:
         """``kubectl <args> -o json``, decoded."""
@@ -94,7 +98,7 @@ class ClusterAccess:
         self, *args: str, stdin: str | None = None, check: bool = True, timeout: float = 300.0
     ) -> subprocess.CompletedProcess[str]:
         """Runs the matching helm against this cluster (same arguments as :meth:`kubectl`)."""
-        return self._tool(self.binaries.helm, args, stdin, check, timeout)
+        return self._tool(self.binaries.helm, args, stdin, check, _with_own(args, timeout))
 
     def _tool(
         self, exe: Path, args: tuple[str, ...], stdin: str | None, check: bool, timeout: float
@@ -152,3 +156,21 @@ class ClusterAccess:
             yield name
         finally:
             self.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(h|m|s)")
+
+
+def _with_own(args: tuple[str, ...], timeout: float) -> float:
+    """``timeout``, or longer: the command's own ``--timeout=<duration>`` (Go's form:
+    ``600s``, ``5m``, ``1m30s``) and 30 s more, so the tool gives up before it is killed."""
+    scale = {"h": 3600.0, "m": 60.0, "s": 1.0}
+    for arg in args:
+        if not arg.startswith("--timeout="):
+            continue
+        text = arg.removeprefix("--timeout=")
+        parts = _DURATION_PART.findall(text)
+        if parts and "".join(n + u for n, u in parts) == text:
+            own = sum(float(n) * scale[u] for n, u in parts)
+            timeout = max(timeout, own + 30.0)
+    return timeout
