@@ -264,9 +264,6 @@ def test_engine_vllm_runs_dscache_vllm_serve_beside_the_sidecar(
     assert any(e["name"] == "DSCACHE_VLLM_TENANT_SECRET" for e in server["env"])
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert server["readinessProbe"]["httpGet"]["path"] == "/health"
-    # A busy vLLM answers its probes late: more than the kubelet's default second.
-    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert server[kind]["timeoutSeconds"] == 5, kind
     assert sidecar["name"] == "sidecar" and pod["shareProcessNamespace"] is True
     # vLLM's multiprocess executor needs more shared memory than a container's 64 MiB.
     assert {"name": "dshm", "mountPath": "/dev/shm"} in server["volumeMounts"]

@@ -86,8 +86,8 @@ class Served:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-def make(tokenizer: DeepSeekTokenizer, **kw: Any) -> Served:
-    picker = Picker(PickerSettings(memory_s=60.0), tokenizer)
+def make(tokenizer: DeepSeekTokenizer, locate_timeout_s: float = 0.15, **kw: Any) -> Served:
+    picker = Picker(PickerSettings(memory_s=60.0, locate_timeout_s=locate_timeout_s), tokenizer)
     endpoints = kw.pop("endpoints", {A: "stable", B: "stable", C: "stable"})
     for pod in endpoints:
         picker.set_keyinfo(pod, ROOT, BT)
@@ -292,7 +292,10 @@ def test_where_the_blocks_cannot_tell_the_pods_ledgers_place_a_turn_without_its_
     pods = [ledger_pod(ledger) for ledger in ledgers]
     stable_a, stable_b, canary = (address for address, _ in pods)
     endpoints = {stable_a: "stable", stable_b: "stable", canary: "canary"}
-    s = make(tokenizer, endpoints=endpoints, track_weights={"canary": 100})
+    # The ledgers answer from threads of this process: on a loaded machine one missed the
+    # router's 150 ms once and the turn followed the weight (what a timeout should do,
+    # but not what this test is about).
+    s = make(tokenizer, 10.0, endpoints=endpoints, track_weights={"canary": 100})
     try:
         cases = (("What grew most?", None), ("What shrank most?", 1), ("What held?", 1))
         for question, served in cases:

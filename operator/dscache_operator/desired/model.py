@@ -294,10 +294,7 @@ def _vllm_container(owner: Owner, src: RevisionSource) -> Obj:
     ]
     # The session ledger's token (dscache_vllm.ledger), as the model server's.
     env += internal_token_env(owner, src.tenant_salt.source, "DSCACHE_VLLM_INTERNAL_TOKEN")
-    # vLLM answers /health from its API server's event loop, which streams every
-    # request's tokens too: on a busy node it can take longer than the kubelet's default
-    # second, and two missed readiness probes take the pod out of the router's upstreams.
-    probe = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
+    probe = {"httpGet": {"path": "/health", "port": "http"}}
     return {
         **container("server", src.vllm.image, ["dscache"], args),
         "env": env,
