@@ -23,13 +23,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shlex
 import subprocess
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from dscache_operator.schema import parse_duration
 
 from dscache_tools.devcluster.build import Binaries
 
@@ -158,19 +159,15 @@ class ClusterAccess:
             self.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(h|m|s)")
-
-
 def _with_own(args: tuple[str, ...], timeout: float) -> float:
-    """``timeout``, or longer: the command's own ``--timeout=<duration>`` (Go's form:
-    ``600s``, ``5m``, ``1m30s``) and 30 s more, so the tool gives up before it is killed."""
-    scale = {"h": 3600.0, "m": 60.0, "s": 1.0}
+    """``timeout``, or longer: the command's own ``--timeout=<duration>`` (``600s``,
+    ``5m``, ``1m30s``: the CRD's duration form) and 30 s more, so the tool gives up
+    before it is killed."""
     for arg in args:
-        if not arg.startswith("--timeout="):
-            continue
-        text = arg.removeprefix("--timeout=")
-        parts = _DURATION_PART.findall(text)
-        if parts and "".join(n + u for n, u in parts) == text:
-            own = sum(float(n) * scale[u] for n, u in parts)
+        if arg.startswith("--timeout="):
+            try:
+                own = parse_duration(arg.removeprefix("--timeout="))
+            except ValueError:
+                continue
             timeout = max(timeout, own + 30.0)
     return timeout
