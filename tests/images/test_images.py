@@ -481,6 +481,34 @@ def _docker_archive(path: Path, ref: str, *payloads: bytes) -> ImageArchive:
     return ImageArchive(ref, path, f"sha256:{config_hex}", path.stat().st_size)
 
 
+def _snapshot_keys(base: list[str]) -> set[str]:
+    """The snapshot keys ``ctr`` (``base``: address and namespace) lists."""
+    listed = subprocess.run(
+        [*base, "snapshots", "list"], capture_output=True, text=True, check=True
+    )
+    return {row.split()[0] for row in listed.stdout.splitlines()[1:]}
+
+
+def _image_names(base: list[str]) -> set[str]:
+    """The image records ``ctr`` (``base``: address and namespace) lists."""
+    listed = subprocess.run(
+        [*base, "images", "list", "--quiet"], capture_output=True, text=True, check=True
+    )
+    return set(listed.stdout.split())
+
+
+def _drop_namespace(docker: PrivateDocker, namespace: str, *refs: str) -> None:
+    """Removes a test's images (collected at once) and then its containerd namespace."""
+    address = ["ctr", "--address", str(docker.containerd_socket)]
+    for ref in refs:
+        subprocess.run(
+            [*address, "--namespace", namespace, "images", "rm", "--sync", ref],
+            capture_output=True,
+            check=False,
+        )
+    subprocess.run([*address, "namespaces", "rm", namespace], capture_output=True, check=False)
+
+
 @pytest.mark.images
 def test_a_rebuilt_image_replaces_the_old_one_in_a_nodes_containerd(
     docker: PrivateDocker, tmp_path: Path
@@ -498,19 +526,13 @@ def test_a_rebuilt_image_replaces_the_old_one_in_a_nodes_containerd(
         )
         return set(listed.stdout.split())
 
-    def snapshots() -> set[str]:
-        listed = subprocess.run(
-            [*base, "snapshots", "list"], capture_output=True, text=True, check=True
-        )
-        return {row.split()[0] for row in listed.stdout.splitlines()[1:]}
-
     ref = "dscache.local/load-test:1"
     old = _docker_archive(tmp_path / "old.tar", ref, os.urandom(1 << 20))
     new = _docker_archive(tmp_path / "new.tar", ref, os.urandom(1 << 20))
     lines: list[str] = []
     try:
         load_images([old], docker.containerd_socket, namespace=namespace, progress=lines.append)
-        old_blobs, old_snapshots = blobs(), snapshots()
+        old_blobs, old_snapshots = blobs(), _snapshot_keys(base)
         # One layer: its diff id is the blob's digest and the top snapshot's key.
         (old_layer,) = _config(old)["rootfs"]["diff_ids"]
         assert "1 layer blobs deleted once unpacked" in lines[-1], lines
@@ -530,14 +552,9 @@ def test_a_rebuilt_image_replaces_the_old_one_in_a_nodes_containerd(
         (new_layer,) = _config(new)["rootfs"]["diff_ids"]
         assert new.image_id in left and new_layer not in left
         assert not old_blobs & left, (old_blobs, left)
-        assert snapshots() == {new_layer}, snapshots()
+        assert _snapshot_keys(base) == {new_layer}, _snapshot_keys(base)
     finally:
-        subprocess.run([*base, "images", "rm", "--sync", ref], capture_output=True, check=False)
-        subprocess.run(
-            ["ctr", "--address", str(docker.containerd_socket), "namespaces", "rm", namespace],
-            capture_output=True,
-            check=False,
-        )
+        _drop_namespace(docker, namespace, ref)
 
 
 @pytest.mark.images
@@ -583,30 +600,16 @@ def test_a_rebuild_sharing_layers_loads_while_containerds_collector_runs(
         stop.set()
         collector.join()
         assert not [line for line in lines if "importing again" in line], lines
-        listed = subprocess.run(
-            [*base, "snapshots", "list"], capture_output=True, text=True, check=True
-        )
-        keys = {row.split()[0] for row in listed.stdout.splitlines()[1:]}
+        keys = _snapshot_keys(base)
         assert chain_id(_config(builds[-1])["rootfs"]["diff_ids"]) in keys
         # One build kept: the shared six, the last top layer, the anchor's one.
         assert len(keys) == 8, keys
-        records = subprocess.run(
-            [*base, "images", "list", "--quiet"], capture_output=True, text=True, check=True
-        )
-        assert set(records.stdout.split()) == {ref, "dscache.local/gc-anchor:1"}
+        assert _image_names(base) == {ref, "dscache.local/gc-anchor:1"}
     finally:
         stop.set()
         if collector.is_alive():
             collector.join()
-        for name in (ref, "dscache.local/gc-anchor:1"):
-            subprocess.run(
-                [*base, "images", "rm", "--sync", name], capture_output=True, check=False
-            )
-        subprocess.run(
-            ["ctr", "--address", str(docker.containerd_socket), "namespaces", "rm", namespace],
-            capture_output=True,
-            check=False,
-        )
+        _drop_namespace(docker, namespace, ref, "dscache.local/gc-anchor:1")
 
 
 @pytest.mark.images
@@ -650,18 +653,10 @@ def test_an_import_that_loses_a_snapshot_is_run_again(
         )
         assert failed_once.exists()
         assert any("a snapshot went while unpacking" in line for line in lines), lines
-        listed = subprocess.run(
-            [*base, "snapshots", "list"], capture_output=True, text=True, check=True
-        )
-        keys = {row.split()[0] for row in listed.stdout.splitlines()[1:]}
+        keys = _snapshot_keys(base)
         assert chain_id(_config(archive)["rootfs"]["diff_ids"]) in keys, keys
     finally:
-        subprocess.run([*base, "images", "rm", "--sync", ref], capture_output=True, check=False)
-        subprocess.run(
-            ["ctr", "--address", str(docker.containerd_socket), "namespaces", "rm", namespace],
-            capture_output=True,
-            check=False,
-        )
+        _drop_namespace(docker, namespace, ref)
 
 
 @pytest.mark.images
@@ -688,18 +683,7 @@ def test_the_tags_of_a_load_killed_half_way_are_removed(
                 [*base, "images", "tag", "--force", ref, name], capture_output=True, check=True
             )
         load_images([archive], docker.containerd_socket, namespace=namespace, progress=lines.append)
-        records = subprocess.run(
-            [*base, "images", "list", "--quiet"], capture_output=True, text=True, check=True
-        )
-        assert set(records.stdout.split()) == {ref, running}
+        assert _image_names(base) == {ref, running}
         assert sum("left by a load that did not finish" in line for line in lines) == 2, lines
     finally:
-        for name in (ref, running, *stale):
-            subprocess.run(
-                [*base, "images", "rm", "--sync", name], capture_output=True, check=False
-            )
-        subprocess.run(
-            ["ctr", "--address", str(docker.containerd_socket), "namespaces", "rm", namespace],
-            capture_output=True,
-            check=False,
-        )
+        _drop_namespace(docker, namespace, ref, running, *stale)
