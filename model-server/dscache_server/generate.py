@@ -62,9 +62,12 @@ class GenerationRequest:
     tenant_label: str = "default"  # the metrics' tenant label (dscache_server.auth)
     #: What the client said of its session's next turn: "ended", "expected" or "".
     next_turn: str = ""
-    #: A chat request's piece scope (its tenant): its answer is remembered there with
-    #: the generated ids (``PieceCache.remember_answer``); None for completions.
+    #: Where the answer is remembered with the generated ids (the tenant): a chat's in
+    #: ``PieceCache.remember_answer``, a text completion's with its prompt in
+    #: ``Continuations``; None: not remembered (a prompt of token ids).
     answer_scope: str | None = None
+    #: A text completion's prompt as the client sent it; None for chats and id prompts.
+    prompt_text: str | None = None
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
     #: Seconds per phase (``dscache.metricnames.PHASES``); the HTTP layer fills in

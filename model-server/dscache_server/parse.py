@@ -86,7 +86,7 @@ def parse_request(
             code="model_not_found",
             param="model",
         )
-    ids = _prompt_ids(rt, api, principal.tenant)
+    ids, text = _prompt_ids(rt, api, principal.tenant)
     params = SamplingParams(
         max_tokens=_max_tokens(rt, api, len(ids)),
         temperature=api.temperature,
@@ -100,7 +100,8 @@ def parse_request(
         chain=rt.chain_for(principal.tenant),
         tenant_label=principal.label,
         arrived=arrived,
-        answer_scope=principal.tenant if isinstance(api, ChatCompletionRequest) else None,
+        answer_scope=(principal.tenant if isinstance(api, ChatCompletionRequest) or text else None),
+        prompt_text=text,
     )
     return ParsedRequest(generation, api.stream, api.include_usage())
 
@@ -117,32 +118,37 @@ def _validate(endpoint: Endpoint, body: JSON) -> ChatCompletionRequest | Complet
 
 def _prompt_ids(
     rt: Runtime, api: ChatCompletionRequest | CompletionRequest, tenant: str
-) -> list[int]:
+) -> tuple[list[int], str | None]:
+    """The prompt's ids, and a text completion's prompt text (None otherwise)."""
+    text: str | None = None
     try:
         if isinstance(api, ChatCompletionRequest):
             messages = [ChatMessage(m.role, m.text()) for m in api.messages]
             ids = rt.tokenizer.apply_chat_template(messages, pieces=rt.pieces, scope=tenant)
         else:
-            ids = _completion_ids(rt, api.prompt)
+            ids, text = _completion_ids(rt, api.prompt, tenant)
     except (TemplateError, ValueError) as exc:
         raise APIError(400, str(exc), param=api.PROMPT_FIELD) from None
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
-    return ids
+    return ids, text
 
 
-def _completion_ids(rt: Runtime, prompt: str | list[int] | list[str]) -> list[int]:
-    if isinstance(prompt, str):
-        return rt.tokenizer.encode(prompt)
-    if prompt and all(isinstance(p, int) for p in prompt):
+def _completion_ids(
+    rt: Runtime, prompt: str | list[int] | list[str], tenant: str
+) -> tuple[list[int], str | None]:
+    if prompt and not isinstance(prompt, str) and all(isinstance(p, int) for p in prompt):
         ids = [int(p) for p in prompt]
         vocab = rt.engine.vocab_size
         if any(not 0 <= i < vocab for i in ids):
             raise APIError(400, "token id out of range", param="prompt")
-        return ids
-    if len(prompt) == 1:
-        return rt.tokenizer.encode(str(prompt[0]))
-    raise APIError(400, "exactly one prompt per request", param="prompt")
+        return ids, None
+    if not isinstance(prompt, str):
+        if len(prompt) != 1:
+            raise APIError(400, "exactly one prompt per request", param="prompt")
+        prompt = str(prompt[0])
+    # A text that continues one this server completed keeps the ids it had.
+    return rt.continuations.ids(tenant, prompt, rt.tokenizer.encode), prompt
 
 
 def _max_tokens(rt: Runtime, api: SamplingFields, prompt_tokens: int) -> int:

@@ -30,7 +30,7 @@ from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
 from dscache_server.storecodec import AdaptiveZstd, StorePolicy
 from dscache_server.templatelog import TemplateLog, replayable
-from dscache_server.tokenizer import DeepSeekTokenizer, PieceCache
+from dscache_server.tokenizer import Continuations, DeepSeekTokenizer, PieceCache
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class Runtime:
     auth: Authenticator
     templates: TemplateLog | None = None
     pieces: PieceCache = field(default_factory=PieceCache)
+    continuations: Continuations = field(default_factory=Continuations)
     _chains: LRUCache[str, KeyChain] = field(default_factory=lambda: LRUCache(CHAIN_CACHE_SIZE))
     _chains_lock: Lock = field(default_factory=Lock)
 
@@ -108,18 +109,26 @@ class Runtime:
             req.cancelled.set()
             raise
         if req.answer_scope is not None:
-            self.remember_answer(req.answer_scope, result)
+            self.remember_answer(req, req.answer_scope, result)
         return result
 
-    def remember_answer(self, scope: str, result: GenerationResult) -> None:
-        """Remembers a chat answer's ids for the next turn's prompt
-        (``PieceCache.remember_answer``): as many generated ids as spell the text
-        exactly (``DeepSeekTokenizer.answer_ids``), so its cached KV matches."""
+    def remember_answer(self, req: GenerationRequest, scope: str, result: GenerationResult) -> None:
+        """Remembers an answer's ids for the next request's prompt: as many generated
+        ids as spell the text exactly (``DeepSeekTokenizer.answer_ids``), so its cached
+        KV matches. A chat's answer as a piece (``PieceCache.remember_answer``); a text
+        completion's prompt and answer as one text (``Continuations``)."""
         if result.finish_reason not in COMPLETED or not result.text:
             return
         ids = self.tokenizer.answer_ids(result.text, result.token_ids)
-        if ids is not None:
+        if ids is None:
+            return
+        if req.prompt_text is None:
             self.pieces.remember_answer(scope, result.text, ids)
+            return
+        text, spelled = req.prompt_text + result.text, [*req.token_ids, *ids]
+        # The prompt's ids may be remembered ones: checked whole, once per answer.
+        if self.tokenizer.decode(spelled, skip_special=False) == text:
+            self.continuations.remember(scope, text, spelled)
 
     def close(self) -> None:
         """Stops the engine thread and closes the cache."""

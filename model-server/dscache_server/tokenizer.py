@@ -22,6 +22,11 @@ Invariants:
       encoding the text again would split it differently. Answers are remembered
       apart from other pieces (a user message with the same text is encoded as
       usual).
+    * The same for ``/v1/completions`` (``Continuations``): a text completion's
+      prompt and answer are remembered with the ids the model saw and generated, and
+      a later prompt that starts with that text (a client continuing the document it
+      was given) gets those ids for it and the rest encoded, so its blocks match the
+      cached KV of the previous request's prompt and answer.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import importlib.resources
 import threading
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +130,79 @@ class PieceCache:
         h = hashlib.blake2b(digest_size=16, person=b"answer" if answer else b"piece")
         scoped = scope.encode("utf-8", "surrogatepass")
         h.update(len(scoped).to_bytes(4, "little") + scoped)
+        h.update(text.encode("utf-8", "surrogatepass"))
+        return h.digest()
+
+
+class Continuations:
+    """Ids of the completion texts a server produced (prompt + answer), per scope.
+
+    A ``/v1/completions`` client continues a text by sending it back with more:
+    encoding that text anew can split the answer (and the seam between prompt and
+    answer) differently from the ids the model saw and generated, and every block
+    from there on misses the cache. Remembered texts are found by their opening (the
+    first ``opening_chars`` characters) and then by the digest of the longest
+    remembered length the new prompt starts with: a few digests over the prompt,
+    computed in one pass. Texts shorter than the opening are not remembered.
+
+    Args:
+        max_tokens: ids kept at most (4 bytes each), least recently used texts first.
+        opening_chars: characters that index a text (and the shortest one kept).
+        lengths_per_opening: remembered lengths per opening at most (the latest).
+    """
+
+    def __init__(
+        self, max_tokens: int = 2_000_000, opening_chars: int = 256, lengths_per_opening: int = 32
+    ) -> None:
+        self._ids: LRUCache[bytes, array[int]] = LRUCache(max_tokens, getsizeof=len)
+        self._lengths: LRUCache[bytes, tuple[int, ...]] = LRUCache(max(1, max_tokens // 256))
+        self._opening = opening_chars
+        self._per_opening = lengths_per_opening
+        self._lock = threading.Lock()  # LRUCache is not thread safe
+
+    def remember(self, scope: str, text: str, ids: Sequence[int]) -> None:
+        """Records that ``ids`` spell ``text`` as this scope's model saw and wrote it.
+        The caller checks that they decode to ``text`` exactly."""
+        if len(text) < self._opening or len(ids) > self._ids.maxsize:
+            return
+        full = self._digest(self._hasher(scope, b"completion"), text)
+        opening = self._digest(self._hasher(scope, b"opening"), text[: self._opening])
+        with self._lock:
+            self._ids[full] = array("I", ids)
+            lengths = tuple(n for n in self._lengths.get(opening, ()) if n != len(text))
+            self._lengths[opening] = (*lengths, len(text))[-self._per_opening :]
+
+    def ids(self, scope: str, text: str, encode: Callable[[str], list[int]]) -> list[int]:
+        """The ids of ``text``: a remembered text it starts with (the longest) as it was
+        remembered, the rest encoded; all of it encoded when none is."""
+        if len(text) < self._opening:
+            return encode(text)
+        opening = self._digest(self._hasher(scope, b"opening"), text[: self._opening])
+        with self._lock:
+            lengths = sorted(n for n in self._lengths.get(opening, ()) if n <= len(text))
+        found: tuple[int, array[int]] | None = None
+        h, done = self._hasher(scope, b"completion"), 0
+        for n in lengths:  # one pass over the text, a digest at each remembered length
+            h.update(text[done:n].encode("utf-8", "surrogatepass"))
+            done = n
+            with self._lock:
+                hit = self._ids.get(h.copy().digest())
+            if hit is not None:
+                found = (n, hit)
+        if found is None:
+            return encode(text)
+        n, hit = found
+        return [*hit, *encode(text[n:])]
+
+    @staticmethod
+    def _hasher(scope: str, person: bytes) -> hashlib.blake2b:
+        h = hashlib.blake2b(digest_size=16, person=person)
+        scoped = scope.encode("utf-8", "surrogatepass")
+        h.update(len(scoped).to_bytes(4, "little") + scoped)
+        return h
+
+    @staticmethod
+    def _digest(h: hashlib.blake2b, text: str) -> bytes:
         h.update(text.encode("utf-8", "surrogatepass"))
         return h.digest()
 

@@ -115,3 +115,25 @@ def test_a_chat_that_sends_back_its_answer_is_cached_through_the_answer(
     # fresh encoding of the text would have split differently.
     assert (first.usage.prompt_tokens // BLOCK_TOKENS) * BLOCK_TOKENS < cached
     assert cached <= (fed // BLOCK_TOKENS) * BLOCK_TOKENS
+
+
+def test_a_completion_continued_by_its_client_is_cached_through_the_answer(
+    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer
+) -> None:
+    """/v1/completions: a client that sends back the text it was given with more is
+    served from the cache into the answer's blocks (the prompt keeps the ids the model
+    saw and generated), and another tenant sending the same text is not."""
+    srv = live_server()
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0)
+    prompt = random_text(tokenizer, 120, seed=5)
+    first = c.completions.create(model="mini-gqa", prompt=prompt, max_tokens=48, temperature=0.0)
+    assert first.usage is not None and first.usage.completion_tokens == 48
+    answer = first.choices[0].text
+    assert srv.runtime.cache.wait_stored(30)
+    text = prompt + answer + random_text(tokenizer, 20, seed=6)
+    second = c.completions.create(model="mini-gqa", prompt=text, max_tokens=4, temperature=0.0)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens or 0
+    fed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert (first.usage.prompt_tokens // BLOCK_TOKENS) * BLOCK_TOKENS < cached
+    assert cached <= (fed // BLOCK_TOKENS) * BLOCK_TOKENS

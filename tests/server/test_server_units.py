@@ -24,7 +24,13 @@ from dscache_server.kv import flash_part, latent_part, merge_parts
 from dscache_server.metrics import ServerMetrics
 from dscache_server.presets import PRESETS
 from dscache_server.slots import GenerationSlots, QueueFullError
-from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer, PieceCache, TemplateError
+from dscache_server.tokenizer import (
+    ChatMessage,
+    Continuations,
+    DeepSeekTokenizer,
+    PieceCache,
+    TemplateError,
+)
 from dscache_server.writer import BlockWriter
 from srv_helpers import engine_for
 
@@ -233,6 +239,60 @@ def test_answer_ids_keep_the_generated_ids_that_spell_the_text(
     assert tokenizer.decode(ids, skip_special=False) == text
     assert tokenizer.answer_ids(text, words) == words  # all of them when they spell it
     assert tokenizer.answer_ids("something else", words) is None
+
+
+def test_a_completion_text_sent_back_keeps_the_ids_it_was_served_with(
+    tokenizer: DeepSeekTokenizer,
+) -> None:
+    """A /v1/completions client continuing the text it was given: the longest text
+    this tenant's model completed that the new prompt starts with comes back with its
+    ids (here ids a fresh encoding never gives), the rest encoded; another tenant, a
+    prompt that changed it, or a text too short to index are encoded as usual."""
+    memory = Continuations(opening_chars=32)
+    doc = "Quarterly filing: revenue, margins and cash flow by segment. " * 4
+    answer = " Revenue rose by a third."
+    stand_in = [*tokenizer.encode(doc), 17, 18]  # remembered as given: not re-encoded
+    memory.remember("alice", doc + answer, stand_in)
+    longer = [*stand_in, 19, 20, 21]
+    memory.remember("alice", doc + answer + " Margins", longer)
+    more = " What about cash flow?"
+
+    assert memory.ids("alice", doc + answer + more, tokenizer.encode) == [
+        *stand_in,
+        *tokenizer.encode(more),
+    ]
+    assert memory.ids("alice", doc + answer + " Margins fell.", tokenizer.encode) == [
+        *longer,
+        *tokenizer.encode(" fell."),
+    ]
+    for scope, text in [
+        ("bob", doc + answer + more),  # another tenant's completions are not its own
+        ("alice", doc + " Revenue fell." + more),  # the answer was edited
+        ("alice", doc[:-1]),  # shorter than anything remembered
+    ]:
+        assert memory.ids(scope, text, tokenizer.encode) == tokenizer.encode(text)
+    short = Continuations(opening_chars=1000)
+    short.remember("alice", doc + answer, stand_in)  # under the opening: not kept
+    assert short.ids("alice", doc + answer + more * 50, tokenizer.encode) == tokenizer.encode(
+        doc + answer + more * 50
+    )
+
+
+def test_remembered_completion_texts_are_bounded_by_their_ids(
+    tokenizer: DeepSeekTokenizer,
+) -> None:
+    memory = Continuations(max_tokens=100, opening_chars=8)
+    texts = [f"document {n}: " + "figures " * 10 for n in range(5)]
+    for n, text in enumerate(texts):
+        memory.remember("alice", text, [n] * 40)  # 40 ids each: two fit
+    recalled = [
+        memory.ids("alice", t + "?", tokenizer.encode)[:40] == [n] * 40 for n, t in enumerate(texts)
+    ]
+    assert recalled == [False, False, False, True, True]
+    memory.remember("alice", "too long " * 20, list(range(101)))  # more than the bound
+    assert memory.ids("alice", "too long " * 21, tokenizer.encode) == tokenizer.encode(
+        "too long " * 21
+    )
 
 
 def test_a_remembered_answer_stays_with_its_tenant_and_its_role(
