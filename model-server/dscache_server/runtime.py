@@ -108,27 +108,37 @@ class Runtime:
         except asyncio.CancelledError:
             req.cancelled.set()
             raise
-        if req.answer_scope is not None:
-            self.remember_answer(req, req.answer_scope, result)
+        scope = req.answer_scope
+        if scope is not None and req.prompt_text is None:
+            self.remember_answer(scope, result)
+        elif scope is not None:  # a decode of the whole text: off the event loop
+            await asyncio.to_thread(self.remember_completion, req, scope, result)
         return result
 
-    def remember_answer(self, req: GenerationRequest, scope: str, result: GenerationResult) -> None:
-        """Remembers an answer's ids for the next request's prompt: as many generated
-        ids as spell the text exactly (``DeepSeekTokenizer.answer_ids``), so its cached
-        KV matches. A chat's answer as a piece (``PieceCache.remember_answer``); a text
-        completion's prompt and answer as one text (``Continuations``)."""
-        if result.finish_reason not in COMPLETED or not result.text:
-            return
-        ids = self.tokenizer.answer_ids(result.text, result.token_ids)
-        if ids is None:
-            return
-        if req.prompt_text is None:
+    def remember_answer(self, scope: str, result: GenerationResult) -> None:
+        """Remembers a chat answer's ids for the next turn's prompt
+        (``PieceCache.remember_answer``): as many generated ids as spell the text
+        exactly (``DeepSeekTokenizer.answer_ids``), so its cached KV matches."""
+        ids = self._answer_ids(result)
+        if ids is not None:
             self.pieces.remember_answer(scope, result.text, ids)
+
+    def remember_completion(
+        self, req: GenerationRequest, scope: str, result: GenerationResult
+    ) -> None:
+        """Remembers a text completion's prompt and answer as one text with the ids the
+        model saw and generated (``Continuations``), once they spell it exactly."""
+        ids = self._answer_ids(result)
+        if ids is None or req.prompt_text is None:
             return
         text, spelled = req.prompt_text + result.text, [*req.token_ids, *ids]
-        # The prompt's ids may be remembered ones: checked whole, once per answer.
         if self.tokenizer.decode(spelled, skip_special=False) == text:
             self.continuations.remember(scope, text, spelled)
+
+    def _answer_ids(self, result: GenerationResult) -> list[int] | None:
+        if result.finish_reason not in COMPLETED or not result.text:
+            return None
+        return self.tokenizer.answer_ids(result.text, result.token_ids)
 
     def close(self) -> None:
         """Stops the engine thread and closes the cache."""
