@@ -129,6 +129,13 @@ def test_model_pods_are_hardened_and_probed(spec: DeepSeekCacheDeploymentSpec) -
     assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert "exec" not in sidecar["livenessProbe"] and "exec" not in sidecar["readinessProbe"]
+    # Liveness starts once the sidecar answers: a slow start on a busy node is waited
+    # for (minutes), not killed (a killed store quarantines its space for 90 s).
+    start = sidecar["startupProbe"]
+    assert start["httpGet"] == sidecar["livenessProbe"]["httpGet"]
+    assert start["periodSeconds"] * start["failureThreshold"] >= 300
+    live = sidecar["livenessProbe"]
+    assert start["periodSeconds"] < live["periodSeconds"] * live["failureThreshold"]
     assert {p["name"] for p in sidecar["ports"]} == {"metrics"}
     # Images: torch for the server, the slim core image for the sidecar.
     assert server["image"] == "ghcr.io/dscache/dscache:0.1.0"

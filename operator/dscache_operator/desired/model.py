@@ -394,6 +394,16 @@ def _sidecar_container(owner: Owner, src: RevisionSource, capacity: int) -> Obj:
         # Only when set: pod templates without a shared tier stay as they were.
         **({"env": env} if env else {}),
         "ports": ports,
+        # Liveness waits for the start (up to 5 min): on a busy node a sidecar starting
+        # beside its server took over the 45 s liveness allows, was killed, and its
+        # store then refused writes for 90 s (a restart's quarantine), so a new pod's
+        # prewarm stored nothing.
+        "startupProbe": {
+            "httpGet": {"path": "/healthz", "port": "metrics"},
+            "periodSeconds": 2,
+            "timeoutSeconds": 5,
+            "failureThreshold": 150,
+        },
         "livenessProbe": {
             "httpGet": {"path": "/healthz", "port": "metrics"},
             "periodSeconds": 15,
