@@ -100,7 +100,10 @@ def parse_request(
         chain=rt.chain_for(principal.tenant),
         tenant_label=principal.label,
         arrived=arrived,
-        answer_scope=(principal.tenant if isinstance(api, ChatCompletionRequest) or text else None),
+        # Answers are remembered for chats and text prompts (token ids are sent as ids).
+        answer_scope=(
+            principal.tenant if isinstance(api, ChatCompletionRequest) or text is not None else None
+        ),
         prompt_text=text,
     )
     return ParsedRequest(generation, api.stream, api.include_usage())

@@ -109,10 +109,11 @@ class Runtime:
             req.cancelled.set()
             raise
         scope = req.answer_scope
-        if scope is not None and req.prompt_text is None:
-            self.remember_answer(scope, result)
-        elif scope is not None:  # a decode of the whole text: off the event loop
-            await asyncio.to_thread(self.remember_completion, req, scope, result)
+        if scope is not None:
+            if req.prompt_text is None:
+                self.remember_answer(scope, result)
+            else:  # a decode of the whole text: off the event loop
+                await asyncio.to_thread(self.remember_completion, req, scope, result)
         return result
 
     def remember_answer(self, scope: str, result: GenerationResult) -> None:

@@ -127,11 +127,21 @@ class PieceCache:
 
     @staticmethod
     def _key(scope: str, text: str, answer: bool) -> bytes:
-        h = hashlib.blake2b(digest_size=16, person=b"answer" if answer else b"piece")
-        scoped = scope.encode("utf-8", "surrogatepass")
-        h.update(len(scoped).to_bytes(4, "little") + scoped)
-        h.update(text.encode("utf-8", "surrogatepass"))
-        return h.digest()
+        return _digest(_scoped(scope, b"answer" if answer else b"piece"), text)
+
+
+def _scoped(scope: str, person: bytes) -> hashlib.blake2b:
+    """A digest of one scope's texts (``person`` tells the kinds apart): the scope is
+    length-prefixed, so no scope and text can pass for another scope's."""
+    h = hashlib.blake2b(digest_size=16, person=person)
+    scoped = scope.encode("utf-8", "surrogatepass")
+    h.update(len(scoped).to_bytes(4, "little") + scoped)
+    return h
+
+
+def _digest(h: hashlib.blake2b, text: str) -> bytes:
+    h.update(text.encode("utf-8", "surrogatepass"))
+    return h.digest()
 
 
 class Continuations:
@@ -165,8 +175,8 @@ class Continuations:
         The caller checks that they decode to ``text`` exactly."""
         if len(text) < self._opening or len(ids) > self._ids.maxsize:
             return
-        full = self._digest(self._hasher(scope, b"completion"), text)
-        opening = self._digest(self._hasher(scope, b"opening"), text[: self._opening])
+        full = _digest(_scoped(scope, b"completion"), text)
+        opening = _digest(_scoped(scope, b"opening"), text[: self._opening])
         with self._lock:
             self._ids[full] = array("I", ids)
             lengths = tuple(n for n in self._lengths.get(opening, ()) if n != len(text))
@@ -177,11 +187,11 @@ class Continuations:
         remembered, the rest encoded; all of it encoded when none is."""
         if len(text) < self._opening:
             return encode(text)
-        opening = self._digest(self._hasher(scope, b"opening"), text[: self._opening])
+        opening = _digest(_scoped(scope, b"opening"), text[: self._opening])
         with self._lock:
             lengths = sorted(n for n in self._lengths.get(opening, ()) if n <= len(text))
         found: tuple[int, array[int]] | None = None
-        h, done = self._hasher(scope, b"completion"), 0
+        h, done = _scoped(scope, b"completion"), 0
         for n in lengths:  # one pass over the text, a digest at each remembered length
             h.update(text[done:n].encode("utf-8", "surrogatepass"))
             done = n
@@ -193,18 +203,6 @@ class Continuations:
             return encode(text)
         n, hit = found
         return [*hit, *encode(text[n:])]
-
-    @staticmethod
-    def _hasher(scope: str, person: bytes) -> hashlib.blake2b:
-        h = hashlib.blake2b(digest_size=16, person=person)
-        scoped = scope.encode("utf-8", "surrogatepass")
-        h.update(len(scoped).to_bytes(4, "little") + scoped)
-        return h
-
-    @staticmethod
-    def _digest(h: hashlib.blake2b, text: str) -> bytes:
-        h.update(text.encode("utf-8", "surrogatepass"))
-        return h.digest()
 
 
 class DeepSeekTokenizer:
