@@ -389,6 +389,7 @@ def _sidecar_container(owner: Owner, src: RevisionSource, capacity: int) -> Obj:
             {"name": "kv-replay", "containerPort": events.replay_port, "protocol": "TCP"},
         ]
     # The sidecar's gRPC health, as HTTP on its metrics port: no process per probe.
+    health = {"httpGet": {"path": "/healthz", "port": "metrics"}}
     return {
         **container("sidecar", src.sidecar.image, ["dscache"], args),
         # Only when set: pod templates without a shared tier stay as they were.
@@ -399,13 +400,13 @@ def _sidecar_container(owner: Owner, src: RevisionSource, capacity: int) -> Obj:
         # store then refused writes for 90 s (a restart's quarantine), so a new pod's
         # prewarm stored nothing.
         "startupProbe": {
-            "httpGet": {"path": "/healthz", "port": "metrics"},
+            **health,
             "periodSeconds": 2,
             "timeoutSeconds": 5,
             "failureThreshold": 150,
         },
         "livenessProbe": {
-            "httpGet": {"path": "/healthz", "port": "metrics"},
+            **health,
             "periodSeconds": 15,
             "timeoutSeconds": 5,
             "failureThreshold": 3,
