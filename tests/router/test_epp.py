@@ -295,7 +295,7 @@ def test_where_the_blocks_cannot_tell_the_pods_ledgers_place_a_turn_without_its_
     # The ledgers answer from threads of this process: on a loaded machine one missed the
     # router's 150 ms once and the turn followed the weight (what a timeout should do,
     # but not what this test is about).
-    s = make(tokenizer, 10.0, endpoints=endpoints, track_weights={"canary": 100})
+    s = make(tokenizer, locate_timeout_s=10.0, endpoints=endpoints, track_weights={"canary": 100})
     try:
         cases = (("What grew most?", None), ("What shrank most?", 1), ("What held?", 1))
         for question, served in cases:
