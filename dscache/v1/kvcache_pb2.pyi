@@ -853,6 +853,93 @@ class SignalResponse(_message.Message):
 Global___SignalResponse: _TypeAlias = SignalResponse  # noqa: Y015
 
 @_typing.final
+class DescendantsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    MAX_BLOCKS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKENS_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    key: _builtins.bytes
+    """a stored block of this tenant"""
+    max_blocks: _builtins.int
+    """at most this many (0 = 256; the daemon caps it)"""
+    @_builtins.property
+    def first_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """When not empty: of the blocks directly under key, only those whose first
+        token is one of these (a block under a popular template is one of many).
+        """
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        key: _builtins.bytes = ...,
+        max_blocks: _builtins.int = ...,
+        first_tokens: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_tokens", b"first_tokens", "key", b"key", "max_blocks", b"max_blocks", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescendantsRequest: _TypeAlias = DescendantsRequest  # noqa: Y015
+
+@_typing.final
+class Descendant(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    key: _builtins.bytes
+    parent: _builtins.bytes
+    token_ids: _builtins.bytes
+    """little-endian u32, the block's own tokens"""
+    def __init__(
+        self,
+        *,
+        key: _builtins.bytes = ...,
+        parent: _builtins.bytes = ...,
+        token_ids: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "parent", b"parent", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Descendant: _TypeAlias = Descendant  # noqa: Y015
+
+@_typing.final
+class DescendantsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    TRUNCATED_FIELD_NUMBER: _builtins.int
+    truncated: _builtins.bool
+    """more were stored than max_blocks"""
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Descendant]:
+        """parents before their children"""
+
+    def __init__(
+        self,
+        *,
+        blocks: _abc.Iterable[Global___Descendant] | None = ...,
+        truncated: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "truncated", b"truncated"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescendantsResponse: _TypeAlias = DescendantsResponse  # noqa: Y015
+
+@_typing.final
 class StatsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -94,6 +94,11 @@ class KVCacheStub:
                 request_serializer=dscache_dot_v1_dot_kvcache__pb2.SignalRequest.SerializeToString,
                 response_deserializer=dscache_dot_v1_dot_kvcache__pb2.SignalResponse.FromString,
                 _registered_method=True)
+        self.Descendants = channel.unary_unary(
+                '/dscache.v1.KVCache/Descendants',
+                request_serializer=dscache_dot_v1_dot_kvcache__pb2.DescendantsRequest.SerializeToString,
+                response_deserializer=dscache_dot_v1_dot_kvcache__pb2.DescendantsResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -190,6 +195,18 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Descendants(self, request, context):
+        """The stored blocks under one of the tenant's blocks, breadth first, with the
+        token ids their writers gave: a restarted or another server finds how a
+        conversation it sees as text was tokenized when its KV was stored (a model's
+        generated ids need not be what encoding the text again gives). Blocks stored
+        without token ids are left out with what is under them. No side effects.
+        Older sidecars answer UNIMPLEMENTED, and clients carry on without.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -252,6 +269,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Signal,
                     request_deserializer=dscache_dot_v1_dot_kvcache__pb2.SignalRequest.FromString,
                     response_serializer=dscache_dot_v1_dot_kvcache__pb2.SignalResponse.SerializeToString,
+            ),
+            'Descendants': grpc.unary_unary_rpc_method_handler(
+                    servicer.Descendants,
+                    request_deserializer=dscache_dot_v1_dot_kvcache__pb2.DescendantsRequest.FromString,
+                    response_serializer=dscache_dot_v1_dot_kvcache__pb2.DescendantsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -578,6 +600,33 @@ class KVCache:
             '/dscache.v1.KVCache/Signal',
             dscache_dot_v1_dot_kvcache__pb2.SignalRequest.SerializeToString,
             dscache_dot_v1_dot_kvcache__pb2.SignalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Descendants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dscache.v1.KVCache/Descendants',
+            dscache_dot_v1_dot_kvcache__pb2.DescendantsRequest.SerializeToString,
+            dscache_dot_v1_dot_kvcache__pb2.DescendantsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -77,6 +77,14 @@ class KVCacheStub:
     a policy that takes no signals ignores it (marked_blocks = 0). Older
     sidecars answer UNIMPLEMENTED, and clients carry on without.
     """
+    Descendants: _grpc.UnaryUnaryMultiCallable[_kvcache_pb2.DescendantsRequest, _kvcache_pb2.DescendantsResponse]
+    """The stored blocks under one of the tenant's blocks, breadth first, with the
+    token ids their writers gave: a restarted or another server finds how a
+    conversation it sees as text was tokenized when its KV was stored (a model's
+    generated ids need not be what encoding the text again gives). Blocks stored
+    without token ids are left out with what is under them. No side effects.
+    Older sidecars answer UNIMPLEMENTED, and clients carry on without.
+    """
 
 @_typing.type_check_only
 class KVCacheAsyncStub(KVCacheStub):
@@ -116,6 +124,14 @@ class KVCacheAsyncStub(KVCacheStub):
     queued. Best effort and cheap: no I/O, never an error for keys not stored;
     a policy that takes no signals ignores it (marked_blocks = 0). Older
     sidecars answer UNIMPLEMENTED, and clients carry on without.
+    """
+    Descendants: _aio.UnaryUnaryMultiCallable[_kvcache_pb2.DescendantsRequest, _kvcache_pb2.DescendantsResponse]  # type: ignore[assignment]
+    """The stored blocks under one of the tenant's blocks, breadth first, with the
+    token ids their writers gave: a restarted or another server finds how a
+    conversation it sees as text was tokenized when its KV was stored (a model's
+    generated ids need not be what encoding the text again gives). Blocks stored
+    without token ids are left out with what is under them. No side effects.
+    Older sidecars answer UNIMPLEMENTED, and clients carry on without.
     """
 
 class KVCacheServicer(metaclass=_abc_1.ABCMeta):
@@ -225,6 +241,20 @@ class KVCacheServicer(metaclass=_abc_1.ABCMeta):
         queued. Best effort and cheap: no I/O, never an error for keys not stored;
         a policy that takes no signals ignores it (marked_blocks = 0). Older
         sidecars answer UNIMPLEMENTED, and clients carry on without.
+        """
+
+    @_abc_1.abstractmethod
+    def Descendants(
+        self,
+        request: _kvcache_pb2.DescendantsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvcache_pb2.DescendantsResponse, _abc.Awaitable[_kvcache_pb2.DescendantsResponse]]:
+        """The stored blocks under one of the tenant's blocks, breadth first, with the
+        token ids their writers gave: a restarted or another server finds how a
+        conversation it sees as text was tokenized when its KV was stored (a model's
+        generated ids need not be what encoding the text again gives). Blocks stored
+        without token ids are left out with what is under them. No side effects.
+        Older sidecars answer UNIMPLEMENTED, and clients carry on without.
         """
 
 def add_KVCacheServicer_to_server(servicer: KVCacheServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -12,7 +12,8 @@ Contract:
       store lacks. :class:`Signalling` passes serving-path hints (session ended,
       next turn expected, request queued) to the eviction policy. :class:`Listing`
       (every stored key at once, and a change counter) is what the holdings
-      publisher reads; a store without it publishes no holdings.
+      publisher reads; a store without it publishes no holdings. :class:`Descending`
+      lists the blocks stored under a block with their token ids.
     * A miss is never an exception; malformed input raises ``ValueError``; a store
       that cannot make room raises :class:`StoreFullError`.
     * Time: a store reads time only through a :class:`Clock`. ``monotonic`` measures
@@ -303,6 +304,32 @@ class Signalling(Protocol):
     def signal(self, tenant: str, keys: Sequence[bytes], kind: str, ttl_s: float) -> int:
         """Marks the leading stored blocks of ``keys`` (``kind``: ended, expected,
         queued); returns how many the policy marked (0 for a policy without signals)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Descendant:
+    """A stored block below another: its key, its parent's, and its token ids
+    (little-endian u32, as its writer gave them)."""
+
+    key: bytes
+    parent: bytes
+    tokens: bytes
+
+
+@runtime_checkable
+class Descending(Protocol):
+    """Capability: the stored blocks under a block, with their token ids, so a
+    server can follow how a conversation was tokenized when it was stored."""
+
+    def descendants(
+        self, tenant: str, key: bytes, max_blocks: int, first_tokens: Sequence[int] = ()
+    ) -> tuple[list[Descendant], bool]:
+        """Up to ``max_blocks`` of ``tenant``'s blocks under ``key``, breadth first
+        (parents before children), leaving out blocks without token ids and what is
+        under them, and (with ``first_tokens``) the blocks directly under ``key``
+        that start with another token; and whether more were left out by the bound.
+        Nothing for a key that is not ``tenant``'s."""
         ...
 
 

@@ -94,6 +94,11 @@ class Catalog:
         rec = self.blocks.get(key)
         return rec if rec is not None and rec.tenant == tenant else None
 
+    def children_of(self, key: bytes, tenant: bytes) -> list[BlockRecord]:
+        """``tenant``'s blocks stored directly under ``key`` (in key order)."""
+        kids = (self.owned(k, tenant) for k in sorted(self._children.get(key, ())))
+        return [rec for rec in kids if rec is not None]
+
     # ------------------------------------------------------------------ membership
 
     def load(self, good: Sequence[BlockRecord]) -> None:

@@ -24,7 +24,14 @@ import numpy as np
 
 from dscache.v1 import kvcache_pb2 as pb
 from dscache.v1 import kvcache_pb2_grpc as pb_grpc
-from dscache_sidecar.blockstore import BlockSpec, BlockStore, Leasing, Reserving, Signalling
+from dscache_sidecar.blockstore import (
+    BlockSpec,
+    BlockStore,
+    Descending,
+    Leasing,
+    Reserving,
+    Signalling,
+)
 from dscache_sidecar.codec import DTYPE_NAMES, Codec
 from dscache_sidecar.config import SidecarSettings
 from dscache_sidecar.index import BlockRecord
@@ -39,6 +46,9 @@ _SIGNALS = {
 }
 #: How long a queued signal keeps a chain when the request names no TTL.
 _QUEUED_TTL_S = 60.0
+#: Descendants: blocks per answer when the caller names no bound, and at most.
+_DESCENDANTS_DEFAULT = 256
+_DESCENDANTS_MAX = 1024
 
 
 class BadRequestError(ValueError):
@@ -83,6 +93,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self._leasing = store if isinstance(store, Leasing) else None
         self._reserving = store if isinstance(store, Reserving) else None
         self._signalling = store if isinstance(store, Signalling) else None
+        self._descending = store if isinstance(store, Descending) else None
 
     def _leases(self) -> Leasing:
         if self._leasing is None:
@@ -260,6 +271,22 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         marked = self._signalling.signal(tenant, keys, kind, ttl_s) if self._signalling else 0
         self.metrics.signals.labels(kind=kind, result="marked" if marked else "unmarked").inc()
         return pb.SignalResponse(marked_blocks=marked)
+
+    def Descendants(
+        self, request: pb.DescendantsRequest, context: grpc.ServicerContext
+    ) -> pb.DescendantsResponse:
+        if self._descending is None:
+            raise UnimplementedError("this store does not keep the blocks' token ids")
+        tenant, (key,) = self._tenant(request.tenant), self._keys([request.key])
+        bound = min(request.max_blocks or _DESCENDANTS_DEFAULT, _DESCENDANTS_MAX)
+        firsts = list(request.first_tokens)
+        if len(firsts) > self.settings.max_keys_per_request:
+            raise BadRequestError(f"more than {self.settings.max_keys_per_request} first tokens")
+        blocks, truncated = self._descending.descendants(tenant, key, bound, firsts)
+        return pb.DescendantsResponse(
+            blocks=[pb.Descendant(key=b.key, parent=b.parent, token_ids=b.tokens) for b in blocks],
+            truncated=truncated,
+        )
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         # Every gauge but free_bytes is a Stats field of the same name.

@@ -1,7 +1,8 @@
 """The KV block store: segments + LMDB index + eviction, safe under concurrency.
 
 :class:`KVStore` is the one concrete :class:`~dscache_sidecar.blockstore.BlockStore`;
-it also offers the ``Leasing``, ``Reserving`` and ``Listing`` capabilities. It composes:
+it also offers the ``Leasing``, ``Reserving``, ``Signalling``, ``Descending`` and
+``Listing`` capabilities. It composes:
 :class:`~dscache_sidecar.catalog.Catalog` (what is cached, eviction, space),
 :class:`~dscache_sidecar.leases.LeaseTable` (pins), :class:`~dscache_sidecar.writes.Writes`
 (reservations and the commit path) and :mod:`~dscache_sidecar.reconcile` (start).
@@ -45,6 +46,7 @@ from dscache_sidecar.blockstore import (
     BlockSpec,
     Clock,
     CommitResult,
+    Descendant,
     HoldingsEvents,
     LeaseGrant,
     SlotGrant,
@@ -286,6 +288,34 @@ class KVStore:
         hits = self.stored_prefix(tenant, keys)
         self.metrics.count_lookup("lookup", hits, len(keys), block_tokens)
         return hits
+
+    def descendants(
+        self, tenant: str, key: bytes, max_blocks: int, first_tokens: Sequence[int] = ()
+    ) -> tuple[list[Descendant], bool]:
+        """``tenant``'s blocks under ``key`` with their token ids (``Descending``):
+        breadth first, without blocks stored with no token ids or what is under
+        them. No side effects on state."""
+        tid = tenant_bytes(tenant)
+        out: list[Descendant] = []
+        firsts = {t.to_bytes(4, "little") for t in first_tokens}
+        with self._lock:
+            if self._catalog.owned(key, tid) is None:
+                return out, False
+            level = [key]
+            while level:
+                recs = [c for parent in level for c in self._catalog.children_of(parent, tid)]
+                # One read transaction of the tokens table per level, under the lock
+                # like the walk (a block removed in between would have none).
+                tokens = self._idx().tokens_of([r.key for r in recs])
+                level = []
+                for rec, ids in zip(recs, tokens, strict=True):
+                    if not ids or (firsts and rec.parent == key and ids[:4] not in firsts):
+                        continue
+                    if len(out) == max_blocks:
+                        return out, True
+                    out.append(Descendant(rec.key, rec.parent, ids))
+                    level.append(rec.key)
+        return out, False
 
     def stored_prefix(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Number of leading keys stored for ``tenant``: no side effects, not counted."""

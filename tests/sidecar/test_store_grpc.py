@@ -10,7 +10,14 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from dscache_sidecar.client import BlockData, Codec, Encoding, SidecarClient, SidecarFullError
+from dscache_sidecar.client import (
+    BlockData,
+    Codec,
+    Encoding,
+    SidecarClient,
+    SidecarFullError,
+    SidecarRejectedError,
+)
 from dscache_sidecar.codec import int8_stored_bytes
 from dscache_sidecar.segments import extent_bytes
 from sidecar_helpers import (
@@ -158,6 +165,52 @@ def test_delete_removes_descendants_too(sidecar: Sidecar) -> None:
     assert sidecar.c.delete(tenant, [keys[2]]) == 3
     assert sidecar.c.lookup(tenant, keys) == 2
     assert sidecar.metric("dscache_sidecar_evictions_total", reason="cascade") == 2
+
+
+def with_tokens(keys: list[bytes], tokens: list[int], bt: int) -> list[BlockData]:
+    return [
+        BlockData(k, keys[i - 1] if i else b"", block_array(k), None, tokens[i * bt : (i + 1) * bt])
+        for i, k in enumerate(keys)
+    ]
+
+
+def test_descendants_list_a_tenants_blocks_with_their_tokens_across_a_restart(
+    sidecar: Sidecar,
+) -> None:
+    """What a server that did not write a conversation needs to follow its stored
+    tokenization: the blocks under a block, with their token ids, breadth first;
+    another tenant sees nothing, and blocks stored without ids are left out."""
+    ch = chain()
+    bt = ch.block_tokens
+    trunk = prompt(2, seed=21)
+    left, right = trunk + prompt(2, seed=22), trunk + prompt(1, seed=23)
+    keys_l, keys_r = ch.keys(left), ch.keys(right)
+    assert sidecar.c.store(ch.tenant, with_tokens(keys_l, left, bt)) == 4
+    assert sidecar.c.store(ch.tenant, with_tokens(keys_r, right, bt)) == 1
+    silent = trunk + prompt(1, seed=24)  # stored without its token ids
+    keys_s = ch.keys(silent)
+    assert sidecar.c.store(ch.tenant, blocks_for(keys_s)[2:]) == 1
+    sidecar.restart()  # the ids live in the index: they survive the daemon
+
+    blocks, cut = sidecar.c.descendants(ch.tenant, keys_l[1])
+    assert not cut
+    assert {b.key for b in blocks} == {keys_l[2], keys_l[3], keys_r[2]}
+    assert blocks[-1].key == keys_l[3] and blocks[-1].parent == keys_l[2]  # parents first
+    for b in blocks:
+        i = (keys_l + keys_r).index(b.key)
+        ids = (left if i < 4 else right)[(i % 4) * bt : (i % 4 + 1) * bt]
+        assert np.frombuffer(b.tokens, dtype="<u4").tolist() == ids
+    first, cut = sidecar.c.descendants(ch.tenant, keys_l[1], max_blocks=2)
+    assert cut and [b.key for b in first] == [b.key for b in blocks[:2]]
+    # Told which first tokens can follow, only those blocks under the key (and below).
+    mine, _ = sidecar.c.descendants(ch.tenant, keys_l[1], first_tokens=[left[2 * bt], 7])
+    assert [b.key for b in mine] == keys_l[2:]
+    assert sidecar.c.descendants(ch.tenant, keys_l[3]) == ([], False)  # a leaf
+    other = chain("tenant-b")
+    assert sidecar.c.descendants(other.tenant, keys_l[1]) == ([], False)
+    assert sidecar.c.descendants(ch.tenant, b"\x07" * 32) == ([], False)
+    with pytest.raises(SidecarRejectedError):
+        sidecar.c.descendants(ch.tenant, b"short")
 
 
 def test_index_survives_a_restart(sidecar: Sidecar) -> None:

@@ -38,6 +38,7 @@ import lmdb
 import numpy as np
 
 from dscache.v1 import kvcache_pb2 as pb
+from dscache_sidecar.blockstore import Descendant
 from dscache_sidecar.client.loads import BlockLoader, LoadedBlocks, Verify
 from dscache_sidecar.client.lookup import DirectIndex, LookupAnswer, tenant_id
 from dscache_sidecar.client.rpc import Connection, call
@@ -63,6 +64,7 @@ _SIGNAL_KINDS = {
 __all__ = [
     "BlockData",
     "Codec",
+    "Descendant",
     "Encoding",
     "RAW",
     "SAMPLED",
@@ -117,6 +119,7 @@ class SidecarClient:
         )
         self._shared: bool | None = None  # the daemon has a shared tier (None: not asked)
         self._signals = True  # False once the daemon answered Signal with UNIMPLEMENTED
+        self._descends = True  # False once it answered Descendants with UNIMPLEMENTED
         self._shared_asked = 0.0
         # lease id -> (TTL asked, monotonic time asked), until the grant is mapped
         self._asked: dict[str, tuple[float, float]] = {}
@@ -289,6 +292,30 @@ class SidecarClient:
                 self._signals = False
                 return 0
             raise
+
+    def descendants(
+        self, tenant: str, key: bytes, max_blocks: int = 256, first_tokens: Sequence[int] = ()
+    ) -> tuple[list[Descendant], bool]:
+        """``tenant``'s stored blocks under ``key`` with the token ids they were
+        stored with, breadth first (``Descendants``; with ``first_tokens``, only the
+        blocks directly under ``key`` that start with one of them); and whether the
+        daemon's bound left some out. Nothing (and no more calls) when the daemon is older than
+        the RPC or its store keeps no token ids; other failures raise
+        ``SidecarError`` as every call does."""
+        if not self._descends:
+            return [], False
+        request = pb.DescendantsRequest(
+            tenant=tenant, key=key, max_blocks=max_blocks, first_tokens=list(first_tokens)
+        )
+        try:
+            answer = call(self._conn.stub.Descendants, request, self._conn.timeout_s)
+        except SidecarError as exc:
+            if str(exc).startswith("UNIMPLEMENTED"):
+                self._descends = False
+                return [], False
+            raise
+        blocks = [Descendant(b.key, b.parent, b.token_ids) for b in answer.blocks]
+        return blocks, bool(answer.truncated)
 
     def delete(self, tenant: str, keys: Sequence[bytes]) -> int:
         """Removes blocks (and their cached descendants); returns how many."""
