@@ -25,6 +25,9 @@ Contract:
       full store queue drops the job (counted) rather than delaying any response.
     * The store is a ``blockstore.KVBlockStore``; the sidecar's is
       ``blockstore.SidecarBlockStore``.
+    * ``respell`` follows the tokenization a prompt's text was stored with (the
+      store's ``Descending``), so a previous answer's generated ids are found again
+      in another process; it never raises and never changes what the text says.
     * Signals for the sidecar's eviction policy (``signal``: now, for ``queued``;
       ``signal_async``: behind the request's store, for ``ended``/``expected``)
       never raise and never delay a response.
@@ -34,14 +37,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 
 from dscache.keys import KeyChain
 from dscache_server.admission import Admission, CostModel
 from dscache_server.kv import LayoutAdapter, SequenceKV
-from dscache_server.kvstore import CacheError, KVBlockStore, Loaded, Signalling
+from dscache_server.kvstore import CacheError, Descending, KVBlockStore, Loaded, Signalling
 from dscache_server.metrics import ServerMetrics
+from dscache_server.respell import Spelling
 from dscache_server.storecodec import StorePolicy
 from dscache_server.writer import BlockWriter
 
@@ -320,6 +324,45 @@ class PrefixCache:
             return False
         ids = list(token_ids[: last * self.block_tokens])
         return self._writer.submit(chain, ids, seq, first_block, last)
+
+    def respell(
+        self,
+        chain: KeyChain,
+        token_ids: Sequence[int],
+        spelling: Spelling,
+        encode: Callable[[str], list[int]],
+    ) -> list[int]:
+        """``token_ids`` (a prompt encoded from text) with the blocks stored after its
+        leading stored ones followed where their tokens spell the same text
+        (``respell``): a previous answer stored with the ids the model generated is
+        found again after a restart or on another pod. Never raises; the prompt's
+        own ids on any failure. One lookup, and one ``Descendants`` call when the
+        stored prefix ends before the prompt's blocks do."""
+        store = self.store
+        bt = self.block_tokens
+        usable = (len(token_ids) - 1) // bt
+        if not isinstance(store, Descending) or usable < 2:
+            return list(token_ids)
+        try:
+            keys = chain.keys(token_ids[: usable * bt])
+            found = store.lookup(chain.tenant, keys)
+            if found in (0, usable):
+                return list(token_ids)
+            ids, followed = spelling.follow(
+                token_ids,
+                found * bt,
+                keys[found - 1],
+                lambda key, firsts: store.descendants(chain.tenant, key, first_tokens=firsts),
+                encode,
+            )
+        except CacheError as exc:
+            log.debug("respelling the prompt failed (%s): %s", exc.reason, exc)
+            return list(token_ids)
+        except Exception as exc:  # a bug must not fail the request
+            log.warning("respelling the prompt failed: %s: %s", type(exc).__name__, exc)
+            return list(token_ids)
+        self.metrics.respelled.inc(followed)
+        return ids
 
     def signal_async(self, chain: KeyChain, token_ids: Sequence[int], kind: str) -> bool:
         """Queues a signal (``ended``/``expected``) on the prompt's full blocks behind

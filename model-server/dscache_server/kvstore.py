@@ -18,6 +18,8 @@ Contract:
       reached at once instead of after gRPC's reconnect backoff.
     * ``Signalling`` (optional; ``SidecarBlockStore`` has it): serving-path signals
       on a chain for the sidecar's eviction policy, best effort.
+    * ``Descending`` (optional; ``SidecarBlockStore`` has it): the blocks stored
+      under a block with their token ids, for ``respell``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,16 @@ class NewBlock:
     array: np.ndarray
     dtype: str = ""
     token_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    """A block stored under another (``Descending``): its key, its parent's, and the
+    token ids it was stored with."""
+
+    key: bytes
+    parent: bytes
+    token_ids: Sequence[int]
 
 
 class Loaded(Protocol):
@@ -126,6 +138,20 @@ class Signalling(Protocol):
     def signal(self, tenant: str, keys: Sequence[bytes], kind: str, ttl_s: float = 0.0) -> int:
         """Marks the chain ``keys`` (``ended``, ``expected``, ``queued``); raises
         ``CacheError`` on a failure."""
+        ...
+
+
+@runtime_checkable
+class Descending(Protocol):
+    """Optional capability of a store: the blocks stored under a block, with the token
+    ids they were stored with (``respell``)."""
+
+    def descendants(
+        self, tenant: str, key: bytes, max_blocks: int = 256, first_tokens: Sequence[int] = ()
+    ) -> tuple[list[StoredBlock], bool]:
+        """``tenant``'s blocks under ``key``, parents first (those directly under it
+        only when they start with one of ``first_tokens``, if given), and whether the
+        answer was cut at ``max_blocks``; raises ``CacheError`` on a failure."""
         ...
 
 
@@ -244,6 +270,22 @@ class SidecarBlockStore:
             return client.signal(tenant, keys, kind, int(ttl_s * 1000))
         except Exception as exc:
             raise self._failed(exc) from exc
+
+    def descendants(
+        self, tenant: str, key: bytes, max_blocks: int = 256, first_tokens: Sequence[int] = ()
+    ) -> tuple[list[StoredBlock], bool]:
+        """The stored blocks under ``key`` with their token ids (none from an older
+        sidecar)."""
+        client = self._get_client()
+        try:
+            blocks, cut = client.descendants(tenant, key, max_blocks, first_tokens)
+        except Exception as exc:
+            raise self._failed(exc) from exc
+        out = [
+            StoredBlock(b.key, b.parent, np.frombuffer(b.tokens, dtype="<u4").tolist())
+            for b in blocks
+        ]
+        return out, cut
 
     def healthy(self) -> bool:
         """Whether the daemon reports SERVING."""

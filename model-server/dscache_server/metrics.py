@@ -170,6 +170,14 @@ _SPECS: dict[str, _Spec] = {
         "Signals sent to the sidecar's eviction policy (ended, expected, queued), by result "
         "(sent, failed).",
     ),
+    "respelled": _Spec(
+        Counter,
+        P + "respelled_tokens_total",
+        (),
+        "Prompt tokens taken from the tokenization the cache stored them with (a "
+        "previous answer's generated ids, found after a restart or on another pod) "
+        "where encoding the text again split it differently.",
+    ),
     "store_codec": _Spec(
         Counter,
         P + "store_codec_total",
@@ -248,6 +256,7 @@ class ServerMetrics:
     lookups: Counter
     blocks_stored: Counter
     signals_sent: Counter
+    respelled: Counter
     store_codec: Counter
     templates_recorded: Counter
     templates_tracked: Gauge

@@ -134,6 +134,10 @@ def _prompt_ids(
         raise APIError(400, str(exc), param=api.PROMPT_FIELD) from None
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
+    if isinstance(api, ChatCompletionRequest) or text is not None:
+        # Text: the cache may hold it under another tokenization (a previous
+        # answer's generated ids, stored by another process): follow that one.
+        ids = rt.respell(ids, tenant)
     return ids, text
 
 

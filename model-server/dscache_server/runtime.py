@@ -28,6 +28,7 @@ from dscache_server.generate import COMPLETED, GenerationRequest, GenerationResu
 from dscache_server.kvstore import KVBlockStore, SidecarBlockStore
 from dscache_server.loading import load_engine
 from dscache_server.metrics import ServerMetrics
+from dscache_server.respell import Spelling
 from dscache_server.storecodec import AdaptiveZstd, StorePolicy
 from dscache_server.templatelog import TemplateLog, replayable
 from dscache_server.tokenizer import Continuations, DeepSeekTokenizer, PieceCache
@@ -57,8 +58,12 @@ class Runtime:
     templates: TemplateLog | None = None
     pieces: PieceCache = field(default_factory=PieceCache)
     continuations: Continuations = field(default_factory=Continuations)
+    spelling: Spelling = field(init=False)
     _chains: LRUCache[str, KeyChain] = field(default_factory=lambda: LRUCache(CHAIN_CACHE_SIZE))
     _chains_lock: Lock = field(default_factory=Lock)
+
+    def __post_init__(self) -> None:
+        self.spelling = Spelling(self.tokenizer.backend)
 
     @property
     def max_context(self) -> int:
@@ -75,6 +80,12 @@ class Runtime:
                 chain = KeyChain(self.fingerprint, tenant_salt(tenant, secret))
                 self._chains[tenant] = chain
             return chain
+
+    def respell(self, ids: list[int], tenant: str) -> list[int]:
+        """A prompt encoded from text, with the tokenization its cached blocks were
+        stored with followed (``PrefixCache.respell``)."""
+        chain = self.chain_for(tenant)
+        return self.cache.respell(chain, ids, self.spelling, self.tokenizer.encode)
 
     def record_template(self, req: GenerationRequest, tenant: str) -> None:
         """Counts ``req``'s prompt prefixes in the live template miner, if it runs.

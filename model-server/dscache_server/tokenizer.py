@@ -223,6 +223,11 @@ class DeepSeekTokenizer:
         return int(token_id)
 
     @property
+    def backend(self) -> Tokenizer:
+        """The ``tokenizers`` tokenizer underneath."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""
         return int(self._tok.get_vocab_size(with_added_tokens=True))

@@ -14,12 +14,13 @@ import numpy as np
 import openai
 import pytest
 from dscache_server.admission import CostModel
+from dscache_server.auth import tenant_from_api_key
 from dscache_server.batcher import Batcher
 from dscache_server.cache import PrefixCache
 from dscache_server.generate import GenerationRequest, GenerationResult, SamplingParams
 from dscache_server.kvstore import SidecarBlockStore
 from dscache_server.metrics import ServerMetrics
-from dscache_server.tokenizer import DeepSeekTokenizer
+from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer
 from srv_helpers import BLOCK_TOKENS, LiveServer, SidecarDaemon, engine_for, random_text
 
 from dscache.keys import KeyChain, tenant_salt
@@ -137,3 +138,92 @@ def test_a_completion_continued_by_its_client_is_cached_through_the_answer(
     fed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert (first.usage.prompt_tokens // BLOCK_TOKENS) * BLOCK_TOKENS < cached
     assert cached <= (fed // BLOCK_TOKENS) * BLOCK_TOKENS
+
+
+def spelled_apart(tokenizer: DeepSeekTokenizer, ids: list[int], start: int, end: int) -> list[int]:
+    """``ids`` with the tokens in ``[start, end)`` spelled one character at a time: the
+    same text, tokenized as no encoder would (as a model may generate it)."""
+    apart = [
+        c for t in ids[start:end] for ch in tokenizer.decode([t]) for c in tokenizer.encode(ch)
+    ]
+    return [*ids[:start], *apart, *ids[end:]]
+
+
+def test_a_restarted_server_follows_the_tokenization_another_process_cached(
+    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer
+) -> None:
+    """A text whose KV another server process stored under other token ids (a model's
+    generated ids, which encoding the text again would split differently) is served
+    from the cache on a server that never saw those ids: after a restart, or on
+    another pod that shares the node's store. Its next turn finds the new blocks too."""
+    text = random_text(tokenizer, 200, seed=11)
+    canonical = tokenizer.encode(text)
+    generated = spelled_apart(tokenizer, canonical, 70, 110)
+    assert generated != canonical and tokenizer.decode(generated) == text
+    first = live_server()
+    c = openai.OpenAI(base_url=first.url + "/v1", api_key="k", max_retries=0)
+    c.completions.create(model="mini-gqa", prompt=generated, max_tokens=1, temperature=0.0)
+    assert first.runtime.cache.wait_stored(30)
+    first.stop()
+    stored = (len(generated) // BLOCK_TOKENS) * BLOCK_TOKENS
+
+    restarted = live_server()
+    chain, store = (
+        restarted.runtime.chain_for(tenant_from_api_key("k")),
+        restarted.runtime.cache.store,
+    )
+    assert store is not None
+    # Encoding the text again finds only the blocks before the first one spelled apart.
+    assert store.lookup(chain.tenant, chain.keys(canonical)) == 70 // BLOCK_TOKENS
+    c = openai.OpenAI(base_url=restarted.url + "/v1", api_key="k", max_retries=0)
+    more = text + random_text(tokenizer, 40, seed=12)
+    second = c.completions.create(model="mini-gqa", prompt=more, max_tokens=1, temperature=0.0)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens == stored
+    followed = stored - (70 // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert restarted.metric("dscache_server_respelled_tokens_total") == followed
+    assert restarted.runtime.cache.wait_stored(30)
+    # The next turn: through the blocks this server stored after the followed ones.
+    turn = more + random_text(tokenizer, 40, seed=13)
+    third = c.completions.create(model="mini-gqa", prompt=turn, max_tokens=1, temperature=0.0)
+    assert third.usage is not None and third.usage.prompt_tokens_details is not None
+    assert third.usage.prompt_tokens_details.cached_tokens == (
+        (second.usage.prompt_tokens // BLOCK_TOKENS) * BLOCK_TOKENS
+    )
+    # Another tenant sending the same text follows nothing of this one's.
+    other = openai.OpenAI(base_url=restarted.url + "/v1", api_key="other", max_retries=0)
+    theirs = other.completions.create(model="mini-gqa", prompt=more, max_tokens=1)
+    assert theirs.usage is not None and theirs.usage.prompt_tokens_details is not None
+    assert theirs.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_chat_continued_on_a_fresh_server_follows_its_stored_answer(
+    live_server: Callable[..., LiveServer], tokenizer: DeepSeekTokenizer
+) -> None:
+    """The chat form: an assistant message whose KV was stored under the ids a model
+    generated (here: spelled apart) is found again by a server that never gave it,
+    up to the end of the stored blocks, turn markers and all."""
+    messages = [
+        {"role": "user", "content": random_text(tokenizer, 80, seed=14)},
+        {"role": "assistant", "content": random_text(tokenizer, 80, seed=15)},
+        {"role": "user", "content": random_text(tokenizer, 30, seed=16)},
+    ]
+    chat = [ChatMessage(m["role"], m["content"]) for m in messages]
+    canonical = tokenizer.apply_chat_template(chat)
+    answer_at = len(tokenizer.apply_chat_template(chat[:1])) + 1  # after its marker
+    generated = spelled_apart(tokenizer, canonical, answer_at + 20, answer_at + 60)
+    first = live_server()
+    c = openai.OpenAI(base_url=first.url + "/v1", api_key="k", max_retries=0)
+    c.completions.create(model="mini-gqa", prompt=generated, max_tokens=1, temperature=0.0)
+    assert first.runtime.cache.wait_stored(30)
+    first.stop()
+
+    fresh = live_server()
+    c = openai.OpenAI(base_url=fresh.url + "/v1", api_key="k", max_retries=0)
+    turn = c.chat.completions.create(
+        model="mini-gqa", messages=messages, max_tokens=1, temperature=0.0
+    )
+    assert turn.usage is not None and turn.usage.prompt_tokens_details is not None
+    cached = turn.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached == ((len(generated) - 1) // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert cached > ((answer_at + 20) // BLOCK_TOKENS) * BLOCK_TOKENS  # past the split
