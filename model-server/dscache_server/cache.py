@@ -359,7 +359,10 @@ class PrefixCache:
             log.debug("respelling the prompt failed (%s): %s", exc.reason, exc)
             return list(token_ids)
         except Exception as exc:  # a bug must not fail the request
-            log.warning("respelling the prompt failed: %s: %s", type(exc).__name__, exc)
+            now = time.monotonic()
+            if now - self._last_warning > WARNING_INTERVAL_S:
+                self._last_warning = now
+                log.warning("respelling the prompt failed: %s: %s", type(exc).__name__, exc)
             return list(token_ids)
         self.metrics.respelled.inc(followed)
         return ids

@@ -144,6 +144,8 @@ class Spelling:
                 for b in more:
                     children.setdefault(b.parent, []).append(b)
             for child in children.get(parent, ()):
+                if any(i >= len(table) for i in child.token_ids):
+                    continue  # not this tokenizer's ids: never a match
                 spelled = b"".join(table[i] for i in child.token_ids)
                 if spelled and text.startswith(spelled, pos):
                     steps.append((child.token_ids, len(spelled)))

@@ -73,6 +73,9 @@ def test_nothing_stored_below_or_nothing_that_spells_the_prompt_changes_nothing(
     assert spelling.follow(prompt, B, b"p" * 32, empty.below, tokenizer.encode) == (prompt, 0)
     other = Tree(b"p" * 32, apart(tokenizer, tokenizer.encode("a different text altogether")))
     assert spelling.follow(prompt, B, b"p" * 32, other.below, tokenizer.encode) == (prompt, 0)
+    # Ids no tokenizer of this model has (another model's, a damaged index): no match.
+    alien = Tree(b"p" * 32, [tokenizer.vocab_size + 5] * B)
+    assert spelling.follow(prompt, B, b"p" * 32, alien.below, tokenizer.encode) == (prompt, 0)
 
 
 def test_a_turn_marker_is_never_matched_by_text_that_spells_it(

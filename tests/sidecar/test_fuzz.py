@@ -131,6 +131,16 @@ calls_st = st.one_of(
     ),
     st.builds(lambda t: ("ClearTenant", pb.ClearTenantRequest(tenant=t)), tenant_st),
     st.just(("Stats", pb.StatsRequest())),
+    st.builds(
+        lambda t, k, n, firsts: (
+            "Descendants",
+            pb.DescendantsRequest(tenant=t, key=k, max_blocks=n, first_tokens=firsts),
+        ),
+        tenant_st,
+        keys_st,
+        u32,
+        st.lists(u32, max_size=2000),  # over the daemon's bound too
+    ),
 )
 
 
@@ -247,7 +257,17 @@ def test_allocate_commit_with_wrong_ids_and_sums_is_never_internal(
 
 def test_malformed_wire_messages_are_invalid_argument(sc: Sidecar, channel: grpc.Channel) -> None:
     """Bytes that are not the request message (or carry bad UTF-8 in a string)."""
-    methods = ["Lookup", "Lease", "Release", "Allocate", "Commit", "Abort", "Get", "Delete"]
+    methods = [
+        "Lookup",
+        "Lease",
+        "Release",
+        "Allocate",
+        "Commit",
+        "Abort",
+        "Get",
+        "Delete",
+        "Descendants",
+    ]
     unary = {
         m: channel.unary_unary(
             f"/dscache.v1.KVCache/{m}",
