@@ -337,7 +337,8 @@ class PrefixCache:
         (``respell``): a previous answer stored with the ids the model generated is
         found again after a restart or on another pod. Never raises; the prompt's
         own ids on any failure. One lookup, and one ``Descendants`` call when the
-        stored prefix ends before the prompt's blocks do."""
+        stored prefix ends before the prompt's blocks do, at a block this process
+        did not store last in a chain."""
         store = self.store
         bt = self.block_tokens
         usable = (len(token_ids) - 1) // bt
@@ -346,7 +347,10 @@ class PrefixCache:
         try:
             keys = chain.keys(token_ids[: usable * bt])
             found = store.lookup(chain.tenant, keys)
-            if found in (0, usable):
+            writer = self._writer
+            if found in (0, usable) or (writer is not None and writer.wrote_end(keys[found - 1])):
+                # Nothing stored, all of it, or this process's own conversation:
+                # the text after its last stored block is new.
                 return list(token_ids)
             ids, followed = spelling.follow(
                 token_ids,

@@ -175,6 +175,11 @@ class ServerSettings(BaseSettings):
         "token is sampled) instead of before it starts",
     )
     calibrate: bool = Field(default=True, description="measure prefill and load speed at start-up")
+    respell: bool = Field(
+        default=True,
+        description="follow the tokenization a text prompt's cached blocks were stored with "
+        "(another process's generated ids), asking the sidecar what lies below its stored prefix",
+    )
     prefill_tokens_per_s: float | None = Field(
         default=None, gt=0, description="prefill speed for the cost model (overrides calibration)"
     )
@@ -303,6 +308,13 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
         help="skip the start-up calibration (use the configured or default speeds)",
     )
     p.add_argument(
+        "--no-respell",
+        dest="respell",
+        action="store_false",
+        default=None,
+        help="encode text prompts anew only (do not follow the tokenization stored blocks have)",
+    )
+    p.add_argument(
         "--no-template-log",
         dest="template_log",
         action="store_false",
@@ -318,7 +330,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         value = getattr(args, field, None)
         if value is not None:
             overrides[field] = value
-    for switch in ("calibrate", "template_log"):
+    for switch in ("calibrate", "respell", "template_log"):
         if getattr(args, switch, None) is not None:
             overrides[switch] = getattr(args, switch)
     return ServerSettings(**overrides)

@@ -84,6 +84,8 @@ class Runtime:
     def respell(self, ids: list[int], tenant: str) -> list[int]:
         """A prompt encoded from text, with the tokenization its cached blocks were
         stored with followed (``PrefixCache.respell``)."""
+        if not self.settings.respell:
+            return ids
         chain = self.chain_for(tenant)
         return self.cache.respell(chain, ids, self.spelling, self.tokenizer.encode)
 

@@ -9,6 +9,10 @@ Contract:
       by result: ``stored`` (new), ``existing``, ``dropped`` or ``failed``; a failed
       store is logged, never raised.
     * ``store_backlog`` is the number of jobs pending; ``wait_idle`` waits for zero.
+    * ``wrote_end(key)``: whether ``key`` is the last block of a chain this process
+      stored (the latest ``ENDS_KEPT``): a prompt whose stored prefix ends there
+      continues this process's own conversation (``PrefixCache.respell`` then
+      skips asking the store what lies below).
     * ``submit_signal`` queues a serving-path signal for the sidecar's eviction
       policy behind the stores before it (so it marks the blocks they publish),
       counted in ``dscache_server_cache_signals_total``; never raised.
@@ -26,6 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from cachetools import LRUCache
 from dscache_sidecar.client import RAW
 
 from dscache.keys import KeyChain
@@ -35,6 +40,9 @@ from dscache_server.metrics import ServerMetrics
 from dscache_server.storecodec import StorePolicy
 
 log = logging.getLogger(__name__)
+
+#: Chain ends remembered by ``BlockWriter.wrote_end`` (32-byte keys: ~6 MB).
+ENDS_KEPT = 65536
 
 
 class BlockWriter:
@@ -65,9 +73,16 @@ class BlockWriter:
         self._limit = queue
         self._pending = 0
         self._idle = threading.Condition()  # notified when a job ends
+        self._ends: LRUCache[bytes, None] = LRUCache(ENDS_KEPT)
+        self._ends_lock = threading.Lock()  # LRUCache is not thread safe
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="kv-store", initializer=_renice, initargs=(nice,)
         )
+
+    def wrote_end(self, key: bytes) -> bool:
+        """Whether ``key`` ends a chain this process stored (recently)."""
+        with self._ends_lock:
+            return key in self._ends
 
     def submit(
         self, chain: KeyChain, ids: list[int], seq: SequenceKV, first: int, last: int
@@ -102,6 +117,8 @@ class BlockWriter:
             encoding = self._policy.choose(ids) if self._policy is not None else RAW
             t0 = time.perf_counter()
             new = self._store.store(chain.tenant, blocks, encoding)
+            with self._ends_lock:
+                self._ends[keys[last - 1]] = None
             self._metrics.cache_op_seconds.labels(op="store").observe(time.perf_counter() - t0)
             stored.labels(result="stored").inc(new)
             stored.labels(result="existing").inc(len(blocks) - new)

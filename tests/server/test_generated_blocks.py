@@ -9,6 +9,7 @@ recompute gives.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import openai
@@ -227,3 +228,29 @@ def test_a_chat_continued_on_a_fresh_server_follows_its_stored_answer(
     cached = turn.usage.prompt_tokens_details.cached_tokens or 0
     assert cached == ((len(generated) - 1) // BLOCK_TOKENS) * BLOCK_TOKENS
     assert cached > ((answer_at + 20) // BLOCK_TOKENS) * BLOCK_TOKENS  # past the split
+
+    # A conversation this server carries on itself does not ask the store what lies
+    # below its prefix: its stored chain ends where the new message starts.
+    store = fresh.runtime.cache.store
+    asked: list[bytes] = []
+    descendants = store.descendants  # type: ignore[union-attr]
+
+    def counted(tenant: str, key: bytes, *a: Any, **kw: Any) -> Any:
+        asked.append(key)
+        return descendants(tenant, key, *a, **kw)
+
+    store.descendants = counted  # type: ignore[union-attr]
+    own = [{"role": "user", "content": random_text(tokenizer, 90, seed=17)}]
+    for seed in (18, 19):
+        answer = c.chat.completions.create(
+            model="mini-gqa", messages=own, max_tokens=40, temperature=0.0
+        )
+        assert fresh.runtime.cache.wait_stored(30)
+        own += [
+            {"role": "assistant", "content": answer.choices[0].message.content or ""},
+            {"role": "user", "content": random_text(tokenizer, 30, seed=seed)},
+        ]
+    last = c.chat.completions.create(model="mini-gqa", messages=own, max_tokens=1)
+    assert last.usage is not None and last.usage.prompt_tokens_details is not None
+    assert (last.usage.prompt_tokens_details.cached_tokens or 0) > 0
+    assert asked == []
