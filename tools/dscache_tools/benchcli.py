@@ -106,6 +106,7 @@ def register(sub: Commands, bench: Commands) -> None:
     bv.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
     bv.set_defaults(handler=_run_bench_vllm)
     _add_shared_tier(bench)
+    _add_respell(bench)
 
 
 def _add_shared_tier(bench: Commands) -> None:
@@ -226,6 +227,33 @@ def _run_bench_operator(args: argparse.Namespace) -> int:
 
 def _run_bench_router(args: argparse.Namespace) -> int:
     from dscache_tools.bench.router import run_cli
+
+    return run_cli(args)
+
+
+def _add_respell(bench: Commands) -> None:
+    br = bench.add_parser(
+        "respell",
+        help="a restarted model server continuing conversations whose answers were stored "
+        "under the ids a model generated: following the stored tokenization vs encoding anew",
+    )
+    br.add_argument("--quick", action="store_true", help="the short profile (4 conversations)")
+    br.add_argument("--model", default="mini-gqa", help="preset of the servers (mini-gqa)")
+    br.add_argument(
+        "--resplit-share",
+        type=float,
+        default=0.5,
+        help="share of the stored answers whose generated ids are not what encoding their "
+        "text gives (0.5)",
+    )
+    br.add_argument("--seed", type=int, default=0, help="workload seed (0)")
+    br.add_argument("--work-dir", default=None, help="where stores and logs go (a temp dir)")
+    br.add_argument("--json", dest="json_out", default=None, help="write results as JSON here")
+    br.set_defaults(handler=_run_bench_respell)
+
+
+def _run_bench_respell(args: argparse.Namespace) -> int:
+    from dscache_tools.bench.respell import run_cli
 
     return run_cli(args)
 
