@@ -22,6 +22,7 @@ from dscache_server.generate import GenerationRequest, GenerationResult, Samplin
 from dscache_server.kvstore import SidecarBlockStore
 from dscache_server.metrics import ServerMetrics
 from dscache_server.tokenizer import ChatMessage, DeepSeekTokenizer
+from dscache_tools.bench.respell import spelled_apart
 from srv_helpers import BLOCK_TOKENS, LiveServer, SidecarDaemon, engine_for, random_text
 
 from dscache.keys import KeyChain, tenant_salt
@@ -139,15 +140,6 @@ def test_a_completion_continued_by_its_client_is_cached_through_the_answer(
     fed = first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert (first.usage.prompt_tokens // BLOCK_TOKENS) * BLOCK_TOKENS < cached
     assert cached <= (fed // BLOCK_TOKENS) * BLOCK_TOKENS
-
-
-def spelled_apart(tokenizer: DeepSeekTokenizer, ids: list[int], start: int, end: int) -> list[int]:
-    """``ids`` with the tokens in ``[start, end)`` spelled one character at a time: the
-    same text, tokenized as no encoder would (as a model may generate it)."""
-    apart = [
-        c for t in ids[start:end] for ch in tokenizer.decode([t]) for c in tokenizer.encode(ch)
-    ]
-    return [*ids[:start], *apart, *ids[end:]]
 
 
 def test_a_restarted_server_follows_the_tokenization_another_process_cached(

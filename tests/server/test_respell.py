@@ -15,6 +15,7 @@ import pytest
 from dscache_server.kvstore import StoredBlock
 from dscache_server.respell import Spelling
 from dscache_server.tokenizer import USER, DeepSeekTokenizer
+from dscache_tools.bench.respell import spelled_apart
 
 B = 8  # tokens per block in these tests
 
@@ -22,11 +23,6 @@ B = 8  # tokens per block in these tests
 @pytest.fixture(scope="module")
 def spelling(tokenizer: DeepSeekTokenizer) -> Spelling:
     return Spelling(tokenizer.backend)
-
-
-def apart(tokenizer: DeepSeekTokenizer, ids: Sequence[int]) -> list[int]:
-    """The same text, one character per token (as no encoder would split it)."""
-    return [c for t in ids for ch in tokenizer.decode([t]) for c in tokenizer.encode(ch)]
 
 
 class Tree:
@@ -53,7 +49,7 @@ def test_stored_blocks_are_followed_and_the_prompt_keeps_its_own_ids_after_them(
 ) -> None:
     text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron"
     prompt = tokenizer.encode(text)
-    stored = [*prompt[:B], *apart(tokenizer, prompt[B:12])]  # 2 blocks and a bit
+    stored = [*prompt[:B], *spelled_apart(tokenizer, prompt[B:12], 0, 12 - B)]  # 2 blocks and a bit
     assert tokenizer.decode(stored) == tokenizer.decode(prompt[:12])
     tree = Tree(b"p" * 32, stored[B:])
     ids, followed = spelling.follow(prompt, B, b"p" * 32, tree.below, tokenizer.encode)
@@ -71,7 +67,8 @@ def test_nothing_stored_below_or_nothing_that_spells_the_prompt_changes_nothing(
     prompt = tokenizer.encode("one two three four five six seven eight nine ten eleven twelve")
     empty = Tree(b"p" * 32, [])
     assert spelling.follow(prompt, B, b"p" * 32, empty.below, tokenizer.encode) == (prompt, 0)
-    other = Tree(b"p" * 32, apart(tokenizer, tokenizer.encode("a different text altogether")))
+    different = tokenizer.encode("a different text altogether")
+    other = Tree(b"p" * 32, spelled_apart(tokenizer, different, 0, len(different)))
     assert spelling.follow(prompt, B, b"p" * 32, other.below, tokenizer.encode) == (prompt, 0)
     # Ids no tokenizer of this model has (another model's, a damaged index): no match.
     alien = Tree(b"p" * 32, [tokenizer.vocab_size + 5] * B)

@@ -33,6 +33,7 @@ import logging
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,8 +79,9 @@ def _text(rng: np.random.Generator, tokenizer: Any, tokens: int) -> str:
     return text
 
 
-def _generated(tokenizer: Any, ids: list[int], start: int, end: int) -> list[int]:
-    """``ids`` with ``[start, end)`` one character per token: the same text."""
+def spelled_apart(tokenizer: Any, ids: Sequence[int], start: int, end: int) -> list[int]:
+    """``ids`` with the tokens in ``[start, end)`` spelled one character at a time:
+    the same text, tokenized as no encoder would (as a model may generate it)."""
     chars = [ch for t in ids[start:end] for ch in tokenizer.decode([t])]
     apart = [c for ch in chars for c in tokenizer.encode(ch)]
     return [*ids[:start], *apart, *ids[end:]]
@@ -102,7 +104,7 @@ def conversations(prof: Profile, share: float, seed: int, tokenizer: Any) -> lis
             answer = _text(rng, tokenizer, 200)
             ids = tokenizer.encode(answer)
             if rng.random() < share:
-                ids = _generated(tokenizer, ids, 20, 60)
+                ids = spelled_apart(tokenizer, ids, 20, 60)
                 conv.resplit += 1
             conv.ids += [*ids, tokenizer.eos_id]
             question = _text(rng, tokenizer, 100)
