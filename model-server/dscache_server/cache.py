@@ -302,12 +302,16 @@ class PrefixCache:
     def _fallback(self, result: Restored, reason: str, message: str) -> None:
         result.fallback = reason
         self.metrics.fallbacks.labels(reason=reason).inc()
+        self._warn("cache fallback (%s): %s", reason, message)
+
+    def _warn(self, msg: str, *args: object) -> None:
+        """A warning at most every ``WARNING_INTERVAL_S`` (hot path), else debug."""
         now = time.monotonic()
         if now - self._last_warning > WARNING_INTERVAL_S:
             self._last_warning = now
-            log.warning("cache fallback (%s): %s", reason, message)
+            log.warning(msg, *args)
         else:
-            log.debug("cache fallback (%s): %s", reason, message)
+            log.debug(msg, *args)
 
     def store_async(
         self, chain: KeyChain, token_ids: Sequence[int], seq: SequenceKV, first_block: int
@@ -363,10 +367,7 @@ class PrefixCache:
             log.debug("respelling the prompt failed (%s): %s", exc.reason, exc)
             return list(token_ids)
         except Exception as exc:  # a bug must not fail the request
-            now = time.monotonic()
-            if now - self._last_warning > WARNING_INTERVAL_S:
-                self._last_warning = now
-                log.warning("respelling the prompt failed: %s: %s", type(exc).__name__, exc)
+            self._warn("respelling the prompt failed: %s: %s", type(exc).__name__, exc)
             return list(token_ids)
         self.metrics.respelled.inc(followed)
         return ids
