@@ -118,8 +118,14 @@ class Spelling:
         token ``start``) followed as far as they spell the prompt; and how many
         tokens were followed (0: ``ids`` unchanged)."""
         tail = ids[start:]
+        # The first tokens are enough to name what a block there can start with
+        # (each spells a byte at least): spell the whole tail only if one exists.
+        head = self.spell(tail[:_LONGEST_TOKEN])
+        blocks, cut = below(parent, self.starts(head, 0))
+        if not blocks:
+            return list(ids), 0
         text = self.spell(tail)
-        followed, pos = self._walk(text, parent, below)
+        followed, pos = self._walk(text, parent, below, (blocks, cut))
         if not followed:
             return list(ids), 0
         spliced = self._splice(tail, text, pos, encode)
@@ -130,19 +136,26 @@ class Spelling:
             return list(ids), 0
         return out, len(followed)
 
-    def _walk(self, text: bytes, parent: bytes, below: Below) -> tuple[list[int], int]:
-        """The stored blocks from ``parent`` down that spell ``text``'s start: their
-        ids, and the bytes they spell (ending on a character boundary)."""
+    def _walk(
+        self, text: bytes, parent: bytes, below: Below, first: tuple[list[StoredBlock], bool]
+    ) -> tuple[list[int], int]:
+        """The stored blocks from ``parent`` down (``first``: the store's answer for
+        ``parent``) that spell ``text``'s start: their ids, and the bytes they spell
+        (ending on a character boundary)."""
         table = self._bytes()
         children: dict[bytes, list[StoredBlock]] = {}
-        cut = True
+
+        def take(answer: tuple[list[StoredBlock], bool]) -> bool:
+            for b in answer[0]:
+                children.setdefault(b.parent, []).append(b)
+            return answer[1]
+
+        cut = take(first)
         steps: list[tuple[Sequence[int], int]] = []  # (ids, bytes) per block
         pos = 0
         while True:
             if parent not in children and cut:
-                more, cut = below(parent, self.starts(text, pos))
-                for b in more:
-                    children.setdefault(b.parent, []).append(b)
+                cut = take(below(parent, self.starts(text, pos)))
             for child in children.get(parent, ()):
                 if any(i >= len(table) for i in child.token_ids):
                     continue  # not this tokenizer's ids: never a match
